@@ -1,0 +1,31 @@
+# make test | make demo | make bench  -- each creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test demo bench java clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+java:
+	@command -v java >/dev/null 2>&1 || { echo "error: no 'java' on PATH; Spark needs a Java 17+ runtime (e.g. apt-get install openjdk-17-jre-headless)"; exit 1; }
+	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
+	  if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then echo "error: Java $$v found; Spark needs Java 17 or newer"; exit 1; fi
+
+test: java $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: java $(STAMP)
+	SPARK_LOCAL_IP=127.0.0.1 $(PY) examples/digits.py
+
+bench: java $(STAMP)
+	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

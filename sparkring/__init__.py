@@ -1,0 +1,8 @@
+"""sparkring: synchronous data-parallel PyTorch training on Spark DataFrames.
+
+>>> from sparkring import SparkRingEstimator, SparkRingModel, Store, run
+"""
+from .runner import ConfigurationError, RankFailedError, RankTimeoutError, run
+
+__version__ = "0.1.0"
+__all__ = ["run", "ConfigurationError", "RankFailedError", "RankTimeoutError"]

@@ -1,0 +1,69 @@
+"""Command line: ``python -m sparkring run -np 2 train.py [args]`` (the horovodrun habit)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sparkring",
+                                description="Run a training script on every rank of a Spark barrier stage.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run SCRIPT on -np ranks")
+    r.add_argument("-np", "--num-proc", type=int, default=None, help="number of ranks (default: all task slots)")
+    r.add_argument("--master", default=None, help="Spark master when no session exists (default: local[NP])")
+    r.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"])
+    r.add_argument("--use-gpu", action="store_true", default=None, help="schedule one GPU per rank")
+    r.add_argument("--timeout", type=float, default=None, help="seconds before a rank is killed")
+    r.add_argument("--start-timeout", type=float, default=120.0)
+    r.add_argument("-v", "--verbose", type=int, default=1, help="0: quiet, 1: rank 0 output, 2: every rank")
+    r.add_argument("script")
+    r.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def _session(master: Optional[str], num_proc: Optional[int]):
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.getActiveSession()
+    if spark is not None:
+        return spark, False
+    from pyspark import SparkContext
+
+    if SparkContext._active_spark_context is not None:  # spark-submit gave us a context
+        return SparkSession(SparkContext._active_spark_context), False
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    builder = SparkSession.builder.appName("sparkring run")
+    if master or "spark.master" not in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
+        builder = builder.master(master or f"local[{num_proc or '*'}]")
+    if os.environ.get("SPARK_LOCAL_IP"):
+        builder = builder.config("spark.driver.host", os.environ["SPARK_LOCAL_IP"])
+    builder = builder.config("spark.ui.showConsoleProgress", "false")
+    return builder.getOrCreate(), True
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from .runner import ConfigurationError, RankFailedError, RankTimeoutError, run
+
+    spark, owned = _session(args.master, args.num_proc)
+    try:
+        run(args.script, args=args.script_args, num_proc=args.num_proc, backend=args.backend,
+            use_gpu=args.use_gpu, start_timeout=args.start_timeout, timeout=args.timeout,
+            verbose=args.verbose)
+        return 0
+    except RankFailedError as e:
+        print(f"sparkring: {e}", file=sys.stderr)
+        return e.exit_code if isinstance(e.exit_code, int) and e.exit_code > 0 else 1
+    except (RankTimeoutError, ConfigurationError) as e:
+        print(f"sparkring: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if owned:
+            spark.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

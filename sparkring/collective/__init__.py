@@ -1,0 +1,25 @@
+"""Horovod-style collective API used inside a rank: ``import sparkring.collective as sr``.
+
+>>> import sparkring.collective as sr
+>>> sr.init()
+>>> sr.allreduce(torch.ones(2), op=sr.Sum)  # doctest: +SKIP
+"""
+from ._api import (Adasum, Average, Max, Min, NotInitializedError, Product, Sum, allgather,
+                   allgather_object, allreduce, allreduce_, allreduce_async, allreduce_async_,
+                   alltoall, backend, barrier, broadcast, broadcast_, broadcast_async,
+                   broadcast_async_, broadcast_object, broadcast_optimizer_state,
+                   broadcast_parameters, cross_rank, cross_size, grouped_allreduce,
+                   grouped_allreduce_, init, is_initialized, local_rank, local_size, poll, rank,
+                   reducescatter, shutdown, size, synchronize)
+from ._optimizer import DistributedOptimizer
+from .compression import Compression
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "backend", "allreduce", "allreduce_", "allreduce_async",
+    "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "poll", "synchronize",
+    "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "alltoall", "reducescatter", "barrier",
+    "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
+    "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInitializedError",
+]

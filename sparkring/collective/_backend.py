@@ -1,0 +1,63 @@
+"""The small interface every collective backend implements (torch.distributed, MPI)."""
+from __future__ import annotations
+
+import abc
+from typing import Any, List, Optional
+
+import torch
+
+
+class Handle(abc.ABC):
+    """An in-flight asynchronous collective; ``wait()`` returns its output tensor."""
+
+    @abc.abstractmethod
+    def wait(self) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool: ...
+
+
+class Backend(abc.ABC):
+    """What the public API needs from a transport. All tensor ops work on CPU or the
+    backend's device; ``op`` is one of "sum", "min", "max", "product"."""
+
+    name: str
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def allreduce_async(self, tensor: torch.Tensor, op: str) -> Handle:
+        """Reduce ``tensor`` in place across ranks; returns a handle."""
+
+    @abc.abstractmethod
+    def allgather_same_shape(self, tensor: torch.Tensor) -> List[torch.Tensor]: ...
+
+    @abc.abstractmethod
+    def broadcast_async(self, tensor: torch.Tensor, root_rank: int) -> Handle:
+        """Overwrite ``tensor`` in place with root's copy; returns a handle."""
+
+    @abc.abstractmethod
+    def alltoall(self, outputs: List[torch.Tensor], inputs: List[torch.Tensor]) -> None: ...
+
+    @abc.abstractmethod
+    def send(self, tensor: torch.Tensor, dst: int) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self, tensor: torch.Tensor, src: int) -> None: ...
+
+    @abc.abstractmethod
+    def broadcast_object(self, obj: Any, root_rank: int) -> Any: ...
+
+    @abc.abstractmethod
+    def allgather_object(self, obj: Any) -> List[Any]: ...
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    @abc.abstractmethod
+    def shutdown(self) -> None: ...
+
+    @property
+    def device(self) -> Optional[torch.device]:
+        """Where tensors must live for this backend (None: anywhere on CPU)."""
+        return None

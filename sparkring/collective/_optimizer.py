@@ -1,0 +1,203 @@
+"""DistributedOptimizer: overlap gradient allreduce with backward through fused buckets.
+
+Written by hand because torch's DDP wraps the model, not the optimizer: Horovod scripts
+(and several optimizers over one model) need the optimizer-side hook API.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _api
+from .compression import Compression
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+class _Bucket:
+    def __init__(self, params: List[torch.nn.Parameter]):
+        self.params = params
+        self.pending = set(id(p) for p in params)
+        self.handle = None
+        self.flat: Optional[torch.Tensor] = None
+        self.ctx = None
+
+
+class _DistributedOptimizerMixin:
+    """Methods grafted onto a subclass of the user's optimizer class."""
+
+    def _sr_setup(self, named_parameters, compression, backward_passes_per_step, op,
+                  gradient_predivide_factor, bucket_bytes):
+        params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            names = [n for n, _ in named]
+            seen = set()
+            dups = sorted({n for n in names if n in seen or seen.add(n)})
+            if dups:
+                raise ValueError(
+                    "DistributedOptimizer: named_parameters has duplicate names "
+                    f"{dups[:5]}; give every parameter a unique name (with several "
+                    "optimizers, prefix each optimizer's names)")
+            by_id = {id(p): n for n, p in named}
+            missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+            if missing:
+                raise ValueError(
+                    f"DistributedOptimizer: {len(missing)} parameter(s) of the optimizer are not "
+                    "in named_parameters; pass model.named_parameters() of the model it optimizes")
+        else:
+            by_id = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        if op not in (_api.Average, _api.Sum, _api.Adasum):
+            raise ValueError(f"DistributedOptimizer: op={op!r}; use Average, Sum or Adasum")
+        if backward_passes_per_step < 1:
+            raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
+        self._sr_names = by_id
+        self._sr_compression = compression
+        self._sr_bpps = backward_passes_per_step
+        self._sr_op = op
+        self._sr_predivide = gradient_predivide_factor
+        self._sr_should_sync = True
+        self._sr_size = _api.size()
+        trainable = [p for p in params if p.requires_grad]
+        self._sr_params = trainable
+        self._sr_passes: Dict[int, int] = {id(p): 0 for p in trainable}
+        self._sr_buckets = self._sr_make_buckets(trainable, bucket_bytes)
+        self._sr_bucket_of = {id(p): b for b in self._sr_buckets for p in b.params}
+        self._sr_next_launch = 0
+        self._sr_hooks = []
+        if self._sr_size > 1:
+            for p in trainable:
+                self._sr_hooks.append(p.register_post_accumulate_grad_hook(self._sr_hook))
+
+    @staticmethod
+    def _sr_make_buckets(params, bucket_bytes) -> List[_Bucket]:
+        # Reverse registration order approximates the order backward produces grads,
+        # so the first bucket fills first; a small first bucket starts communication early.
+        buckets, current, current_bytes = [], [], 0
+        limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if current and (current_bytes + nbytes > limit or p.dtype != current[0].dtype
+                            or p.device != current[0].device):
+                buckets.append(_Bucket(current))
+                current, current_bytes, limit = [], 0, bucket_bytes
+            current.append(p)
+            current_bytes += nbytes
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
+
+    def _sr_hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        self._sr_passes[key] += 1
+        if self._sr_passes[key] < self._sr_bpps:
+            return
+        bucket = self._sr_bucket_of[key]
+        bucket.pending.discard(key)
+        # Buckets go out in index order on every rank, so collectives always match up.
+        while (self._sr_next_launch < len(self._sr_buckets)
+               and not self._sr_buckets[self._sr_next_launch].pending):
+            self._sr_launch(self._sr_buckets[self._sr_next_launch])
+            self._sr_next_launch += 1
+
+    def _sr_launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad.reshape(-1))
+        flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+        if self._sr_op == _api.Adasum:
+            bucket.flat = flat
+            bucket.handle = _api._allreduce_async(flat, flat, _api.Adasum)
+            return
+        prescale = 1.0 / self._sr_predivide if self._sr_predivide != 1.0 else 1.0
+        postscale = self._sr_predivide if self._sr_predivide != 1.0 else 1.0
+        bucket.flat = flat
+        bucket.handle = _api._allreduce_async(flat, None, self._sr_op, self._sr_compression,
+                                              prescale, postscale)
+
+    def synchronize(self) -> None:
+        """Finish every gradient allreduce of this step and write the results into .grad.
+
+        >>> opt.synchronize()
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> with opt.skip_synchronize():
+        ...     opt.step()
+        """
+        if self._sr_size == 1:
+            return
+        while self._sr_next_launch < len(self._sr_buckets):
+            self._sr_launch(self._sr_buckets[self._sr_next_launch])
+            self._sr_next_launch += 1
+        for bucket in self._sr_buckets:
+            reduced = bucket.handle.wait()
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                p.grad.copy_(reduced[offset:offset + n].view_as(p.grad))
+                offset += n
+            bucket.handle = None
+            bucket.flat = None
+            bucket.pending = set(id(p) for p in bucket.params)
+        self._sr_next_launch = 0
+        for key in self._sr_passes:
+            self._sr_passes[key] = 0
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` first).
+
+        >>> with opt.skip_synchronize():
+        ...     opt.step()
+        """
+        self._sr_should_sync = False
+        try:
+            yield
+        finally:
+            self._sr_should_sync = True
+
+    def step(self, closure=None):
+        if self._sr_should_sync:
+            self.synchronize()
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if any(b.handle is not None for b in self._sr_buckets):
+            raise RuntimeError(
+                "DistributedOptimizer.zero_grad() was called while gradient allreduces are "
+                "still in flight; call step() or synchronize() after backward() first")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op: str = _api.Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups: Optional[Sequence] = None,
+                         sparse_as_dense: bool = False,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Allreduces start from gradient hooks while backward is still running, fused into
+    buckets of up to ``bucket_bytes``. The result is still an instance of the original
+    optimizer class (LR schedulers accept it) and shares its state.
+
+    >>> opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+    ...                               named_parameters=model.named_parameters())
+    >>> loss.backward(); opt.step()
+    """
+    if num_groups or groups:
+        # Grouping is a fusion hint in Horovod; buckets already fuse, so it changes nothing.
+        pass
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               {k: v for k, v in _DistributedOptimizerMixin.__dict__.items()
+                if k not in ("__dict__", "__weakref__")})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._sr_setup(named_parameters, compression, backward_passes_per_step, op,
+                      gradient_predivide_factor, bucket_bytes)
+    return wrapped

@@ -1,0 +1,62 @@
+"""Gradient compression for allreduce: none and fp16, with Horovod's interface."""
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import torch
+
+
+class Compressor:
+    """Interface: ``compress`` returns (tensor to send, context); ``decompress`` undoes it."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Sends tensors as they are.
+
+    >>> t, ctx = NoneCompressor.compress(torch.ones(2)); NoneCompressor.decompress(t, ctx)
+    tensor([1., 1.])
+    """
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Casts floating point tensors to float16 on the wire, back to their dtype after.
+
+    >>> t, ctx = FP16Compressor.compress(torch.ones(2)); t.dtype
+    torch.float16
+    """
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor.to(ctx) if ctx is not None else tensor
+
+
+class Compression:
+    """Choices for ``compression=``: ``Compression.none`` or ``Compression.fp16``.
+
+    >>> opt = DistributedOptimizer(opt, compression=Compression.fp16)  # doctest: +SKIP
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor

@@ -1,0 +1,72 @@
+"""Entry point of a rank's worker process: run the pickled function inside the ring."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+
+def _die_with_parent() -> None:
+    parent = int(os.environ.get("SPARKRING_PARENT_PID", "0"))
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with the task
+    except OSError:
+        pass
+
+    def watch():
+        while True:
+            if parent and os.getppid() != parent:
+                os._exit(137)
+            time.sleep(0.5)
+
+    if parent and os.getppid() != parent:
+        os._exit(137)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _report_error(tb: str, exit_code=None) -> None:
+    from . import channel
+
+    try:
+        channel.report_raw({"t": "error", "kind": "exception", "traceback": tb, "exit_code": exit_code})
+    except Exception:  # noqa: BLE001 - the task still reports from error.txt
+        pass
+
+
+def main(workdir: str) -> None:
+    _die_with_parent()
+    import cloudpickle
+
+    with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+        fn, args, kwargs = cloudpickle.load(f)
+    try:
+        import sparkring.collective as sr
+
+        sr.init()
+        result = fn(*args, **(kwargs or {}))
+        tmp = os.path.join(workdir, "result.pkl.tmp")
+        with open(tmp, "wb") as f:
+            cloudpickle.dump(result, f)
+        os.replace(tmp, os.path.join(workdir, "result.pkl"))
+        sr.shutdown()
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the driver
+        exit_code = getattr(exc, "exit_code", None)
+        tb = traceback.format_exc()
+        with open(os.path.join(workdir, "error.txt"), "w") as f:
+            f.write(tb)
+        _report_error(tb, exit_code)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code if isinstance(exit_code, int) and 0 < exit_code < 256 else 1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

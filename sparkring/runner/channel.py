@@ -1,0 +1,202 @@
+"""Driver <-> task message channel: length-prefixed JSON frames signed with a per-run HMAC key.
+
+Written by hand because the channel must bind to the driver's own address, speak only
+to holders of the run's secret, and push aborts back to tasks; Spark's accumulators and
+py4j offer none of that while a job runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import socket
+import struct
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+_HEADER = struct.Struct(">I")
+_MAC_LEN = 32
+MAX_FRAME = 64 * 1024 * 1024
+
+
+class ChannelError(RuntimeError):
+    """A frame was malformed, too big or not signed with the run's secret."""
+
+
+def _sign(secret: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+def send_frame(sock: socket.socket, secret: bytes, message: Dict[str, Any]) -> None:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(_HEADER.pack(_MAC_LEN + len(body)) + _sign(secret, body) + body)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv_frame(sock: socket.socket, secret: bytes) -> Optional[Dict[str, Any]]:
+    """The next verified message, or None when the peer closed the connection."""
+    header = _recv_exact(sock, _HEADER.size)
+    if header is None:
+        return None
+    (length,) = _HEADER.unpack(header)
+    if length < _MAC_LEN or length > MAX_FRAME:
+        raise ChannelError(f"frame length {length} out of bounds")
+    frame = _recv_exact(sock, length)
+    if frame is None:
+        return None
+    mac, body = frame[:_MAC_LEN], frame[_MAC_LEN:]
+    if not hmac.compare_digest(mac, _sign(secret, body)):
+        raise ChannelError("frame signature does not match this run's secret")
+    return json.loads(body)
+
+
+class DriverChannel:
+    """TCP server on the driver's address; calls ``handler(message, connection)`` for
+    each verified message and can push messages back to every connected task.
+
+    >>> ch = DriverChannel("127.0.0.1", os.urandom(32), lambda msg, conn: print(msg))
+    >>> ch.address  # doctest: +SKIP
+    ('127.0.0.1', 41234)
+    >>> ch.close()
+    """
+
+    def __init__(self, host: str, secret: bytes, handler: Callable[[Dict[str, Any], "Connection"], None]):
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError("the driver channel binds to the driver's own address, never a wildcard")
+        self.secret = secret
+        self._handler = handler
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self._sock.listen(128)
+        self.address: Tuple[str, int] = (host, self._sock.getsockname()[1])
+        self._conns: List[Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.rejected = 0
+        self._thread = threading.Thread(target=self._accept_loop, name="sparkring-channel", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            conn = Connection(sock, self.secret)
+            with self._lock:
+                self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: "Connection") -> None:
+        try:
+            while True:
+                msg = recv_frame(conn.sock, self.secret)
+                if msg is None:
+                    break
+                self._handler(msg, conn)
+        except (ChannelError, ValueError):
+            self.rejected += 1
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            with self._lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+
+    def broadcast(self, message: Dict[str, Any], where: Callable[["Connection"], bool] = lambda c: True) -> None:
+        with self._lock:
+            targets = [c for c in self._conns if where(c)]
+        for conn in targets:
+            conn.send(message)
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for conn in conns:
+            conn.close()
+
+
+class Connection:
+    """One socket speaking signed frames; ``info`` holds what the peer said about itself."""
+
+    def __init__(self, sock: socket.socket, secret: bytes):
+        self.sock = sock
+        self.secret = secret
+        self.info: Dict[str, Any] = {}
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Dict[str, Any]) -> bool:
+        try:
+            with self._send_lock:
+                send_frame(self.sock, self.secret, message)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Connection:
+    """Open a client connection to a DriverChannel.
+
+    >>> conn = connect("127.0.0.1", 41234, secret)  # doctest: +SKIP
+    >>> conn.send({"t": "log", "line": "hi"})  # doctest: +SKIP
+    """
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return Connection(sock, secret)
+
+
+_worker_conn: Optional[Connection] = None
+_worker_lock = threading.Lock()
+
+
+def report_raw(message: Dict[str, Any]) -> bool:
+    """Send a message from a worker process to the driver; False outside a run."""
+    global _worker_conn
+    address = os.environ.get("SPARKRING_DRIVER")
+    if not address:
+        return False
+    message = dict(message, rank=int(os.environ.get("SPARKRING_RANK", "0")),
+                   attempt=int(os.environ.get("SPARKRING_ATTEMPT", "0")))
+    with _worker_lock:
+        if _worker_conn is None:
+            host, port = address.rsplit(":", 1)
+            _worker_conn = connect(host.strip("[]"), int(port), bytes.fromhex(os.environ["SPARKRING_SECRET"]))
+        return _worker_conn.send(message)
+
+
+def report(payload: Dict[str, Any]) -> bool:
+    """Send an event from inside a rank to the driver's ``on_event`` callback of ``run()``.
+    Returns False outside a sparkring run.
+
+    >>> from sparkring.runner import report
+    >>> report({"epoch": 1, "loss": 0.3})  # doctest: +SKIP
+    True
+    """
+    return report_raw({"t": "event", "payload": payload})

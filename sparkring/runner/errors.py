@@ -1,0 +1,34 @@
+"""Exceptions the runner raises on the driver."""
+from __future__ import annotations
+
+
+class SparkRingError(RuntimeError):
+    """Base class of sparkring's runtime errors."""
+
+
+class ConfigurationError(SparkRingError, ValueError):
+    """The Spark session or the arguments cannot run the job; raised before any Spark job."""
+
+
+class RankFailedError(SparkRingError):
+    """A rank raised (or its process died); carries the rank and its traceback.
+
+    >>> try:
+    ...     run(fn, num_proc=2)
+    ... except RankFailedError as e:
+    ...     print(e.rank, e.remote_traceback)  # doctest: +SKIP
+    """
+
+    def __init__(self, rank: int, remote_traceback: str, exit_code=None):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exit_code = exit_code
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class RankTimeoutError(SparkRingError, TimeoutError):
+    """A rank ran past ``timeout`` (or the ranks did not all start within ``start_timeout``)."""
+
+    def __init__(self, message: str, ranks=()):
+        self.ranks = list(ranks)
+        super().__init__(message)

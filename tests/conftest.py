@@ -1,0 +1,111 @@
+"""Shared Spark sessions for the suite: one local[2], one local-cluster[2,1,1024], one
+local[2,3] (task retries), created on demand, one at a time (Spark allows one
+SparkContext per process), and stopped at the end."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+os.environ["PYSPARK_PYTHON"] = sys.executable
+os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+# Test modules must be importable by Spark's Python workers (functions pickle by reference).
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [TESTS_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+FAKE_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "fake_gpus.sh")
+
+MASTERS = {
+    "local": "local[2]",
+    "retry": "local[2,3]",
+    "cluster": "local-cluster[2,1,1024]",
+}
+ORDER = ["local", "retry", "cluster"]
+
+
+class _Sessions:
+    def __init__(self):
+        self.kind = None
+        self.spark = None
+
+    def get(self, kind: str):
+        if self.kind == kind:
+            return self.spark
+        self.stop()
+        from pyspark.sql import SparkSession
+
+        builder = (SparkSession.builder.master(MASTERS[kind]).appName(f"sparkring-tests-{kind}")
+                   .config("spark.driver.host", "127.0.0.1")
+                   .config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.ui.enabled", "false")
+                   .config("spark.ui.showConsoleProgress", "false")
+                   .config("spark.sql.shuffle.partitions", "4")
+                   .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+                   .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+                   .config("spark.executorEnv.OMP_NUM_THREADS", "1")
+                   .config("spark.python.worker.reuse", "true"))
+        if kind == "local":
+            # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
+            builder = (builder.config("spark.driver.resource.gpu.amount", "2")
+                       .config("spark.driver.resource.gpu.discoveryScript", FAKE_GPU_SCRIPT))
+        if kind == "cluster":
+            builder = (builder.config("spark.executor.memory", "768m")
+                       .config("spark.worker.resource.gpu.amount", "1")
+                       .config("spark.worker.resource.gpu.discoveryScript", FAKE_GPU_SCRIPT)
+                       .config("spark.executor.resource.gpu.amount", "1")
+                       .config("spark.task.resource.gpu.amount", "1"))
+        self.spark = builder.getOrCreate()
+        self.kind = kind
+        return self.spark
+
+    def stop(self):
+        if self.spark is not None:
+            self.spark.stop()
+            from pyspark import SparkContext
+
+            SparkContext._active_spark_context = None
+            self.spark = None
+            self.kind = None
+
+
+_sessions = _Sessions()
+
+
+@pytest.fixture(scope="session")
+def _spark_sessions():
+    yield _sessions
+    _sessions.stop()
+
+
+@pytest.fixture
+def spark(_spark_sessions):
+    """local[2] session (with two fake driver GPUs)."""
+    return _spark_sessions.get("local")
+
+
+@pytest.fixture
+def spark_retry(_spark_sessions):
+    """local[2,3]: Spark retries failed tasks (and barrier stages)."""
+    return _spark_sessions.get("retry")
+
+
+@pytest.fixture
+def spark_cluster(_spark_sessions):
+    """local-cluster[2,1,1024]: two executor JVMs, one core each, one fake GPU each."""
+    return _spark_sessions.get("cluster")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group tests by the session they use so each session starts once."""
+    def key(item):
+        names = getattr(item, "fixturenames", ())
+        for i, kind in enumerate(ORDER):
+            fixture = {"local": "spark", "retry": "spark_retry", "cluster": "spark_cluster"}[kind]
+            if fixture in names:
+                return i + 1
+        return 0
+    items.sort(key=key)

@@ -1,0 +1,171 @@
+"""Functions run on ranks by the tests (importable by Spark's workers by reference)."""
+import os
+import time
+
+import torch
+
+import sparkring.collective as sr
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def make_batches(steps=4, batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 5, generator=g), torch.randn(batch, 3, generator=g)) for _ in range(steps)]
+
+
+def train_reference(compression=None, bpps=1, steps=4):
+    """One process on the whole batches."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = make_batches(steps * bpps)
+    for i in range(steps):
+        opt.zero_grad()
+        for x, y in batches[i * bpps:(i + 1) * bpps]:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def train_distributed(compression="none", bpps=1, steps=4, bucket_bytes=None):
+    """Each rank trains on its half of every batch."""
+    model = make_model(seed=0 if sr.rank() == 0 else 100 + sr.rank())  # broadcast must fix rank 1
+    sr.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    opt = sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=getattr(sr.Compression, compression),
+                                  backward_passes_per_step=bpps, **kwargs)
+    batches = make_batches(steps * bpps)
+    half = 8 // sr.size()
+    lo, hi = sr.rank() * half, (sr.rank() + 1) * half
+    for i in range(steps):
+        opt.zero_grad()
+        for x, y in batches[i * bpps:(i + 1) * bpps]:
+            torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def collectives_tour():
+    r, n = sr.rank(), sr.size()
+    out = {"rank": r, "size": n, "local_rank": sr.local_rank(), "local_size": sr.local_size(),
+           "backend": sr.backend()}
+    odd = torch.arange(7, dtype=torch.float32) + r
+    out["avg_odd"] = sr.allreduce(odd)
+    out["sum_odd"] = sr.allreduce(odd, op=sr.Sum)
+    out["min"] = sr.allreduce(odd, op=sr.Min)
+    out["max"] = sr.allreduce(odd, op=sr.Max)
+    out["odd_untouched"] = odd.clone()
+    out["empty"] = sr.allreduce(torch.empty(0))
+    out["int_sum"] = sr.allreduce(torch.tensor([1, 2, 3], dtype=torch.int32) * (r + 1), op=sr.Sum)
+    out["f64"] = sr.allreduce(torch.tensor([0.1, 0.2], dtype=torch.float64) * (r + 1), op=sr.Sum)
+    inplace = torch.ones(3) * (r + 1)
+    sr.allreduce_(inplace, op=sr.Sum)
+    out["inplace"] = inplace
+    h = sr.allreduce_async(torch.ones(5) * r, op=sr.Sum)
+    out["async"] = sr.synchronize(h)
+    out["gather"] = sr.allgather(torch.full((r + 1, 2), float(r)))
+    out["bcast"] = sr.broadcast(torch.tensor([r + 10]), root_rank=1)
+    out["bobj"] = sr.broadcast_object({"from": r}, root_rank=0)
+    out["gobj"] = sr.allgather_object(("rank", r))
+    sr.barrier()
+    return out
+
+
+def optimizer_state_tour():
+    model = make_model(seed=sr.rank())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (sr.rank() + 1))
+    x = torch.randn(4, 5) * (sr.rank() + 1)
+    model(x).sum().backward()
+    opt.step()
+    sr.broadcast_parameters(model.named_parameters(), root_rank=0)
+    sr.broadcast_optimizer_state(opt, root_rank=0)
+    st = opt.state_dict()
+    first = st["state"][0]
+    return {"lr": st["param_groups"][0]["lr"], "step": float(first["step"]),
+            "exp_avg": first["exp_avg"].clone(), "weight": model[0].weight.detach().clone()}
+
+
+def two_optimizers():
+    """Two optimizers over disjoint halves of one model, names prefixed per optimizer."""
+    model = make_model()
+    first, second = model[0], model[2]
+    opt1 = sr.DistributedOptimizer(torch.optim.SGD(first.parameters(), lr=0.1),
+                                   named_parameters=[("a." + n, p) for n, p in first.named_parameters()])
+    opt2 = sr.DistributedOptimizer(torch.optim.SGD(second.parameters(), lr=0.1),
+                                   named_parameters=[("b." + n, p) for n, p in second.named_parameters()])
+    x, y = make_batches(1)[0]
+    torch.nn.functional.mse_loss(model(x[sr.rank() * 4:(sr.rank() + 1) * 4]),
+                                 y[sr.rank() * 4:(sr.rank() + 1) * 4]).backward()
+    opt1.step()
+    opt2.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def clip_then_step():
+    model = make_model()
+    opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    x, y = make_batches(1)[0]
+    torch.nn.functional.mse_loss(model(x[sr.rank() * 4:(sr.rank() + 1) * 4]),
+                                 y[sr.rank() * 4:(sr.rank() + 1) * 4]).backward()
+    opt.synchronize()
+    grads = [p.grad.clone() for p in model.parameters()]
+    with opt.skip_synchronize():
+        opt.step()
+    return grads
+
+
+def whoami():
+    return {"rank": sr.rank(), "size": sr.size(), "local_rank": sr.local_rank(),
+            "local_size": sr.local_size(), "pid": os.getpid(),
+            "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "backend": sr.backend(),
+            "omp": os.environ.get("OMP_NUM_THREADS")}
+
+
+def big_result(mb):
+    g = torch.Generator().manual_seed(sr.rank())
+    return {"w": torch.randn(mb * 1024 * 1024 // 4, generator=g)}
+
+
+def fail_on_rank(bad_rank):
+    if sr.rank() == bad_rank:
+        time.sleep(0.5)
+        raise ValueError(f"boom on purpose in rank {bad_rank}")
+    # The healthy rank blocks in a collective the failed rank never joins.
+    sr.allreduce(torch.ones(1))
+    time.sleep(120)
+    return "should not get here"
+
+
+def hang_on_rank(bad_rank):
+    if sr.rank() == bad_rank:
+        time.sleep(600)
+    sr.barrier()
+    return "done"
+
+
+def print_and_wait(flag_path, wait_s=30):
+    print(f"rank {sr.rank()} says hello", flush=True)
+    if sr.rank() == 0:
+        print("waiting-for-driver", flush=True)
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            if os.path.exists(flag_path):
+                return True
+            time.sleep(0.1)
+        return False
+    return True
+
+
+def report_events(n):
+    from sparkring.runner import report
+
+    for i in range(n):
+        report({"i": i, "rank": sr.rank()})
+    sr.barrier()
+    return n
