@@ -46,7 +46,7 @@ def _session(master: Optional[str], num_proc: Optional[int]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from .runner import ConfigurationError, RankFailedError, RankTimeoutError, run
+    from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, run
 
     spark, owned = _session(args.master, args.num_proc)
     try:

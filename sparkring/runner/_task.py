@@ -88,6 +88,28 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
+def _dump_stacks(proc: subprocess.Popen, workdir: str) -> str:
+    """Ask the worker for its Python stacks (faulthandler on SIGUSR1) before killing it."""
+    path = os.path.join(workdir, "stacks.txt")
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return "(process already gone)"
+    deadline = time.monotonic() + 2
+    size = -1
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        current = os.path.getsize(path) if os.path.exists(path) else 0
+        if current and current == size:
+            break
+        size = current
+    try:
+        with open(path) as f:
+            return f.read().strip() or "(no stack dump)"
+    except OSError:
+        return "(no stack dump)"
+
+
 def _rank_layout(hosts: List[str], rank: int):
     same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     unique_hosts = list(dict.fromkeys(hosts))
@@ -190,13 +212,15 @@ def run_task(spec: TaskSpec, _rows) -> Iterator:
         while proc.poll() is None:
             if spec.timeout is not None and time.monotonic() - started > spec.timeout:
                 timed_out = True
+                stacks = _dump_stacks(proc, workdir)
                 kill_tree(proc)
                 break
             time.sleep(0.05)
         for p in pumps:
             p.join(timeout=5)
         if timed_out:
-            message = f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed"
+            message = (f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
+                       f"where its threads were:\n{stacks}")
             conn.send({"t": "error", "rank": rank, "attempt": attempt, "kind": "timeout",
                        "traceback": message})
             raise TimeoutError(message)

@@ -40,6 +40,10 @@ def _report_error(tb: str, exit_code=None) -> None:
 
 def main(workdir: str) -> None:
     _die_with_parent()
+    import faulthandler
+
+    stacks = open(os.path.join(workdir, "stacks.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import cloudpickle
 
     with open(os.path.join(workdir, "payload.pkl"), "rb") as f:

@@ -67,6 +67,7 @@ class _RunState:
         self.attempt_started = time.monotonic()
         self.hello: Dict[int, set] = {}
         self.arrived: set = set()
+        self.timeouts: Dict[int, Dict[int, str]] = {}
         self.done: Dict[int, set] = {}
         self.errors: Dict[int, dict] = {}
         self.pids: List[int] = []
@@ -103,6 +104,8 @@ class _RunState:
                 self.done.setdefault(attempt, set()).add(rank)
         elif kind == "error":
             with self.lock:
+                if msg.get("kind") == "timeout":
+                    self.timeouts.setdefault(attempt, {})[rank] = msg.get("traceback", "")
                 first = attempt not in self.errors
                 if first:
                     self.errors[attempt] = msg
@@ -236,7 +239,12 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             err = state.first_error()
             if err is not None:
                 if err.get("kind") == "timeout":
-                    raise RankTimeoutError(err["traceback"], [err.get("rank")]) from None
+                    with state.lock:
+                        timed = dict(state.timeouts.get(max(state.timeouts), {}))
+                    ranks = sorted(timed)
+                    raise RankTimeoutError(
+                        f"ranks {ranks} exceeded timeout={timeout:g}s and were killed\n\n"
+                        + "\n\n".join(timed[r] for r in ranks), ranks) from None
                 raise RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""),
                                       err.get("exit_code")) from None
             raise SparkRingError(f"the barrier stage failed before any rank reported: {outcome['error']}") \

@@ -1,0 +1,207 @@
+"""sparkring.run on real Spark barrier stages: results, failures, timeouts, logs, GPUs."""
+import os
+import subprocess
+import sys
+import threading
+import time
+import types
+
+import psutil
+import pytest
+import torch
+
+from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, run
+from sparkring.runner import channel, cluster
+
+import rank_fns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _live_workers():
+    alive = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info.get("cmdline") or []
+        if "sparkring.runner._worker" in cmd:
+            alive.append(p.pid)
+    return alive
+
+
+def _wait_no_workers(timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline and _live_workers():
+        time.sleep(0.2)
+    return _live_workers()
+
+
+def test_run_returns_results_ordered_by_rank_with_ranks_layout(spark):
+    results = run(rank_fns.whoami, num_proc=2)
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["size"] == 2 and r["local_size"] == 2 for r in results)
+    assert [r["local_rank"] for r in results] == [0, 1]
+    assert results[0]["pid"] != results[1]["pid"] != os.getpid()
+    assert results[0]["cuda"] == ""  # no GPU asked: no GPU visible
+    assert _wait_no_workers() == []
+
+
+def test_fifty_megabyte_results_come_back_whole(spark):
+    results = run(rank_fns.big_result, args=(50,), num_proc=2)
+    for rank, res in enumerate(results):
+        g = torch.Generator().manual_seed(rank)
+        assert torch.equal(res["w"], torch.randn(50 * 1024 * 1024 // 4, generator=g))
+
+
+def test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_the_others(spark):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run(rank_fns.fail_on_rank, args=(1,), num_proc=2)
+    elapsed = time.monotonic() - started
+    assert info.value.rank == 1
+    assert "ValueError: boom on purpose in rank 1" in info.value.remote_traceback
+    assert "fail_on_rank" in info.value.remote_traceback
+    assert elapsed < 30, f"failure took {elapsed:.1f}s to reach the driver"
+    assert _wait_no_workers() == []
+    # the session is still usable after a failed run
+    assert [r["rank"] for r in run(rank_fns.whoami, num_proc=2)] == [0, 1]
+
+
+def test_rank_exceeding_timeout_fails_the_run_naming_the_rank(spark):
+    started = time.monotonic()
+    with pytest.raises(RankTimeoutError, match=r"exceeded timeout=4s") as info:
+        run(rank_fns.hang_on_rank, args=(1,), num_proc=2, timeout=4)
+    assert time.monotonic() - started < 40
+    assert 1 in info.value.ranks
+    # each timed-out rank's stack says where it hung: rank 1 in its sleep, rank 0 in the barrier
+    rank1 = str(info.value).split("rank 1 exceeded")[1]
+    assert "in hang_on_rank" in rank1
+    assert _wait_no_workers() == []
+
+
+def test_logs_stream_live_to_the_driver_while_ranks_run(spark, tmp_path, capsys):
+    flag = tmp_path / "seen"
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", run(rank_fns.print_and_wait, args=(str(flag),),
+                                                                 num_proc=2)))
+    t.start()
+    seen = ""
+    deadline = time.time() + 60
+    while time.time() < deadline and "waiting-for-driver" not in seen:
+        seen += capsys.readouterr().out
+        time.sleep(0.1)
+    flag.touch()
+    t.join(60)
+    assert "waiting-for-driver" in seen
+    assert box["r"] == [True, True], "rank 0 never saw the driver react: logs were not live"
+    assert "rank 0 says hello" in seen and "rank 1 says hello" not in seen  # verbose=1: rank 0 only
+
+
+def test_verbose_two_prefixes_every_rank_and_zero_is_silent(spark, tmp_path, capsys):
+    (tmp_path / "seen").touch()
+    run(rank_fns.print_and_wait, args=(str(tmp_path / "seen"),), num_proc=2, verbose=2)
+    out = capsys.readouterr().out
+    assert "[0] rank 0 says hello" in out and "[1] rank 1 says hello" in out
+    run(rank_fns.print_and_wait, args=(str(tmp_path / "seen"),), num_proc=2, verbose=0)
+    assert "says hello" not in capsys.readouterr().out
+
+
+def test_events_reported_by_ranks_reach_on_event(spark):
+    got = []
+    run(rank_fns.report_events, args=(5,), num_proc=2, on_event=lambda rank, p: got.append((rank, p["i"])))
+    assert sorted(got) == sorted([(r, i) for r in (0, 1) for i in range(5)])
+
+
+def test_local_mode_gpus_are_assigned_by_local_rank(spark):
+    results = run(rank_fns.whoami, num_proc=2, use_gpu=True)
+    assert [r["cuda"] for r in results] == ["0", "1"]
+    assert all(r["backend"] == "gloo" for r in results)  # no CUDA here: auto falls back
+
+
+def test_num_proc_larger_than_slots_is_refused_before_any_job(spark):
+    jobs_before = spark.sparkContext.statusTracker().getJobIdsForGroup(None)
+    with pytest.raises(ConfigurationError, match="num_proc=3 is larger than the 2 concurrent task slots"):
+        run(rank_fns.whoami, num_proc=3)
+    with pytest.raises(ConfigurationError, match="num_proc=0"):
+        run(rank_fns.whoami, num_proc=0)
+    with pytest.raises(ConfigurationError, match="backend='tcp'"):
+        run(rank_fns.whoami, num_proc=2, backend="tcp")
+    assert spark.sparkContext.statusTracker().getJobIdsForGroup(None) == jobs_before
+
+
+def _fake_sc(master, **conf):
+    return types.SimpleNamespace(master=master, getConf=lambda: types.SimpleNamespace(
+        get=lambda k, d=None: conf.get(k, d)), resources={})
+
+
+def test_dynamic_allocation_and_unscheduled_gpus_are_refused_with_the_fix():
+    sc = _fake_sc("local-cluster[2,1,1024]", **{"spark.dynamicAllocation.enabled": "true"})
+    with pytest.raises(ConfigurationError, match="spark.dynamicAllocation.enabled=false"):
+        cluster.check_session(sc, 2, use_gpu=False)
+    sc = _fake_sc("local-cluster[2,1,1024]")
+    with pytest.raises(ConfigurationError, match="spark.task.resource.gpu.amount is not set"):
+        cluster.check_session(sc, 2, use_gpu=True)
+    assert cluster.task_slots(_fake_sc("local[4,3]"), False) == 4
+    assert cluster.task_slots(_fake_sc("local-cluster[3,2,512]", **{"spark.task.cpus": "2"}), False) == 3
+
+
+def test_channel_binds_the_given_address_and_drops_unsigned_frames():
+    got = []
+    server = channel.DriverChannel("127.0.0.1", b"k" * 32, lambda m, c: got.append(m))
+    try:
+        assert server.address[0] == "127.0.0.1"
+        with pytest.raises(ValueError):
+            channel.DriverChannel("0.0.0.0", b"k" * 32, lambda m, c: None)
+        bad = channel.connect(*server.address, secret=b"x" * 32)
+        bad.send({"t": "log", "line": "forged"})
+        good = channel.connect(*server.address, secret=b"k" * 32)
+        good.send({"t": "log", "line": "real"})
+        deadline = time.time() + 5
+        while time.time() < deadline and (not got or server.rejected < 1):
+            time.sleep(0.05)
+        assert got == [{"t": "log", "line": "real"}]
+        assert server.rejected == 1
+        bad.close()
+        good.close()
+    finally:
+        server.close()
+
+
+def _cli_env():
+    env = dict(os.environ)
+    env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    return env
+
+
+def test_cli_runs_a_script_on_every_rank_and_returns_its_exit_status():
+    script = os.path.join(ROOT, "examples", "hello_ring.py")
+    ok = subprocess.run([sys.executable, "-m", "sparkring", "run", "-np", "2", "--master", "local[2]", script,
+                         "--steps", "2"], capture_output=True, text=True, env=_cli_env(), timeout=180)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert "step 1 loss" in ok.stdout and "weights identical on all ranks: True" in ok.stdout
+    assert ok.stdout.count("step 1 loss") == 1  # rank 0's output only
+    bad = subprocess.run([sys.executable, "-m", "sparkring", "run", "-np", "2", "--master", "local[2]", script,
+                          "--steps", "1", "--exit-code", "3"], capture_output=True, text=True, env=_cli_env(),
+                         timeout=180)
+    assert bad.returncode == 3, bad.stderr[-3000:]
+
+
+def test_cluster_gpus_come_from_task_resources_and_ranks_span_executors(spark_cluster):
+    results = run(rank_fns.whoami, num_proc=2)  # GPUs are scheduled in this session
+    assert [r["rank"] for r in results] == [0, 1]
+    assert all(r["cuda"] in ("0", "1") for r in results)
+    assert all(r["omp"] == "1" for r in results)
+    assert _wait_no_workers() == []
+
+
+def test_spark_submit_runs_the_cli_entry_point():
+    import pyspark
+
+    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    main = os.path.join(ROOT, "sparkring", "__main__.py")
+    script = os.path.join(ROOT, "examples", "hello_ring.py")
+    env = _cli_env()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([submit, "--master", "local[2]", "--conf", "spark.driver.host=127.0.0.1", main,
+                           "run", "-np", "2", script, "--steps", "2"], capture_output=True, text=True,
+                          env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "weights identical on all ranks: True" in proc.stdout
