@@ -1,0 +1,10 @@
+"""Data layer: Store, DataFrame -> Parquet (``prepare``), balanced per-rank batch reader.
+
+>>> from sparkring.data import Store, prepare
+>>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"])  # doctest: +SKIP
+"""
+from .dataset import Dataset
+from .prepare import DataError, prepare
+from .store import Store, StoreError
+
+__all__ = ["Store", "StoreError", "Dataset", "prepare", "DataError"]

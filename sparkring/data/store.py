@@ -1,0 +1,171 @@
+"""Store: where a run keeps its data, checkpoints, logs and model (local paths or URLs)."""
+from __future__ import annotations
+
+import atexit
+import os
+import posixpath
+import shutil
+import tempfile
+import uuid
+from typing import Any, Dict, List, Optional
+
+import pyarrow.fs as pafs
+
+
+class StoreError(OSError):
+    """The store cannot be used (unwritable path, unknown scheme...)."""
+
+
+_OBJECT_STORES = ("S3FileSystem", "GcsFileSystem", "AzureFileSystem")
+
+
+def _open_filesystem(url: str, storage_options: Optional[Dict[str, Any]]):
+    if not storage_options:
+        try:
+            return pafs.FileSystem.from_uri(url)
+        except (pafs.ArrowInvalid if hasattr(pafs, "ArrowInvalid") else Exception, ValueError, OSError):
+            pass
+        except Exception:  # noqa: BLE001 - unknown scheme for pyarrow: try fsspec
+            pass
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+class Store:
+    """A directory (local path or any URL pyarrow.fs or fsspec opens) holding runs:
+    ``runs/<run_id>/{data,checkpoints,logs,model}``.
+
+    ``Store()`` makes a temporary local directory, removed when the interpreter exits.
+
+    >>> store = Store("file:///tmp/sparkring")
+    >>> store.run_path("r1", "checkpoints")
+    '/tmp/sparkring/runs/r1/checkpoints'
+    >>> Store("s3://bucket/runs", storage_options={"anon": False})  # doctest: +SKIP
+    """
+
+    def __init__(self, path_or_url: Optional[str] = None, storage_options: Optional[Dict[str, Any]] = None):
+        self._temporary = path_or_url is None
+        if self._temporary:
+            path_or_url = tempfile.mkdtemp(prefix="sparkring-store-")
+            owner = os.getpid()
+            atexit.register(lambda p=path_or_url: os.getpid() == owner and shutil.rmtree(p, ignore_errors=True))
+        path_or_url = str(path_or_url)
+        if "://" not in path_or_url:
+            path_or_url = os.path.abspath(os.path.expanduser(path_or_url))
+        self.url = path_or_url
+        self.storage_options = dict(storage_options or {})
+        self._fs = None
+        self._root = None
+
+    # pickles as its URL: filesystems reconnect lazily on the ranks
+    def __getstate__(self):
+        return {"url": self.url, "storage_options": self.storage_options, "_temporary": self._temporary}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._fs = None
+        self._root = None
+
+    def __repr__(self):
+        return f"Store({self.url!r})"
+
+    def __eq__(self, other):
+        return isinstance(other, Store) and (self.url, self.storage_options) == (other.url, other.storage_options)
+
+    def __hash__(self):
+        return hash(self.url)
+
+    @property
+    def is_temporary(self) -> bool:
+        return self._temporary
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+    @property
+    def fs(self) -> pafs.FileSystem:
+        if self._fs is None:
+            if "://" in self.url:
+                self._fs, self._root = _open_filesystem(self.url, self.storage_options)
+            else:
+                self._fs, self._root = pafs.LocalFileSystem(), self.url
+            self._root = self._root.rstrip("/") or "/"
+        return self._fs
+
+    @property
+    def root(self) -> str:
+        self.fs  # noqa: B018 - resolves the root
+        return self._root
+
+    def path(self, *parts: str) -> str:
+        """Path inside the filesystem of the store (not a URL)."""
+        return posixpath.join(self.root, *parts)
+
+    def run_path(self, run_id: str, *parts: str) -> str:
+        return self.path("runs", run_id, *parts)
+
+    def data_path(self, run_id: str, *parts: str) -> str:
+        return self.run_path(run_id, "data", *parts)
+
+    def checkpoint_path(self, run_id: str, *parts: str) -> str:
+        return self.run_path(run_id, "checkpoints", *parts)
+
+    def logs_path(self, run_id: str, *parts: str) -> str:
+        return self.run_path(run_id, "logs", *parts)
+
+    def model_path(self, run_id: str, *parts: str) -> str:
+        return self.run_path(run_id, "model", *parts)
+
+    def local_path(self, path: str) -> Optional[str]:
+        """The OS path of ``path`` when the store is on the local disk, else None."""
+        return path if self.is_local else None
+
+    # -- file operations --------------------------------------------------------------
+    def exists(self, path: str) -> bool:
+        return self.fs.get_file_info(path).type != pafs.FileType.NotFound
+
+    def makedirs(self, path: str) -> None:
+        self.fs.create_dir(path, recursive=True)
+
+    def listdir(self, path: str) -> List[str]:
+        info = self.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
+        return sorted(posixpath.basename(i.path) for i in info)
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.fs.open_input_stream(path) as f:
+            return f.read()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write so that no reader ever sees a partial file: a temporary name then a rename;
+        on object stores a single PUT is already all-or-nothing."""
+        parent = posixpath.dirname(path)
+        self.makedirs(parent)
+        if type(self.fs).__name__ in _OBJECT_STORES:
+            with self.fs.open_output_stream(path) as f:
+                f.write(data)
+            return
+        tmp = posixpath.join(parent, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
+        with self.fs.open_output_stream(tmp) as f:
+            f.write(data)
+        self.fs.move(tmp, path)
+
+    def delete(self, path: str) -> None:
+        info = self.fs.get_file_info(path)
+        if info.type == pafs.FileType.Directory:
+            self.fs.delete_dir(path)
+        elif info.type == pafs.FileType.File:
+            self.fs.delete_file(path)
+
+    def check_writable(self) -> None:
+        """Raise StoreError naming the store when a file cannot be created in it."""
+        probe = self.path(f".sparkring-write-check-{uuid.uuid4().hex}")
+        try:
+            self.makedirs(self.root)
+            self.write_bytes(probe, b"ok")
+            self.delete(probe)
+        except Exception as exc:  # noqa: BLE001 - every backend raises its own type
+            raise StoreError(f"the store {self.url} is not writable ({exc}); pass "
+                             "store=Store(<a directory or URL you can write to>)") from exc
