@@ -1,0 +1,353 @@
+"""SparkRingEstimator: fit a torch model on a DataFrame with data-parallel ranks."""
+from __future__ import annotations
+
+import copy
+import sys
+import threading
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from pyspark import keyword_only
+from pyspark.ml import Estimator
+from pyspark.ml.util import MLReadable, MLWritable
+
+from ..data import Store, prepare
+from ..data.prepare import DataError
+from ..runner import ConfigurationError, cluster, run
+from . import losses
+from .model import SparkRingModel
+from .params import SparkRingParams
+from .persistence import SparkRingReader, SparkRingWriter
+from .training import TrainConfig, train_rank
+
+
+class _Progress:
+    """Driver-side live progress from rank 0's events: a tqdm bar and a line per epoch."""
+
+    def __init__(self, verbose: int):
+        self.verbose = verbose
+        self.bar = None
+        self.epochs = 0
+        self.lock = threading.Lock()
+        self.lines: List[str] = []
+
+    def __call__(self, rank: int, event: Dict[str, Any]) -> None:
+        if rank != 0 or not isinstance(event, dict):
+            return
+        with self.lock:
+            kind = event.get("kind")
+            if kind == "begin":
+                self.epochs = event["epochs"]
+                self.steps = event["steps"]
+                if event["start_epoch"]:
+                    self._write(f"resuming from the checkpoint of epoch {event['start_epoch']}")
+            elif kind == "step" and self.verbose > 0:
+                if self.bar is None:
+                    from tqdm.auto import tqdm
+
+                    self.bar = tqdm(total=event["steps"], desc=f"epoch {event['epoch'] + 1}/{self.epochs}",
+                                    unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
+                self.bar.n = event["step"]
+                self.bar.set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
+                self.bar.refresh()
+            elif kind == "epoch":
+                self._close_bar()
+                logs = event["logs"]
+                metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
+                                    if k != "epoch" and isinstance(v, (int, float)))
+                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}"
+                            + ("  (early stop)" if event.get("stopped") else ""))
+
+    def _write(self, line: str) -> None:
+        self.lines.append(line)
+        if self.verbose > 0:
+            from tqdm.auto import tqdm
+
+            tqdm.write(line, file=sys.stdout)
+
+    def _close_bar(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def close(self):
+        with self.lock:
+            self._close_bar()
+
+
+class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
+    """Trains a torch.nn.Module on a Spark DataFrame with synchronous data parallelism.
+
+    >>> est = SparkRingEstimator(
+    ...     model=torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),
+    ...     optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
+    ...     loss="cross_entropy", featuresCol="features", labelCol="label",
+    ...     batchSize=64, epochs=5, numProc=2, validation=0.1)
+    >>> model = est.fit(train_df)  # doctest: +SKIP
+    >>> model.transform(test_df).select("prediction").show()  # doctest: +SKIP
+    """
+
+    @keyword_only
+    def __init__(self, *, model=None, optimizer=None, loss=None, metrics=None, featuresCol="features",
+                 labelCol="label", predictionCol="prediction", probabilityCol="probability",
+                 rawPredictionCol="rawPrediction", sampleWeightCol=None, batchSize=32, valBatchSize=None,
+                 epochs=1, numProc=None, validation=None, shuffle=True, seed=0, backend="auto", useGpu=None,
+                 store=None, runId=None, backwardPassesPerStep=1, gradientCompression="none",
+                 learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
+                 validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
+                 inferenceBatchSize=1024, keepData=False, timeout=None):
+        super().__init__()
+        self._hold_data = False
+        self._prepared = None
+        self._set(**{k: v for k, v in self._input_kwargs.items()})
+
+    @keyword_only
+    def setParams(self, **kwargs):
+        """Set several Params at once; returns self.
+
+        >>> est.setParams(epochs=3, batchSize=128)  # doctest: +SKIP
+        """
+        return self._set(**self._input_kwargs)
+
+    def copy(self, extra=None):
+        that = super().copy(extra)
+        that._hold_data = False
+        that._prepared = None
+        return that
+
+    # -- validation before any Spark job ----------------------------------------------
+    def _validate(self, df) -> Dict[str, Any]:
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import types as T
+
+        model = self.getOrDefault("model")
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}: "
+                                     "pass model=<your nn.Module>")
+        opt = self.getOrDefault("optimizer")
+        if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
+            raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
+                                     "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
+        loss = self.getOrDefault("loss")
+        if loss is None:
+            raise ConfigurationError("loss is not set: pass loss='cross_entropy' (or mse, nll, l1, "
+                                     "bce_with_logits, smooth_l1) or a callable(output, label)")
+        try:
+            losses.check_loss(loss)
+            metrics = losses.metric_fns(self.getOrDefault("metrics"))
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        for name in ("batchSize", "epochs", "inferenceBatchSize", "backwardPassesPerStep"):
+            if self.getOrDefault(name) < 1:
+                raise ConfigurationError(f"{name}={self.getOrDefault(name)}: it must be at least 1")
+        for name in ("valBatchSize", "trainStepsPerEpoch", "validationStepsPerEpoch"):
+            v = self.getOrDefault(name)
+            if v is not None and v < 1:
+                raise ConfigurationError(f"{name}={v}: it must be at least 1 (or unset)")
+        if self.getOrDefault("gradientCompression") not in ("none", "fp16"):
+            raise ConfigurationError(f"gradientCompression={self.getOrDefault('gradientCompression')!r}: "
+                                     "use 'none' or 'fp16'")
+        if self.getOrDefault("learningRateScaling") not in ("none", "linear"):
+            raise ConfigurationError(f"learningRateScaling={self.getOrDefault('learningRateScaling')!r}: "
+                                     "use 'none' or 'linear'")
+        if self.getOrDefault("backend") not in ("auto", "gloo", "nccl"):
+            raise ConfigurationError(f"backend={self.getOrDefault('backend')!r}: use 'auto', 'gloo' or 'nccl'")
+        fields = {f.name: f.dataType for f in df.schema.fields}
+        feature_cols = self.featureColumns()
+        for c in feature_cols:
+            if c not in fields:
+                raise ConfigurationError(f"featuresCol {c!r} is not a column of the DataFrame; it has "
+                                         f"{df.columns}. Set featuresCol= (a vector column or a list of columns)")
+            dt = fields[c]
+            ok = isinstance(dt, (VectorUDT, T.NumericType)) or (
+                isinstance(dt, T.ArrayType) and isinstance(dt.elementType, T.NumericType))
+            if not ok:
+                raise ConfigurationError(f"featuresCol {c!r} has type {dt.simpleString()}; features must be a "
+                                         "vector, a numeric array or numeric columns (use VectorAssembler)")
+        label = self.getLabelCol()
+        if label not in fields:
+            raise ConfigurationError(f"labelCol {label!r} is not a column of the DataFrame; it has {df.columns}")
+        if not isinstance(fields[label], (T.NumericType, T.BooleanType, VectorUDT, T.ArrayType)):
+            raise ConfigurationError(f"labelCol {label!r} has type {fields[label].simpleString()}; it must be "
+                                     "numeric (index string labels with StringIndexer)")
+        weight = self.getOrDefault("sampleWeightCol") if self.isDefined("sampleWeightCol") else None
+        if weight is not None:
+            if weight not in fields or not isinstance(fields[weight], T.NumericType):
+                raise ConfigurationError(f"sampleWeightCol {weight!r} must be a numeric column of the DataFrame")
+            if not isinstance(loss, str):
+                raise ConfigurationError("sampleWeightCol needs a named loss (a callable loss returns a scalar, "
+                                         "so rows cannot be weighted)")
+        validation = self.getOrDefault("validation")
+        if isinstance(validation, str):
+            if validation not in fields or not isinstance(fields[validation], T.BooleanType):
+                raise ConfigurationError(f"validation={validation!r} must name a boolean column of the DataFrame")
+        elif validation is not None and not 0 < validation < 1:
+            raise ConfigurationError(f"validation={validation}: give a fraction strictly between 0 and 1 "
+                                     "or the name of a boolean column")
+        es = self._early_stopping(validation is not None, metrics)
+        sc = df.sparkSession.sparkContext
+        use_gpu = self.getOrDefault("useGpu")
+        if use_gpu is None:
+            use_gpu = cluster.default_use_gpu(sc)
+        num_proc = self.getOrDefault("numProc") or cluster.task_slots(sc, bool(use_gpu))
+        try:
+            cluster.check_session(sc, num_proc, bool(use_gpu))
+        except ConfigurationError as exc:
+            raise ConfigurationError(str(exc).replace("num_proc=", "numProc=")) from None
+        store = self.getOrDefault("store") or Store()
+        if not isinstance(store, Store):
+            store = Store(str(store))
+        if store.is_temporary and not (cluster.is_local(sc) or sc.master.startswith("local-cluster")):
+            raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
+                                     "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
+        store.check_writable()
+        return {"metrics": metrics, "early_stopping": es, "num_proc": num_proc, "use_gpu": bool(use_gpu),
+                "store": store, "weight": weight}
+
+    def _early_stopping(self, has_val: bool, metrics) -> Optional[Dict[str, Any]]:
+        es = self.getOrDefault("earlyStopping")
+        if es is None:
+            return None
+        if isinstance(es, int):
+            es = {"patience": es}
+        if not isinstance(es, dict) or "patience" not in es:
+            raise ConfigurationError("earlyStopping must be a patience (int) or a dict with 'patience' "
+                                     "(and optional 'monitor', 'mode', 'min_delta')")
+        monitor = es.get("monitor", "val_loss" if has_val else "loss")
+        known = ["loss"] + list(metrics)
+        known += [f"val_{k}" for k in known] if has_val else []
+        if monitor not in known:
+            raise ConfigurationError(f"earlyStopping monitors {monitor!r}, which no epoch reports; use one of {known}")
+        mode = es.get("mode", "max" if "acc" in monitor else "min")
+        if mode not in ("min", "max"):
+            raise ConfigurationError(f"earlyStopping mode={mode!r}: use 'min' or 'max'")
+        return {"monitor": monitor, "patience": int(es["patience"]), "mode": mode,
+                "min_delta": float(es.get("min_delta", 0.0))}
+
+    def _check_labels(self, df) -> None:
+        """Class-index losses need integral, non-negative labels: one small job checks."""
+        from pyspark.sql import functions as F
+
+        if losses.label_kind(self.getOrDefault("loss")) != "class":
+            return
+        label = F.col(f"`{self.getLabelCol()}`").cast("double")
+        row = df.agg(F.min(label).alias("lo"), F.max(label).alias("hi"),
+                     F.sum(F.when(label != F.floor(label), 1).otherwise(0)).alias("frac")).collect()[0]
+        if row["frac"]:
+            raise DataError(f"labelCol {self.getLabelCol()!r} has {row['frac']} non-integral value(s), but loss "
+                            f"{self.getOrDefault('loss')!r} needs class indices 0..C-1; index the labels "
+                            "(StringIndexer) or use a regression loss")
+        if row["lo"] is not None and row["lo"] < 0:
+            raise DataError(f"labelCol {self.getLabelCol()!r} has negative value {row['lo']:g}; class indices "
+                            "start at 0")
+
+    # -- fit --------------------------------------------------------------------------
+    def _fit(self, dataset):
+        checked = self._validate(dataset)
+        self._check_labels(dataset)
+        ds = self._prepare(dataset, checked["store"], checked["weight"])
+        self._prepared = ds
+        try:
+            return self._fit_prepared(ds, checked)
+        finally:
+            if not (self.getOrDefault("keepData") or self._hold_data):
+                ds.delete()
+
+    def _prepare(self, dataset, store: Store, weight: Optional[str]):
+        columns = self.featureColumns() + [self.getLabelCol()] + ([weight] if weight else [])
+        return prepare(dataset, store, columns=columns, validation=self.getOrDefault("validation"),
+                       seed=self.getOrDefault("seed"), run_id=self.getOrDefault("runId"))
+
+    def _fit_prepared(self, ds, checked) -> SparkRingModel:
+        num_proc = checked["num_proc"]
+        bs = self.getOrDefault("batchSize")
+        if ds.num_batches(bs, num_proc) == 0:
+            raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
+                                     f"on each of numProc={num_proc} ranks: lower batchSize or numProc")
+        run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
+        verbose = self.getOrDefault("verbose")
+        cfg = TrainConfig(
+            model=self.getOrDefault("model"), optimizer=self.getOrDefault("optimizer"),
+            loss=self.getOrDefault("loss"), metrics=checked["metrics"], dataset=ds, store=checked["store"],
+            run_id=run_id, feature_cols=self.featureColumns(), label_col=self.getLabelCol(),
+            weight_col=checked["weight"], batch_size=bs, val_batch_size=self.getOrDefault("valBatchSize") or bs,
+            epochs=self.getOrDefault("epochs"), shuffle=self.getOrDefault("shuffle"), seed=self.getOrDefault("seed"),
+            backward_passes_per_step=self.getOrDefault("backwardPassesPerStep"),
+            compression=self.getOrDefault("gradientCompression"),
+            lr_scaling=self.getOrDefault("learningRateScaling"), warmup_epochs=self.getOrDefault("warmupEpochs"),
+            train_steps=self.getOrDefault("trainStepsPerEpoch"),
+            val_steps=self.getOrDefault("validationStepsPerEpoch"),
+            callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
+            use_gpu=checked["use_gpu"], has_validation=ds.num_rows("val") > 0, verbose=verbose)
+        progress = _Progress(verbose)
+        try:
+            results = run(train_rank, args=(cfg,), num_proc=num_proc, backend=self.getOrDefault("backend"),
+                          use_gpu=checked["use_gpu"], timeout=self.getOrDefault("timeout"),
+                          verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=progress)
+        finally:
+            progress.close()
+        trained = copy.deepcopy(self.getOrDefault("model")).cpu()
+        trained.load_state_dict(results[0]["state_dict"])
+        model = SparkRingModel()
+        self._copyValues(model)
+        model._set(model=trained, runId=run_id, store=checked["store"], optimizer=None)
+        model.history = results[0]["history"]
+        model.featureShapes = {c: ds.shapes[c] for c in self.featureColumns()}
+        return model
+
+    def fitMultiple(self, dataset, paramMaps):
+        """Fit one model per param map; data is prepared once and shared by every fit
+        (CrossValidator and TrainValidationSplit call this), then deleted unless keepData.
+
+        >>> for index, model in est.fitMultiple(df, grid):  # doctest: +SKIP
+        ...     print(index, model.history[-1])
+        """
+        lock = threading.Lock()
+        state = {"next": 0, "done": 0}
+        used: List[Any] = []
+        keep = self.getOrDefault("keepData")
+
+        def fit_one(index: int) -> SparkRingModel:
+            est = self.copy(paramMaps[index])
+            est._hold_data = True
+            try:
+                return est.fit(dataset)
+            finally:
+                if est._prepared is not None:
+                    with lock:
+                        used.append(est._prepared)
+
+        class _Iterator:
+            def __iter__(self):
+                return self
+
+            def __next__(self):
+                with lock:
+                    index = state["next"]
+                    if index >= len(paramMaps):
+                        raise StopIteration
+                    state["next"] += 1
+                try:
+                    return index, fit_one(index)
+                finally:
+                    with lock:
+                        state["done"] += 1
+                        finished = state["done"] == len(paramMaps)
+                    if finished and not keep:
+                        for ds in {d.data_dir: d for d in used}.values():
+                            ds.delete()
+
+        return _Iterator()
+
+    # -- persistence ------------------------------------------------------------------
+    def write(self):
+        return SparkRingWriter(self)
+
+    @classmethod
+    def read(cls):
+        return SparkRingReader(cls)
+
+    def _after_load(self, metadata, store) -> None:
+        self._hold_data = False
+        self._prepared = None

@@ -1,0 +1,134 @@
+"""Named losses and how each one wants its labels and turns outputs into predictions."""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+# name -> (per-sample loss fn, label kind)
+LOSSES: Dict[str, Tuple[Callable, str]] = {
+    "cross_entropy": (lambda out, y: F.cross_entropy(out, y, reduction="none"), "class"),
+    "nll": (lambda out, y: F.nll_loss(out, y, reduction="none"), "class"),
+    "mse": (lambda out, y: F.mse_loss(out, y, reduction="none"), "regression"),
+    "l1": (lambda out, y: F.l1_loss(out, y, reduction="none"), "regression"),
+    "smooth_l1": (lambda out, y: F.smooth_l1_loss(out, y, reduction="none"), "regression"),
+    "bce_with_logits": (lambda out, y: F.binary_cross_entropy_with_logits(out, y, reduction="none"), "binary"),
+}
+CLASSIFICATION = ("cross_entropy", "nll", "bce_with_logits")
+
+
+def check_loss(loss) -> None:
+    if isinstance(loss, str):
+        if loss not in LOSSES:
+            raise ValueError(f"loss={loss!r} is not a known loss name; use one of {sorted(LOSSES)} "
+                             "or pass a callable(output, label) -> scalar")
+    elif not callable(loss):
+        raise ValueError(f"loss must be a name or a callable(output, label) -> scalar, got {type(loss).__name__}")
+
+
+def label_kind(loss) -> str:
+    """'class' (int64 indices), 'binary' (float 0/1) or 'regression' (float)."""
+    return LOSSES[loss][1] if isinstance(loss, str) else "regression"
+
+
+def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torch.Tensor:
+    """Cast labels as the loss wants them; on the first batch, check shapes and ranges."""
+    kind = label_kind(loss)
+    if kind == "class":
+        if first and torch.is_floating_point(y) and not torch.equal(y, torch.floor(y)):
+            raise ValueError("labelCol holds non-integral values but loss "
+                             f"{loss!r} needs class indices 0..C-1; use a regression loss or index the labels")
+        y = y.long().reshape(-1)
+        classes = out.shape[-1] if out.dim() > 1 else 1
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= classes):
+            raise ValueError(f"label value {int(y.max()) if int(y.max()) >= classes else int(y.min())} is out of "
+                             f"range for a model with {classes} outputs (loss {loss!r} needs labels in 0..{classes - 1}); "
+                             "give the model more outputs or re-index the labels")
+        return y
+    y = y.to(out.dtype)
+    if y.shape != out.shape:
+        if y.numel() == out.numel():
+            y = y.reshape(out.shape)
+        else:
+            raise ValueError(f"model output shape {tuple(out.shape)} does not match label shape {tuple(y.shape)} "
+                             f"for loss {loss!r}; make the model's last layer produce one value per label")
+    return y
+
+
+def per_sample_loss(loss, out: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
+    """Per-sample losses of a named loss; None for a user callable (it returns a scalar)."""
+    if not isinstance(loss, str):
+        return None
+    values = LOSSES[loss][0](out, y)
+    return values.reshape(values.shape[0], -1).mean(dim=1) if values.dim() > 1 else values
+
+
+def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    values = per_sample_loss(loss, out, y)
+    if values is None:
+        if weight is not None:
+            raise ValueError("sampleWeightCol needs a named loss (per-sample values to weight)")
+        result = loss(out, y)
+        if not isinstance(result, torch.Tensor) or result.dim() != 0:
+            raise ValueError("a loss callable must return a scalar tensor (reduce with .mean())")
+        return result
+    if weight is None:
+        return values.mean()
+    weight = weight.to(values.dtype).reshape(-1)
+    return (values * weight).sum() / weight.sum().clamp_min(1e-12)
+
+
+def predictions(loss, out: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Spark ML style outputs: prediction (+ probability and rawPrediction for classifiers)."""
+    out = out.detach().float()
+    if loss == "cross_entropy":
+        return {"prediction": out.argmax(dim=1).double(), "probability": torch.softmax(out, dim=1).double(),
+                "rawPrediction": out.double()}
+    if loss == "nll":
+        return {"prediction": out.argmax(dim=1).double(), "probability": out.exp().double(),
+                "rawPrediction": out.double()}
+    if loss == "bce_with_logits":
+        z = out.reshape(out.shape[0], -1)[:, 0]
+        p = torch.sigmoid(z)
+        return {"prediction": (p > 0.5).double(), "probability": torch.stack([1 - p, p], dim=1).double(),
+                "rawPrediction": torch.stack([-z, z], dim=1).double()}
+    flat = out.reshape(out.shape[0], -1)
+    return {"prediction": flat[:, 0].double() if flat.shape[1] == 1 else flat.double()}
+
+
+def metric_fns(metrics) -> Dict[str, Callable]:
+    if metrics is None:
+        return {}
+    if isinstance(metrics, dict):
+        items = list(metrics.items())
+    elif callable(metrics) or isinstance(metrics, str):
+        items = [(None, metrics)]
+    else:
+        items = [(None, m) for m in metrics]
+    out = {}
+    for name, fn in items:
+        if isinstance(fn, str):
+            if fn != "accuracy":
+                raise ValueError(f"metric {fn!r} is not known; use 'accuracy' or a callable(output, label) -> scalar")
+            name, fn = "accuracy", accuracy
+        if not callable(fn):
+            raise ValueError(f"metrics must be callables(output, label) -> scalar, got {type(fn).__name__}")
+        out[name or getattr(fn, "__name__", f"metric{len(out)}")] = fn
+    return out
+
+
+def accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Share of rows whose argmax (or logit > 0 for one output) equals the label.
+
+    >>> accuracy(torch.tensor([[0.1, 0.9]]), torch.tensor([1]))
+    tensor(1.)
+    """
+    if out.dim() > 1 and out.shape[1] > 1:
+        pred = out.argmax(dim=1)
+    else:
+        pred = (out.reshape(-1) > 0).long()
+    return (pred == y.reshape(-1).long()).float().mean()
+
+
+LossSpec = Union[str, Callable]

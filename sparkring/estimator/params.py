@@ -1,0 +1,119 @@
+"""pyspark.ml Params shared by SparkRingEstimator and SparkRingModel."""
+from __future__ import annotations
+
+from typing import Any, List, Union
+
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import (HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol,
+                                     HasSeed)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _to_columns(value: Any) -> Union[str, List[str]]:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(f"featuresCol must be a column name or a non-empty list of names, got {value!r}")
+
+
+def _to_validation(value: Any) -> Union[None, float, str]:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        raise TypeError("validation must be a fraction in (0, 1) or a boolean column name, not a bool")
+    return TypeConverters.toFloat(value)
+
+
+def _to_optional_int(value: Any):
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def _param(name: str, doc: str, converter=_identity) -> Param:
+    return Param(Params._dummy(), name, doc, typeConverter=converter)
+
+
+# Params whose values are Python objects: persisted with cloudpickle, not as JSON.
+OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "earlyStopping")
+
+
+class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed):
+    """Params of SparkRingEstimator (the model carries them too)."""
+
+    model = _param("model", "the torch.nn.Module to train")
+    optimizer = _param("optimizer", "a torch.optim.Optimizer over the model's parameters, or a factory "
+                                    "params -> Optimizer")
+    loss = _param("loss", "loss name (cross_entropy, nll, mse, l1, bce_with_logits, smooth_l1) or a "
+                          "callable(output, label) -> scalar")
+    metrics = _param("metrics", "callables (output, label) -> scalar (list or dict by name), averaged over ranks")
+    featuresCol = _param("featuresCol", "a vector/array column, or a list of numeric columns", _to_columns)
+    sampleWeightCol = _param("sampleWeightCol", "column of per-row loss weights (optional)",
+                             TypeConverters.toString)
+    batchSize = _param("batchSize", "rows per rank per training step", TypeConverters.toInt)
+    valBatchSize = _param("valBatchSize", "rows per validation batch (default: batchSize)", _to_optional_int)
+    epochs = _param("epochs", "passes over the training data", TypeConverters.toInt)
+    numProc = _param("numProc", "number of ranks (default: every task slot, or GPU)", _to_optional_int)
+    validation = _param("validation", "fraction of rows held out, or a boolean column marking them",
+                        _to_validation)
+    shuffle = _param("shuffle", "shuffle training rows every epoch", TypeConverters.toBoolean)
+    backend = _param("backend", "auto | gloo | nccl", TypeConverters.toString)
+    useGpu = _param("useGpu", "train on GPUs (default: when Spark schedules GPUs)", _identity)
+    store = _param("store", "sparkring.Store for data, checkpoints, logs (default: a temporary local one)")
+    runId = _param("runId", "name of the run in the store; fitting again with the same runId resumes",
+                   _identity)
+    backwardPassesPerStep = _param("backwardPassesPerStep", "batches whose gradients add up before a step",
+                                   TypeConverters.toInt)
+    gradientCompression = _param("gradientCompression", "none | fp16", TypeConverters.toString)
+    learningRateScaling = _param("learningRateScaling", "none | linear (lr x numProc)", TypeConverters.toString)
+    warmupEpochs = _param("warmupEpochs", "epochs to ramp lr up to its scaled value", TypeConverters.toFloat)
+    trainStepsPerEpoch = _param("trainStepsPerEpoch", "steps per epoch (default: one pass)", _to_optional_int)
+    validationStepsPerEpoch = _param("validationStepsPerEpoch", "validation batches per epoch (default: all)",
+                                     _to_optional_int)
+    callbacks = _param("callbacks", "objects with on_train_begin/on_epoch_end/on_train_end, or callables "
+                                    "(epoch, logs); they run on rank 0")
+    earlyStopping = _param("earlyStopping", "patience (int) or dict(monitor, patience, mode, min_delta)")
+    verbose = _param("verbose", "0 silent, 1 progress bar and epoch lines, 2 also every rank's output",
+                     TypeConverters.toInt)
+    inferenceBatchSize = _param("inferenceBatchSize", "rows per forward pass in transform", TypeConverters.toInt)
+    keepData = _param("keepData", "keep the prepared Parquet after fit", TypeConverters.toBoolean)
+    timeout = _param("timeout", "seconds before a rank is considered hung (default: none)", _identity)
+
+    def __init__(self):
+        super().__init__()
+        self._setDefault(featuresCol="features", labelCol="label", predictionCol="prediction",
+                         probabilityCol="probability", rawPredictionCol="rawPrediction", batchSize=32,
+                         epochs=1, validation=None, shuffle=True, seed=0, backend="auto", useGpu=None,
+                         store=None, runId=None, backwardPassesPerStep=1, gradientCompression="none",
+                         learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
+                         validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
+                         inferenceBatchSize=1024, keepData=False, metrics=None, valBatchSize=None,
+                         numProc=None, optimizer=None, loss=None, model=None, timeout=None)
+
+    def featureColumns(self) -> List[str]:
+        cols = self.getOrDefault(self.featuresCol)
+        return [cols] if isinstance(cols, str) else list(cols)
+
+
+def _make_accessors(cls) -> None:
+    """setX/getX for every Param, as pyspark.ml classes spell them."""
+    for name in dir(cls):
+        param = getattr(cls, name, None)
+        if not isinstance(param, Param):
+            continue
+        cap = name[0].upper() + name[1:]
+        if not hasattr(cls, "get" + cap):
+            def getter(self, _n=name):
+                return self.getOrDefault(_n)
+            getter.__doc__ = f"Value of {name}.\n\n>>> est.get{cap}()  # doctest: +SKIP\n"
+            setattr(cls, "get" + cap, getter)
+        if not hasattr(cls, "set" + cap):
+            def setter(self, value, _n=name):
+                return self._set(**{_n: value})
+            setter.__doc__ = f"Set {name}; returns self.\n\n>>> est.set{cap}(value)  # doctest: +SKIP\n"
+            setattr(cls, "set" + cap, setter)
+
+
+_make_accessors(SparkRingParams)

@@ -1,0 +1,53 @@
+"""Save/load of SparkRingEstimator and SparkRingModel: JSON Params in Spark's metadata
+format (so Pipelines load them), Python objects (module, optimizer, callables) with cloudpickle."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import cloudpickle
+from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+
+from ..data import Store
+from .params import OBJECT_PARAMS
+
+OBJECTS_FILE = "objects.pkl"
+
+
+def _blob_store(path: str) -> Store:
+    return Store(path)
+
+
+class SparkRingWriter(MLWriter):
+    def __init__(self, instance, extra: Optional[Dict[str, Any]] = None, blobs: Optional[Dict[str, bytes]] = None):
+        super().__init__()
+        self.instance = instance
+        self.extra = extra or {}
+        self.blobs = blobs or {}
+
+    def saveImpl(self, path: str) -> None:
+        inst = self.instance
+        json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}
+        DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, extraMetadata=self.extra,
+                                         paramMap=json_params)
+        objects = {name: inst.getOrDefault(name) for name in OBJECT_PARAMS if inst.isSet(name)}
+        store = _blob_store(path)
+        store.write_bytes(store.path(OBJECTS_FILE), cloudpickle.dumps(objects))
+        for name, data in self.blobs.items():
+            store.write_bytes(store.path(name), data)
+
+
+class SparkRingReader(MLReader):
+    def __init__(self, cls):
+        super().__init__()
+        self.cls = cls
+
+    def load(self, path: str):
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        instance = self.cls()
+        instance._resetUid(metadata["uid"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
+        store = _blob_store(path)
+        objects = cloudpickle.loads(store.read_bytes(store.path(OBJECTS_FILE)))
+        instance._set(**objects)
+        instance._after_load(metadata, store)
+        return instance

@@ -1,0 +1,301 @@
+"""The per-rank training loop that SparkRingEstimator.fit runs through sparkring.run."""
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import random
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+import sparkring.collective as sr
+from sparkring.runner import report
+
+from . import losses
+
+CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})\.pt$")
+
+
+@dataclass
+class TrainConfig:
+    model: torch.nn.Module
+    optimizer: Any
+    loss: Any
+    metrics: Dict[str, Callable]
+    dataset: Any
+    store: Any
+    run_id: str
+    feature_cols: List[str]
+    label_col: str
+    weight_col: Optional[str]
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    shuffle: bool
+    seed: int
+    backward_passes_per_step: int
+    compression: str
+    lr_scaling: str
+    warmup_epochs: float
+    train_steps: Optional[int]
+    val_steps: Optional[int]
+    callbacks: List[Any] = field(default_factory=list)
+    early_stopping: Optional[Dict[str, Any]] = None
+    use_gpu: bool = False
+    has_validation: bool = False
+    verbose: int = 1
+
+
+def _features(batch: Dict[str, torch.Tensor], cols: List[str]) -> torch.Tensor:
+    if len(cols) == 1 and batch[cols[0]].dim() > 1:
+        x = batch[cols[0]]
+        return x.float() if not torch.is_floating_point(x) or x.dtype == torch.float64 else x
+    parts = [batch[c].reshape(batch[c].shape[0], -1).float() for c in cols]
+    return torch.cat(parts, dim=1)
+
+
+def checkpoint_names(store, run_id: str) -> List[str]:
+    return sorted(n for n in store.listdir(store.checkpoint_path(run_id)) if CHECKPOINT_RE.match(n))
+
+
+def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
+    for name in reversed(checkpoint_names(store, run_id)):
+        try:
+            data = store.read_bytes(store.checkpoint_path(run_id, name))
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        except Exception:  # noqa: BLE001 - a damaged file: fall back to the one before
+            continue
+    return None
+
+
+def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history) -> None:
+    buf = io.BytesIO()
+    torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "history": history, "seed": cfg.seed,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                        "python": random.getstate()}}, buf)
+    cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, f"epoch-{epoch:05d}.pt"), buf.getvalue())
+    # keep the two newest: the latest, and the one before in case the latest is cut short
+    for old in checkpoint_names(cfg.store, cfg.run_id)[:-2]:
+        cfg.store.delete(cfg.store.checkpoint_path(cfg.run_id, old))
+
+
+def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
+    # Every epoch starts from RNG state derived from (seed, epoch, rank): a resumed run
+    # draws exactly what the uninterrupted one drew.
+    s = (seed * 1_000_003 + epoch * 7919 + rank) % (2 ** 31)
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
+
+
+def _build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if isinstance(cfg.optimizer, torch.optim.Optimizer):
+        opt = cfg.optimizer
+        model_params = {id(p) for p in model.parameters()}
+        if any(id(p) not in model_params for g in opt.param_groups for p in g["params"]):
+            raise ValueError("optimizer= was built over parameters that are not the model's; build it with "
+                             "model.parameters() of the same model, or pass a factory: lambda params: ...")
+        return opt
+    opt = cfg.optimizer(model.parameters())
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ValueError(f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer")
+    return opt
+
+
+class _Callbacks:
+    def __init__(self, callbacks):
+        self.callbacks = list(callbacks or [])
+
+    def call(self, hook: str, *args):
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(*args)
+            elif hook == "on_epoch_end" and callable(cb):
+                cb(*args[:2])
+
+
+class _Tensorboard:
+    def __init__(self, cfg: TrainConfig):
+        self.writer = None
+        log_dir = cfg.store.local_path(cfg.store.logs_path(cfg.run_id))
+        if log_dir is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # noqa: BLE001 - tensorboard is optional
+            return
+        self.writer = SummaryWriter(log_dir=log_dir)
+
+    def epoch(self, epoch: int, logs: Dict[str, Any]) -> None:
+        if self.writer is not None:
+            for k, v in logs.items():
+                if isinstance(v, (int, float)) and k != "epoch":
+                    self.writer.add_scalar(k, v, epoch)
+            self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _run_batches(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, epoch: int, steps: int,
+                 shuffle: bool, drop_last: bool):
+    """``steps`` batches, starting more passes over the data when one pass has fewer."""
+    produced = 0
+    for extra_pass in itertools.count():
+        got = 0
+        for batch in cfg.dataset.batches(bs, rank=rank, size=size, shuffle=shuffle, seed=cfg.seed,
+                                         epoch=epoch + extra_pass * 100_003, drop_last=drop_last, split=split):
+            yield batch
+            got += 1
+            produced += 1
+            if produced >= steps:
+                return
+        if got == 0 or not drop_last:
+            return
+
+
+def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
+    rank, size = sr.rank(), sr.size()
+    device = torch.device("cuda") if cfg.use_gpu and torch.cuda.is_available() else torch.device("cpu")
+    torch.manual_seed(cfg.seed)
+    model = cfg.model.to(device)
+    opt = _build_optimizer(cfg, model)
+
+    history: List[Dict[str, Any]] = []
+    start_epoch = 0
+    if rank == 0:
+        ckpt = load_latest_checkpoint(cfg.store, cfg.run_id)
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["optimizer"])
+            history = list(ckpt["history"])
+            start_epoch = int(ckpt["epoch"]) + 1
+    start_epoch, history = sr.broadcast_object((start_epoch, history), root_rank=0)
+    sr.broadcast_parameters(model.state_dict(), root_rank=0)
+    sr.broadcast_optimizer_state(opt, root_rank=0)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    opt = sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                  compression=getattr(sr.Compression, cfg.compression),
+                                  backward_passes_per_step=cfg.backward_passes_per_step)
+    steps = cfg.train_steps or cfg.dataset.num_batches(cfg.batch_size, size)
+    steps -= steps % cfg.backward_passes_per_step
+    if cfg.has_validation:
+        val_steps = cfg.val_steps or max(cfg.dataset.num_batches(cfg.val_batch_size, size, "val", False, r)
+                                         for r in range(size))
+    else:
+        val_steps = 0
+    callbacks = _Callbacks(cfg.callbacks if rank == 0 else [])
+    board = _Tensorboard(cfg) if rank == 0 else None
+    es = cfg.early_stopping
+    best, waited = None, 0
+    if es and history:
+        values = [h[es["monitor"]] for h in history if es["monitor"] in h]
+        for v in values:
+            better = best is None or (v < best - es["min_delta"] if es["mode"] == "min" else v > best + es["min_delta"])
+            best, waited = (v, 0) if better else (best, waited + 1)
+    if rank == 0:
+        report({"kind": "begin", "epochs": cfg.epochs, "start_epoch": start_epoch, "steps": steps})
+        callbacks.call("on_train_begin", model)
+    if es and waited >= es["patience"]:
+        start_epoch = cfg.epochs  # a resumed run that had already stopped early
+
+    first_batch = True
+    for epoch in range(start_epoch, cfg.epochs):
+        _seed_epoch(cfg.seed, epoch, rank)
+        model.train()
+        sums = torch.zeros(2 + len(cfg.metrics), dtype=torch.float64)
+        last_report = 0.0
+        for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, size, epoch, steps,
+                                               cfg.shuffle, True)):
+            if cfg.lr_scaling == "linear":
+                global_step = (epoch * steps + i) // cfg.backward_passes_per_step
+                warm = max(1.0, cfg.warmup_epochs * steps / cfg.backward_passes_per_step)
+                factor = 1 + (size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else size
+                for g, lr in zip(opt.param_groups, base_lrs):
+                    g["lr"] = lr * factor
+            x = _features(batch, cfg.feature_cols).to(device, non_blocking=True)
+            out = model(x)
+            y = losses.prepare_label(batch[cfg.label_col].to(device), out, cfg.loss, first_batch)
+            first_batch = False
+            w = batch[cfg.weight_col].to(device) if cfg.weight_col else None
+            loss = losses.compute_loss(cfg.loss, out, y, w)
+            (loss / cfg.backward_passes_per_step).backward()
+            if (i + 1) % cfg.backward_passes_per_step == 0:
+                opt.step()
+                opt.zero_grad()
+            n = x.shape[0]
+            with torch.no_grad():
+                sums[0] += loss.item() * n
+                sums[1] += n
+                for j, fn in enumerate(cfg.metrics.values()):
+                    sums[2 + j] += float(fn(out.detach(), y)) * n
+            if rank == 0 and time.monotonic() - last_report > 0.25:
+                last_report = time.monotonic()
+                report({"kind": "step", "epoch": epoch, "step": i + 1, "steps": steps,
+                        "loss": float(sums[0] / sums[1])})
+        totals = sr.allreduce(sums, op=sr.Sum)
+        logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
+        for j, name in enumerate(cfg.metrics):
+            logs[name] = float(totals[2 + j] / totals[1])
+        if val_steps:
+            logs.update(_validate(cfg, model, device, rank, size, epoch, val_steps))
+        stop = False
+        if rank == 0:
+            callbacks.call("on_epoch_end", epoch, logs, model)
+            stop = bool(logs.pop("stop_training", False))
+            history.append(dict(logs))
+            board.epoch(epoch, logs)
+            if es:
+                value = logs.get(es["monitor"])
+                if value is None:
+                    raise ValueError(f"earlyStopping monitors {es['monitor']!r} but the epoch logs have "
+                                     f"{sorted(logs)}; monitor one of those")
+                better = best is None or (value < best - es["min_delta"] if es["mode"] == "min"
+                                          else value > best + es["min_delta"])
+                best, waited = (value, 0) if better else (best, waited + 1)
+                stop = stop or waited >= es["patience"]
+            _save_checkpoint(cfg, epoch, model, opt, history)
+            report({"kind": "epoch", "epoch": epoch, "logs": logs, "stopped": stop})
+        if sr.broadcast_object(stop, root_rank=0):
+            break
+    if rank != 0:
+        return None
+    callbacks.call("on_train_end", history, model)
+    if board is not None:
+        board.close()
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    cfg.store.write_bytes(cfg.store.model_path(cfg.run_id, "state_dict.pt"), buf.getvalue())
+    return {"state_dict": state, "history": history}
+
+
+def _validate(cfg: TrainConfig, model, device, rank: int, size: int, epoch: int, val_steps: int) -> Dict[str, float]:
+    model.eval()
+    sums = torch.zeros(2 + len(cfg.metrics), dtype=torch.float64)
+    with torch.no_grad():
+        for batch in _run_batches(cfg, "val", cfg.val_batch_size, rank, size, epoch, val_steps, False, False):
+            x = _features(batch, cfg.feature_cols).to(device)
+            out = model(x)
+            y = losses.prepare_label(batch[cfg.label_col].to(device), out, cfg.loss, True)
+            w = batch[cfg.weight_col].to(device) if cfg.weight_col else None
+            n = x.shape[0]
+            sums[0] += losses.compute_loss(cfg.loss, out, y, w).item() * n
+            sums[1] += n
+            for j, fn in enumerate(cfg.metrics.values()):
+                sums[2 + j] += float(fn(out, y)) * n
+    totals = sr.allreduce(sums, op=sr.Sum)
+    if totals[1] == 0:
+        return {}
+    logs = {"val_loss": float(totals[0] / totals[1])}
+    for j, name in enumerate(cfg.metrics):
+        logs[f"val_{name}"] = float(totals[2 + j] / totals[1])
+    return logs
