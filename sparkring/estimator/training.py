@@ -73,10 +73,10 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history) -> None:
+def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited) -> None:
     buf = io.BytesIO()
     torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "history": history, "seed": cfg.seed,
+                "history": history, "seed": cfg.seed, "stopped": stopped, "early_stopping": (best, waited),
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                         "python": random.getstate()}}, buf)
     cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, f"epoch-{epoch:05d}.pt"), buf.getvalue())
@@ -170,7 +170,7 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     opt = _build_optimizer(cfg, model)
 
     history: List[Dict[str, Any]] = []
-    start_epoch = 0
+    start_epoch, stopped, best, waited = 0, False, None, 0
     if rank == 0:
         ckpt = load_latest_checkpoint(cfg.store, cfg.run_id)
         if ckpt is not None:
@@ -178,7 +178,9 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
             opt.load_state_dict(ckpt["optimizer"])
             history = list(ckpt["history"])
             start_epoch = int(ckpt["epoch"]) + 1
-    start_epoch, history = sr.broadcast_object((start_epoch, history), root_rank=0)
+            stopped = bool(ckpt.get("stopped"))
+            best, waited = ckpt.get("early_stopping", (None, 0))
+    start_epoch, history, stopped = sr.broadcast_object((start_epoch, history, stopped), root_rank=0)
     sr.broadcast_parameters(model.state_dict(), root_rank=0)
     sr.broadcast_optimizer_state(opt, root_rank=0)
     base_lrs = [g["lr"] for g in opt.param_groups]
@@ -195,16 +197,10 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     callbacks = _Callbacks(cfg.callbacks if rank == 0 else [])
     board = _Tensorboard(cfg) if rank == 0 else None
     es = cfg.early_stopping
-    best, waited = None, 0
-    if es and history:
-        values = [h[es["monitor"]] for h in history if es["monitor"] in h]
-        for v in values:
-            better = best is None or (v < best - es["min_delta"] if es["mode"] == "min" else v > best + es["min_delta"])
-            best, waited = (v, 0) if better else (best, waited + 1)
     if rank == 0:
         report({"kind": "begin", "epochs": cfg.epochs, "start_epoch": start_epoch, "steps": steps})
         callbacks.call("on_train_begin", model)
-    if es and waited >= es["patience"]:
+    if stopped:
         start_epoch = cfg.epochs  # a resumed run that had already stopped early
 
     first_batch = True
@@ -260,9 +256,12 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                                      f"{sorted(logs)}; monitor one of those")
                 better = best is None or (value < best - es["min_delta"] if es["mode"] == "min"
                                           else value > best + es["min_delta"])
-                best, waited = (value, 0) if better else (best, waited + 1)
-                stop = stop or waited >= es["patience"]
-            _save_checkpoint(cfg, epoch, model, opt, history)
+                if better:
+                    best, waited = value, 0
+                else:
+                    waited += 1
+                    stop = stop or waited >= es["patience"]
+            _save_checkpoint(cfg, epoch, model, opt, history, stop, best, waited)
             report({"kind": "epoch", "epoch": epoch, "logs": logs, "stopped": stop})
         if sr.broadcast_object(stop, root_rank=0):
             break

@@ -204,7 +204,9 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             sc.setJobGroup(group, f"sparkring.run: {num_proc} ranks", interruptOnCancel=True)
             rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(
                 lambda rows: run_task(spec, rows))
-            outcome["chunks"] = rdd.collect()
+            # Spark never retries a failed barrier *result* stage, only a barrier map stage:
+            # a shuffle after the ranks lets spark.task.maxFailures > 1 rerun (and resume) them.
+            outcome["chunks"] = rdd.map(lambda chunk: (chunk[0], chunk)).partitionBy(1).values().collect()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             outcome["error"] = exc
 

@@ -1,0 +1,72 @@
+"""Models, data and callbacks for the estimator tests (importable by Spark's workers)."""
+import os
+import time
+
+import numpy as np
+import torch
+from pyspark.ml.linalg import Vectors
+
+
+def classification_df(spark, n=480, d=8, classes=3, seed=0, partitions=3):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(0, 3, size=(classes, d))
+    labels = rng.integers(0, classes, size=n)
+    x = centers[labels] + rng.normal(0, 1, size=(n, d))
+    rows = [(i, Vectors.dense(x[i]), float(labels[i])) for i in range(n)]
+    return spark.createDataFrame(rows, ["id", "features", "label"]).repartition(partitions, "id")
+
+
+def regression_df(spark, n=400, seed=0):
+    rng = np.random.default_rng(seed)
+    a, b = rng.normal(size=n), rng.normal(size=n)
+    rows = [(i, float(a[i]), float(b[i]), float(2 * a[i] - 3 * b[i] + 0.5)) for i in range(n)]
+    return spark.createDataFrame(rows, ["id", "a", "b", "y"]).repartition(2, "id")
+
+
+def mlp(d=8, classes=3, seed=0, dropout=0.2):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout),
+                               torch.nn.Linear(16, classes))
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+class FailOnce:
+    """Raises at the end of ``epoch`` the first time only (a marker file remembers)."""
+
+    def __init__(self, marker, epoch):
+        self.marker = marker
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs, model):
+        if epoch == self.epoch and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            raise RuntimeError(f"injected failure at epoch {epoch}")
+
+
+class RecordEpochs:
+    """Appends one line per epoch to a file: proof the callback ran, where and when."""
+
+    def __init__(self, path, sleep=0.0):
+        self.path = path
+        self.sleep = sleep
+
+    def on_train_begin(self, model):
+        with open(self.path, "a") as f:
+            f.write("begin\n")
+
+    def on_epoch_end(self, epoch, logs, model):
+        logs["from_callback"] = epoch * 10
+        with open(self.path, "a") as f:
+            f.write(f"epoch {epoch} pid {os.getpid()}\n")
+        time.sleep(self.sleep)
+
+    def on_train_end(self, history, model):
+        with open(self.path, "a") as f:
+            f.write(f"end {len(history)}\n")
+
+
+def first_value(output, label):
+    return output[:, 0].mean()

@@ -1,0 +1,247 @@
+"""SparkRingEstimator / SparkRingModel end to end on real Spark."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+from pyspark.ml.feature import StandardScaler, VectorAssembler
+from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+from sparkring import ConfigurationError, RankFailedError, SparkRingEstimator, SparkRingModel, Store
+from sparkring.data import DataError
+
+import est_helpers as H
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _estimator(store, **kw):
+    params = dict(model=H.mlp(), optimizer=H.adam, loss="cross_entropy", batchSize=16, epochs=4,
+                  numProc=2, seed=3, store=store, verbose=0)
+    params.update(kw)
+    return SparkRingEstimator(**params)
+
+
+def _assert_same_weights(a, b, atol=1e-5):
+    sa, sb = a.getModel().state_dict(), b.getModel().state_dict()
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=0)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(str(tmp_path / "store"))
+
+
+def _jobs(spark):
+    return len(spark.sparkContext.statusTracker().getJobIdsForGroup(None))
+
+
+def test_fit_trains_a_classifier_and_transform_adds_spark_ml_columns(spark, store):
+    df = H.classification_df(spark)
+    model = _estimator(store, metrics=["accuracy"], validation=0.2).fit(df)
+    assert [h["epoch"] for h in model.history] == [0, 1, 2, 3]
+    assert model.history[-1]["loss"] < model.history[0]["loss"]
+    assert {"accuracy", "val_loss", "val_accuracy"} <= set(model.history[-1])
+    out = model.transform(df)
+    assert set(out.columns) == {"id", "features", "label", "prediction", "probability", "rawPrediction"}
+    assert dict(out.dtypes)["prediction"] == "double"
+    rows = out.collect()
+    assert len(rows) == 480
+    acc = sum(r.prediction == r.label for r in rows) / len(rows)
+    assert acc > 0.9
+    assert abs(sum(rows[0].probability) - 1.0) < 1e-6 and len(rows[0].rawPrediction) == 3
+    # the prediction is the argmax of the module's own output
+    net = model.getModel().eval()
+    with torch.no_grad():
+        logits = net(torch.tensor([list(rows[0].features)], dtype=torch.float32))
+    assert rows[0].prediction == float(logits.argmax())
+    assert os.path.exists(store.model_path(model.getOrDefault("runId"), "state_dict.pt"))
+    assert not os.path.exists(store.data_path(model.getOrDefault("runId")))  # keepData=False
+
+
+def test_regression_on_a_list_of_numeric_columns_with_sample_weights(spark, store):
+    df = H.regression_df(spark).withColumn("w", __import__("pyspark.sql.functions", fromlist=["lit"]).lit(1.0))
+    torch.manual_seed(0)
+    est = SparkRingEstimator(model=torch.nn.Linear(2, 1), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                             loss="mse", featuresCol=["a", "b"], labelCol="y", sampleWeightCol="w",
+                             batchSize=20, epochs=15, numProc=2, store=store, verbose=0)
+    model = est.fit(df)
+    w = model.getModel().weight.detach().flatten().tolist()
+    assert w == pytest.approx([2.0, -3.0], abs=0.05)
+    out = model.transform(df)
+    assert dict(out.dtypes)["prediction"] == "double"
+    row = out.orderBy("id").first()
+    assert row.prediction == pytest.approx(row.y, abs=0.1)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"featuresCol": "nope"}, r"featuresCol 'nope' is not a column"),
+    ({"labelCol": "nope"}, r"labelCol 'nope' is not a column"),
+    ({"loss": "hinge"}, r"loss='hinge' is not a known loss"),
+    ({"numProc": 3}, r"numProc=3 is larger than the 2 concurrent task slots"),
+    ({"batchSize": 0}, r"batchSize=0: it must be at least 1"),
+    ({"epochs": 0}, r"epochs=0"),
+    ({"validation": 1.5}, r"validation=1.5"),
+    ({"validation": "label"}, r"validation='label' must name a boolean column"),
+    ({"gradientCompression": "int8"}, r"gradientCompression='int8'"),
+    ({"earlyStopping": {"patience": 1, "monitor": "val_auc"}}, r"earlyStopping monitors 'val_auc'"),
+    ({"model": "not a module"}, r"model must be a torch.nn.Module"),
+])
+def test_bad_params_are_rejected_before_any_spark_job(spark, store, kw, match):
+    df = H.classification_df(spark)
+    before = _jobs(spark)
+    with pytest.raises(ConfigurationError, match=match):
+        _estimator(store, **kw).fit(df)
+    assert _jobs(spark) == before
+
+
+def test_class_index_losses_reject_non_integral_and_out_of_range_labels(spark, store):
+    from pyspark.sql import functions as F
+
+    df = H.classification_df(spark)
+    with pytest.raises(DataError, match=r"labelCol 'label' has \d+ non-integral value"):
+        _estimator(store).fit(df.withColumn("label", F.col("label") + 0.5))
+    with pytest.raises(RankFailedError, match=r"label value 7 is out of range for a model with 3 outputs"):
+        _estimator(store, epochs=1).fit(df.withColumn("label", F.when(F.col("id") % 5 == 0, 7.0)
+                                                      .otherwise(F.col("label"))))
+
+
+def test_regression_shape_mismatch_names_both_shapes(spark, store):
+    df = H.regression_df(spark)
+    est = SparkRingEstimator(model=torch.nn.Linear(2, 3), optimizer=H.adam, loss="mse", featuresCol=["a", "b"],
+                             labelCol="y", batchSize=10, epochs=1, numProc=2, store=store, verbose=0)
+    with pytest.raises(RankFailedError, match=r"model output shape \(10, 3\) does not match label shape \(10,\)"):
+        est.fit(df)
+
+
+def test_callbacks_run_on_rank_zero_and_early_stopping_stops_every_rank(spark, store, tmp_path):
+    df = H.classification_df(spark)
+    log = tmp_path / "callback.log"
+    est = _estimator(store, epochs=30, callbacks=[H.RecordEpochs(str(log))],
+                     earlyStopping={"monitor": "loss", "patience": 0, "min_delta": 10.0})
+    model = est.fit(df)
+    lines = log.read_text().splitlines()
+    # min_delta=10 makes every epoch after the first "no better": stop after epoch 1
+    assert [h["epoch"] for h in model.history] == [0, 1]
+    assert lines[0] == "begin" and lines[-1] == "end 2"
+    assert len({line.split("pid")[1] for line in lines if "pid" in line}) == 1  # one process: rank 0
+    assert [h["from_callback"] for h in model.history] == [0, 10]  # callbacks may add to the logs
+
+
+def test_progress_reaches_the_driver_while_training_runs(spark, store, tmp_path, capsys):
+    df = H.classification_df(spark)
+    est = _estimator(store, epochs=3, verbose=1, callbacks=[H.RecordEpochs(str(tmp_path / "l"), sleep=1.5)])
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("m", est.fit(df)))
+    t.start()
+    seen, during = "", False
+    while t.is_alive():
+        seen += capsys.readouterr().out
+        if "epoch 1/3" in seen and t.is_alive():
+            during = True
+        time.sleep(0.1)
+    t.join()
+    seen += capsys.readouterr().out
+    assert during, "the first epoch line only arrived after fit() returned"
+    assert "epoch 3/3  loss=" in seen
+    est.setVerbose(0).setRunId("quiet")
+    est.setCallbacks(None).fit(df)
+    assert "epoch 1/3" not in capsys.readouterr().out
+
+
+def test_fit_resumes_from_last_checkpoint_after_rank_failure(spark_retry, store, tmp_path):
+    df = H.classification_df(spark_retry)
+    reference = _estimator(store, runId="reference", keepData=True).fit(df)
+    failing = _estimator(store, runId="retried", keepData=True,
+                         callbacks=[H.FailOnce(str(tmp_path / "failed-once"), epoch=2)])
+    resumed = failing.fit(df)  # Spark retries the barrier stage; training resumes at epoch 2
+    assert (tmp_path / "failed-once").exists()
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
+    _assert_same_weights(resumed, reference, atol=1e-5)
+
+
+def test_fit_again_with_the_same_run_id_resumes_after_a_failed_fit(spark, store, tmp_path):
+    df = H.classification_df(spark)
+    reference = _estimator(store, runId="ref2", keepData=True).fit(df)
+    with pytest.raises(RankFailedError, match="injected failure at epoch 2"):
+        _estimator(store, runId="again", callbacks=[H.FailOnce(str(tmp_path / "m"), epoch=2)]).fit(df)
+    ckpts = sorted(os.listdir(store.checkpoint_path("again")))
+    assert ckpts == ["epoch-00000.pt", "epoch-00001.pt"]
+    resumed = _estimator(store, runId="again").fit(df)
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
+    _assert_same_weights(resumed, reference, atol=1e-5)
+
+
+def test_model_and_estimator_save_and_load_round_trip(spark, store, tmp_path):
+    df = H.classification_df(spark)
+    est = _estimator(store, epochs=2, metrics={"first": H.first_value})
+    model = est.fit(df)
+    model.write().overwrite().save(str(tmp_path / "model"))
+    loaded = SparkRingModel.load(str(tmp_path / "model"))
+    assert loaded.history == model.history
+    a = [r.probability for r in model.transform(df).orderBy("id").collect()]
+    b = [r.probability for r in loaded.transform(df).orderBy("id").collect()]
+    assert a == b
+    est.write().overwrite().save(str(tmp_path / "est"))
+    est2 = SparkRingEstimator.load(str(tmp_path / "est"))
+    assert est2.getBatchSize() == 16 and est2.getLoss() == "cross_entropy"
+    assert isinstance(est2.getOrDefault("model"), torch.nn.Module)
+
+
+def test_pipeline_with_assembler_and_scaler_fits_saves_and_loads(spark, store, tmp_path):
+    df = H.regression_df(spark).withColumn("label", (__import__("pyspark.sql.functions", fromlist=["col"])
+                                                     .col("y") > 0.5).cast("double"))
+    pipe = Pipeline(stages=[
+        VectorAssembler(inputCols=["a", "b"], outputCol="raw"),
+        StandardScaler(inputCol="raw", outputCol="features"),
+        SparkRingEstimator(model=H.mlp(d=2, classes=2), optimizer=H.adam, loss="cross_entropy", batchSize=20,
+                           epochs=6, numProc=2, store=store, verbose=0)])
+    fitted = pipe.fit(df)
+    preds = fitted.transform(df)
+    acc = preds.filter("prediction = label").count() / preds.count()
+    assert acc > 0.85
+    fitted.write().overwrite().save(str(tmp_path / "pipe"))
+    again = PipelineModel.load(str(tmp_path / "pipe"))
+    assert [r.prediction for r in again.transform(df).orderBy("id").collect()] == \
+        [r.prediction for r in preds.orderBy("id").collect()]
+
+
+def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spark, store, monkeypatch):
+    df = H.classification_df(spark, n=240)
+    est = _estimator(store, epochs=1)
+    grid = ParamGridBuilder().addGrid(est.batchSize, [8, 16]).addGrid(est.epochs, [1, 2]).build()
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
+                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    prep = sys.modules["sparkring.data.prepare"]
+    calls = []
+    original = prep._profile
+    monkeypatch.setattr(prep, "_profile", lambda *a, **k: calls.append(1) or original(*a, **k))
+    cv_model = cv.fit(df)
+    assert len(cv_model.avgMetrics) == 4
+    assert len(calls) == 2 + 1  # one prepare per fold, one for the final refit
+    assert os.listdir(store.path("runs")) and not any(
+        os.path.exists(store.data_path(r)) for r in os.listdir(store.path("runs")))
+    assert cv_model.bestModel.transform(df).count() == 240
+
+
+def test_spark_submit_digits_example_on_local_cluster():
+    import pyspark
+
+    submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    out = os.path.join(ROOT, "examples", "out")
+    proc = subprocess.run([submit, "--master", "local-cluster[2,1,1024]", "--conf", "spark.driver.host=127.0.0.1",
+                           "--conf", "spark.executor.memory=768m", os.path.join(ROOT, "examples", "digits.py"),
+                           "--epochs", "10", "--out", out], capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    acc = float(proc.stdout.split("held-out accuracy:")[1].split()[0])
+    assert acc >= 0.95
+    assert "identical predictions: True" in proc.stdout
+    assert os.path.getsize(os.path.join(out, "digits_loss.png")) > 1000
