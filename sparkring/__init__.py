@@ -2,10 +2,34 @@
 
 >>> from sparkring import SparkRingEstimator, SparkRingModel, Store, run
 """
-from .data import Store
-from .estimator import SparkRingEstimator, SparkRingModel
-from .runner import ConfigurationError, RankFailedError, RankTimeoutError, run
+from typing import Any
 
 __version__ = "0.1.0"
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "ConfigurationError", "RankFailedError",
            "RankTimeoutError"]
+
+# Imported on first use: a rank's worker process imports sparkring.collective and should
+# not pay for pyspark.ml, pandas and pyarrow it never touches.
+_LAZY = {
+    "SparkRingEstimator": "sparkring.estimator",
+    "SparkRingModel": "sparkring.estimator",
+    "Store": "sparkring.data",
+    "run": "sparkring.runner",
+    "ConfigurationError": "sparkring.runner",
+    "RankFailedError": "sparkring.runner",
+    "RankTimeoutError": "sparkring.runner",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'sparkring' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

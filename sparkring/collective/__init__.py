@@ -8,11 +8,13 @@ from ._api import (Adasum, Average, Max, Min, NotInitializedError, Product, Sum,
                    allgather_object, allreduce, allreduce_, allreduce_async, allreduce_async_,
                    alltoall, backend, barrier, broadcast, broadcast_, broadcast_async,
                    broadcast_async_, broadcast_object, broadcast_optimizer_state,
-                   broadcast_parameters, cross_rank, cross_size, grouped_allreduce,
-                   grouped_allreduce_, init, is_initialized, local_rank, local_size, poll, rank,
-                   reducescatter, shutdown, size, synchronize)
+                   broadcast_parameters, check_same_shapes, cross_rank, cross_size, gloo_built,
+                   grouped_allreduce, grouped_allreduce_, init, is_initialized, local_rank, local_size,
+                   mpi_built, mpi_threads_supported, nccl_built, poll, rank, reducescatter, shutdown,
+                   size, synchronize)
 from ._optimizer import DistributedOptimizer
 from .compression import Compression
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -22,4 +24,5 @@ __all__ = [
     "broadcast_async_", "broadcast_object", "alltoall", "reducescatter", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
     "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInitializedError",
+    "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built", "mpi_threads_supported", "check_same_shapes",
 ]

@@ -72,6 +72,7 @@ def init(backend: Optional[str] = None) -> None:
         _state.local_size = int(env.get(_env.LOCAL_SIZE, str(_state.backend.size)))
         _state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
         _state.cross_size = int(env.get(_env.CROSS_SIZE, "1"))
+        _checked_names.clear()
 
 
 def shutdown() -> None:
@@ -274,6 +275,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     >>> h = sr.allreduce_async(torch.ones(3)); sr.synchronize(h)  # doctest: +SKIP
     tensor([1., 1., 1.])
     """
+    _check_name(name, tensor, "allreduce")
     return _allreduce_async(tensor, None, _resolve_op(average, op), compression,
                             prescale_factor, postscale_factor)
 
@@ -285,6 +287,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
     >>> h = sr.allreduce_async_(t); sr.synchronize(h)  # doctest: +SKIP
     """
+    _check_name(name, tensor, "allreduce")
     return _allreduce_async(tensor, tensor, _resolve_op(average, op), Compression.none,
                             prescale_factor, postscale_factor)
 
@@ -297,6 +300,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     >>> sr.allreduce(torch.tensor([float(sr.rank())]))  # 2 ranks  # doctest: +SKIP
     tensor([0.5000])
     """
+    _check_name(name, tensor, "allreduce")
     return synchronize(_allreduce_async(tensor, None, _resolve_op(average, op), compression,
                                         prescale_factor, postscale_factor))
 
@@ -308,6 +312,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 
     >>> t = torch.ones(2); sr.allreduce_(t, op=sr.Sum)  # doctest: +SKIP
     """
+    _check_name(name, tensor, "allreduce")
     return synchronize(_allreduce_async(tensor, tensor, _resolve_op(average, op),
                                         Compression.none, prescale_factor, postscale_factor))
 
@@ -404,6 +409,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
     >>> sr.synchronize(sr.broadcast_async_(t, 0))  # doctest: +SKIP
     """
+    _check_name(name, tensor, "broadcast")
     wire = _to_wire(tensor)
     if tensor.numel() == 0:
         return _DoneHandle(tensor)
@@ -574,3 +580,87 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     for h in handles:
         h.wait()
     optimizer.load_state_dict({"state": new_state, "param_groups": root_skeleton["param_groups"]})
+
+
+# -- what is built (Horovod's introspection calls) -----------------------------------------
+
+def gloo_built() -> bool:
+    """True: gloo (CPU) collectives are available.
+
+    >>> sr.gloo_built()
+    True
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    """True when this torch build has NCCL (GPU) collectives.
+
+    >>> sr.nccl_built()  # doctest: +SKIP
+    False
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def mpi_built() -> bool:
+    """False: this release has no MPI transport.
+
+    >>> sr.mpi_built()
+    False
+    """
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """False: this release has no MPI transport.
+
+    >>> sr.mpi_threads_supported()
+    False
+    """
+    return False
+
+
+_checked_names: Dict[str, Tuple] = {}
+
+
+def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise ValueError naming the rank and tensor when ranks disagree on names, shapes or dtypes.
+
+    >>> sr.check_same_shapes(list(model.named_parameters()), "DistributedOptimizer")  # doctest: +SKIP
+    """
+    b = _b()
+    if b.size == 1:
+        return
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    everyone = b.allgather_object(mine)
+    for r, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        mine_d = {n: (s, d) for n, s, d in mine}
+        theirs_d = {n: (s, d) for n, s, d in theirs}
+        for n in sorted(set(mine_d) | set(theirs_d)):
+            if mine_d.get(n) != theirs_d.get(n):
+                raise ValueError(
+                    f"{what}: tensor {n!r} is {_describe(theirs_d.get(n))} on rank {r} but "
+                    f"{_describe(mine_d.get(n))} on rank {b.rank}; every rank must pass the same "
+                    "names with the same shapes and dtypes")
+        raise ValueError(f"{what}: rank {r} passes tensors in a different order than rank {b.rank}")
+
+
+def _describe(entry) -> str:
+    return "missing" if entry is None else f"shape {entry[0]} {entry[1]}"
+
+
+def _check_name(name: Optional[str], tensor: torch.Tensor, what: str) -> None:
+    """First use of a name: every rank must agree on its shape (Horovod checks this too)."""
+    if name is None or _b().size == 1:
+        return
+    sig = (tuple(tensor.shape), str(tensor.dtype))
+    if _checked_names.get(name) == sig:
+        return
+    check_same_shapes([(name, tensor)], what)
+    _checked_names[name] = sig

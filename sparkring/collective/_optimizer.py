@@ -55,6 +55,7 @@ class _DistributedOptimizerMixin:
         if backward_passes_per_step < 1:
             raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
         self._sr_names = by_id
+        _api.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
         self._sr_compression = compression
         self._sr_bpps = backward_passes_per_step
         self._sr_op = op

@@ -38,8 +38,18 @@ def _report_error(tb: str, exit_code=None) -> None:
         pass
 
 
+def _name_process() -> None:
+    """Show up as sparkring-rank<N> in ps/top (a forked worker keeps its parent's cmdline)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.prctl(15, f"sparkring-r{os.environ.get('SPARKRING_RANK', '?')}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
+
+
 def main(workdir: str) -> None:
     _die_with_parent()
+    _name_process()
     import faulthandler
 
     stacks = open(os.path.join(workdir, "stacks.txt"), "w")
@@ -49,8 +59,13 @@ def main(workdir: str) -> None:
     with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
     try:
+        import torch
+
         import sparkring.collective as sr
 
+        threads = os.environ.get("OMP_NUM_THREADS")
+        if threads and threads.isdigit():
+            torch.set_num_threads(int(threads))  # the env var alone is too late after a fork
         sr.init()
         result = fn(*args, **(kwargs or {}))
         tmp = os.path.join(workdir, "result.pkl.tmp")

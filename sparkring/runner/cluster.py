@@ -65,6 +65,17 @@ def task_slots(sc, use_gpu: bool) -> int:
     )) if hasattr(sc, "_jsc") else sc.defaultParallelism
 
 
+def task_max_failures(sc) -> int:
+    """How many times Spark may run a task: local[N,F] says F, local[N] means 1, clusters
+    read spark.task.maxFailures (default 4)."""
+    m = re.fullmatch(r"local\[(?:\*|\d+)\s*,\s*(\d+)\]", sc.master)
+    if m:
+        return int(m.group(1))
+    if is_local(sc):
+        return 1
+    return int(_conf(sc, "spark.task.maxFailures", "4"))
+
+
 def default_use_gpu(sc) -> bool:
     return task_gpus(sc) > 0
 

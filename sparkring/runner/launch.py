@@ -68,6 +68,7 @@ class _RunState:
         self.hello: Dict[int, set] = {}
         self.arrived: set = set()
         self.timeouts: Dict[int, Dict[int, str]] = {}
+        self.stacks: Dict[int, Dict[int, str]] = {}
         self.done: Dict[int, set] = {}
         self.errors: Dict[int, dict] = {}
         self.pids: List[int] = []
@@ -99,6 +100,9 @@ class _RunState:
                     self.on_event(rank, msg.get("payload"))
                 except Exception as exc:  # noqa: BLE001 - a progress bug must not kill training
                     print(f"sparkring: on_event callback failed: {exc!r}", file=self.err)
+        elif kind == "stacks":
+            with self.lock:
+                self.stacks.setdefault(attempt, {})[rank] = msg.get("stacks", "")
         elif kind == "done":
             with self.lock:
                 self.done.setdefault(attempt, set()).add(rank)
@@ -110,8 +114,9 @@ class _RunState:
                 if first:
                     self.errors[attempt] = msg
             if first and self.channel is not None:
-                reason = f"rank {rank} failed"
-                self.channel.broadcast({"t": "abort", "reason": reason},
+                timed_out = msg.get("kind") == "timeout"
+                reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
+                self.channel.broadcast({"t": "abort", "reason": reason, "dump": timed_out},
                                        where=lambda c: c.info.get("task") and c.info.get("attempt") == attempt
                                        and c.info.get("rank") != rank)
 
@@ -197,6 +202,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
                     start_timeout=float(start_timeout), timeout=timeout, env=dict(env or {}),
                     task_cpus=cluster.task_cpus(sc))
     group = f"sparkring-{uuid.uuid4().hex[:12]}"
+    max_failures = cluster.task_max_failures(sc)
     outcome: Dict[str, Any] = {}
 
     def collect():
@@ -204,9 +210,12 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             sc.setJobGroup(group, f"sparkring.run: {num_proc} ranks", interruptOnCancel=True)
             rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(
                 lambda rows: run_task(spec, rows))
-            # Spark never retries a failed barrier *result* stage, only a barrier map stage:
-            # a shuffle after the ranks lets spark.task.maxFailures > 1 rerun (and resume) them.
-            outcome["chunks"] = rdd.map(lambda chunk: (chunk[0], chunk)).partitionBy(1).values().collect()
+            if max_failures > 1:
+                # Spark never retries a failed barrier *result* stage, only a barrier map
+                # stage: a shuffle after the ranks lets it rerun them (the driver caps the
+                # attempts at spark.task.maxFailures).
+                rdd = rdd.map(lambda chunk: (chunk[0], chunk)).partitionBy(1).values()
+            outcome["chunks"] = rdd.collect()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             outcome["error"] = exc
 
@@ -232,6 +241,11 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             elif timeout is not None and now - since > start_timeout + timeout + 30:
                 running = sorted(set(range(num_proc)) - state.done.get(attempt, set()))
                 failure = RankTimeoutError(f"ranks {running} exceeded timeout={timeout:g}s", running)
+            with state.lock:
+                failed_attempts = len(state.errors)
+            if failure is None and max_failures > 1 and failed_attempts >= max_failures:
+                err = state.first_error()
+                failure = RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""), err.get("exit_code"))
             if failure is not None:
                 channel.broadcast({"t": "abort", "reason": str(failure)})
                 sc.cancelJobGroup(group)
@@ -241,19 +255,45 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             err = state.first_error()
             if err is not None:
                 if err.get("kind") == "timeout":
-                    with state.lock:
-                        timed = dict(state.timeouts.get(max(state.timeouts), {}))
-                    ranks = sorted(timed)
-                    raise RankTimeoutError(
-                        f"ranks {ranks} exceeded timeout={timeout:g}s and were killed\n\n"
-                        + "\n\n".join(timed[r] for r in ranks), ranks) from None
+                    raise _timeout_error(state, num_proc, timeout) from None
                 raise RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""),
                                       err.get("exit_code")) from None
             raise SparkRingError(f"the barrier stage failed before any rank reported: {outcome['error']}") \
                 from outcome["error"]
     finally:
         channel.close()
+        _last_worker_pids[:] = state.pids
     return _assemble(outcome["chunks"], num_proc)
+
+
+def _timeout_error(state: _RunState, num_proc: int, timeout: float) -> RankTimeoutError:
+    """Name the ranks that ran out of time, with where every rank's threads were."""
+    attempt = max(state.timeouts)
+    deadline = time.monotonic() + 3  # the other ranks' stack dumps are on their way
+    while time.monotonic() < deadline:
+        with state.lock:
+            have = set(state.timeouts.get(attempt, {})) | set(state.stacks.get(attempt, {}))
+        if len(have) >= num_proc:
+            break
+        time.sleep(0.05)
+    with state.lock:
+        timed = dict(state.timeouts.get(attempt, {}))
+        stacks = dict(state.stacks.get(attempt, {}))
+    ranks = sorted(timed)
+    parts = [timed[r] for r in ranks]
+    parts += [f"rank {r} was stopped with them; where its threads were:\n{stacks[r]}"
+              for r in sorted(stacks) if r not in timed]
+    return RankTimeoutError(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} exceeded "
+                            f"timeout={timeout:g}s and {'were' if len(ranks) > 1 else 'was'} killed\n\n"
+                            + "\n\n".join(parts), ranks)
+
+
+_last_worker_pids: List[int] = []
+
+
+def last_worker_pids() -> List[int]:
+    """Process ids of the rank workers of the latest run() (all gone once it returns)."""
+    return list(_last_worker_pids)
 
 
 def _assemble(chunks, num_proc: int) -> List[Any]:

@@ -1,0 +1,126 @@
+"""Functions the benchmarks run on ranks (importable by Spark's workers by reference)."""
+import time
+
+import torch
+import torch.distributed as dist
+
+import sparkring.collective as sr
+
+
+def trivial_allreduce():
+    return sr.allreduce(torch.ones(1)).item()
+
+
+def torch_distributor_trivial():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def allreduce_bandwidth(sizes, min_seconds=0.6):
+    """Bus bandwidth (GB/s) of sr.allreduce / sr.allreduce_ vs dist.all_reduce on the same gloo group."""
+    out = []
+    n = sr.size()
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        for _ in range(2):
+            sr.allreduce(t, op=sr.Sum)
+            dist.all_reduce(t)
+
+        def measure(op):
+            iters, start = 0, time.perf_counter()
+            # every rank must run the same count: agree on it from rank 0's timing
+            while True:
+                op()
+                iters += 1
+                done = torch.tensor([1.0 if time.perf_counter() - start > min_seconds or iters >= 2000 else 0.0])
+                dist.broadcast(done, 0)
+                if done.item():
+                    break
+            return (time.perf_counter() - start) / iters
+
+        results = {"raw": [], "ours": [], "ours_inplace": []}
+        for _ in range(2):  # alternate blocks so drift hits both
+            results["raw"].append(measure(lambda: dist.all_reduce(t)))
+            results["ours"].append(measure(lambda: sr.allreduce(t, op=sr.Sum)))
+            results["ours_inplace"].append(measure(lambda: sr.allreduce_(t, op=sr.Sum)))
+        bus = lambda sec: 2 * (n - 1) / n * nbytes / min(sec) / 1e9  # noqa: E731
+        out.append({"bytes": nbytes, **{k: bus(v) for k, v in results.items()}})
+    return out
+
+
+def optimizer_vs_ddp(steps=60, width=1024, batch=64):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                   torch.nn.ReLU(), torch.nn.Linear(width, 10))
+
+    x = torch.randn(batch, 256)
+    y = torch.randint(0, 10, (batch,))
+    ddp = DDP(make())
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    plain = make()
+    ours_opt = sr.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.01),
+                                       named_parameters=plain.named_parameters())
+
+    def step_ddp():
+        ddp_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        ddp_opt.step()
+
+    def step_ours():
+        ours_opt.zero_grad()
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        ours_opt.step()
+
+    for _ in range(5):
+        step_ddp()
+        step_ours()
+    times = {"ddp": [], "ours": []}
+    for _ in range(3):
+        for name, fn in (("ddp", step_ddp), ("ours", step_ours)):
+            sr.barrier()
+            start = time.perf_counter()
+            for _ in range(steps // 3):
+                fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: batch * sr.size() * (steps // 3) / min(v) for k, v in times.items()}
+
+
+def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
+    """Hand-written TorchDistributor loop: pyarrow reads the Parquet, DDP trains."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    table = pq.read_table(files_by_rank[rank])
+    feats = table.column("features").combine_chunks()
+    x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
+    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    # ranks must take the same number of steps
+    n = torch.tensor([len(x)])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    steps = int(n) // batch_size
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(x.shape[1], 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        perm = torch.randperm(len(x))
+        for i in range(steps):
+            idx = perm[i * batch_size:(i + 1) * batch_size]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    dist.destroy_process_group()
+    return steps * batch_size * epochs

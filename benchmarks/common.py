@@ -1,0 +1,59 @@
+"""Shared helpers for the benchmarks: a local Spark session, timing, the results table."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import Callable, List
+
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+os.environ["PYSPARK_PYTHON"] = sys.executable
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+os.environ["PYTHONPATH"] = os.pathsep.join([BENCH_DIR, os.path.dirname(BENCH_DIR), os.environ.get("PYTHONPATH", "")])
+
+
+def spark_session(master: str = "local[2]"):
+    from pyspark.sql import SparkSession
+
+    return (SparkSession.builder.master(master).appName("sparkring-bench")
+            .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+            .config("spark.driver.memory", "6g")
+            .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
+            .config("spark.sql.execution.arrow.maxRecordsPerBatch", "10000")
+            .getOrCreate())
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def alternate(ours: Callable, baseline: Callable, reps: int):
+    """Run the two side by side, alternating, and return the median seconds of each."""
+    a, b = [], []
+    for _ in range(reps):
+        a.append(timed(ours))
+        b.append(timed(baseline))
+    return statistics.median(a), statistics.median(b)
+
+
+class Row:
+    def __init__(self, group: str, what: str, ours: str, baseline: str, ratio: float, goal: str, higher_is_better=True,
+                 goal_value: float = None):
+        self.group, self.what, self.ours, self.baseline, self.ratio, self.goal = group, what, ours, baseline, ratio, goal
+        if goal_value is None:
+            self.met = ""
+        else:
+            self.met = "yes" if (ratio >= goal_value if higher_is_better else ratio <= goal_value) else "**no**"
+
+
+def write_table(rows: List[Row], path: str, header: str) -> None:
+    lines = [header, "", "| area | measurement | sparkring | baseline | ratio | goal | met |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r.group} | {r.what} | {r.ours} | {r.baseline} | {r.ratio:.2f}x | {r.goal} | {r.met} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")

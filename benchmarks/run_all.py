@@ -1,0 +1,292 @@
+"""Run every benchmark side by side with its baseline and rewrite BENCHMARKS.md.
+
+    make bench                      # or: python benchmarks/run_all.py [--only launch,allreduce,...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import Row, alternate, spark_session, timed, write_table  # noqa: E402
+
+import bench_fns  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench_launch(spark, rows, reps):
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from sparkring import run
+
+    run(bench_fns.trivial_allreduce, num_proc=2, verbose=0)  # warm the Python workers for both
+    ours, td = alternate(lambda: run(bench_fns.trivial_allreduce, num_proc=2, verbose=0),
+                         lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+                         .run(bench_fns.torch_distributor_trivial), reps)
+    rows.append(Row("runner", "launch: run() of one allreduce on local[2], wall time", f"{ours:.2f} s",
+                    f"TorchDistributor {td:.2f} s", ours / td, "<= 0.5x", higher_is_better=False, goal_value=0.5))
+
+
+def bench_allreduce(spark, rows, reps):
+    from sparkring import run
+
+    sizes = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20]
+    result = run(bench_fns.allreduce_bandwidth, args=(sizes,), num_proc=2, verbose=0)[0]
+    for r in result:
+        label = f"{r['bytes'] >> 10} KB" if r["bytes"] < (1 << 20) else f"{r['bytes'] >> 20} MB"
+        goal = ">= 0.95x" if r["bytes"] >= (1 << 20) else "(reference)"
+        gv = 0.95 if r["bytes"] >= (1 << 20) else None
+        rows.append(Row("collective", f"allreduce bus bandwidth {label}, sr.allreduce (new tensor)",
+                        f"{r['ours']:.2f} GB/s", f"dist.all_reduce {r['raw']:.2f} GB/s", r["ours"] / r["raw"], goal,
+                        goal_value=gv))
+        rows.append(Row("collective", f"allreduce bus bandwidth {label}, sr.allreduce_ (in place)",
+                        f"{r['ours_inplace']:.2f} GB/s", f"dist.all_reduce {r['raw']:.2f} GB/s",
+                        r["ours_inplace"] / r["raw"], goal, goal_value=gv))
+
+
+def bench_optimizer(spark, rows, reps):
+    from sparkring import run
+
+    r = run(bench_fns.optimizer_vs_ddp, num_proc=2, verbose=0)[0]
+    rows.append(Row("collective", "DistributedOptimizer step throughput, 3-layer MLP (1.3M params), gloo",
+                    f"{r['ours']:.0f} samples/s", f"DDP {r['ddp']:.0f} samples/s", r["ours"] / r["ddp"], ">= 0.95x",
+                    goal_value=0.95))
+
+
+def _vector_df(spark, n, d=64, partitions=4):
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    return (spark.range(n, numPartitions=partitions)
+            .select(array_to_vector(F.array(*[F.rand(i).cast("float") for i in range(d)])).alias("features"),
+                    (F.rand(99) * 10).cast("int").cast("double").alias("label")))
+
+
+def bench_data(spark, rows, reps, tmp):
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    from sparkring import Store
+    from sparkring.data import prepare
+
+    n = 200_000
+    src = os.path.join(tmp, "source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+    df = spark.read.parquet(src)
+    df.count()
+    store = Store(os.path.join(tmp, "store"))
+    out = os.path.join(tmp, "plain")
+    ours, plain = alternate(lambda: prepare(df, store, columns=["features", "label"], reuse=False),
+                            lambda: df.write.mode("overwrite").parquet(out), reps)
+    rows.append(Row("data", f"prepare() of {n // 1000}k rows x 64 floats + label", f"{ours:.2f} s",
+                    f"df.write.parquet {plain:.2f} s", plain / ours, ">= 0.8x (speed)", goal_value=0.8))
+
+    ds = prepare(df, store, columns=["features", "label"], reuse=False)
+    files = [os.path.join(ds.data_dir, f["path"]) for f in ds.metadata["splits"]["train"]]
+
+    def read_ours(shuffle):
+        count = 0
+        for b in ds.batches(1024, rank=0, size=1, shuffle=shuffle, drop_last=False):
+            count += len(b["label"])
+        assert count == n
+
+    def read_raw():
+        count = 0
+        for path in files:
+            f = pq.ParquetFile(path)
+            for i in range(f.num_row_groups):
+                t = f.read_row_group(i)
+                col = t.column("features").chunk(0)
+                _, off, data = col.buffers()
+                start = np.frombuffer(off, dtype=np.int64)[col.offset]
+                x = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=len(col) * 64,
+                                                   offset=int(start)).reshape(len(col), 64))
+                y = torch.from_numpy(t.column("label").to_numpy())
+                for s in range(0, len(y), 1024):
+                    count += len(y[s:s + 1024]) + 0 * x[s:s + 1024].shape[0]
+        assert count == n
+
+    ours, raw = alternate(lambda: read_ours(False), read_raw, reps + 2)
+    rows.append(Row("data", "reader rows/s into torch (no shuffle)", f"{n / ours / 1e6:.2f} M rows/s",
+                    f"raw pyarrow {n / raw / 1e6:.2f} M rows/s", raw / ours, ">= 0.8x", goal_value=0.8))
+    ours_s, raw = alternate(lambda: read_ours(True), read_raw, reps + 2)
+    rows.append(Row("data", "reader rows/s into torch (shuffled)", f"{n / ours_s / 1e6:.2f} M rows/s",
+                    f"raw pyarrow (unshuffled) {n / raw / 1e6:.2f} M rows/s", raw / ours_s, "(reference)"))
+
+
+def bench_training(spark, rows, reps, tmp, n):
+    import torch
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from sparkring import SparkRingEstimator, Store
+
+    src = os.path.join(tmp, "train_source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+    df = spark.read.parquet(src)
+    epochs, bs, lr = 2, 256, 1e-3
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+    def ours():
+        SparkRingEstimator(model=net(), optimizer=lambda p: torch.optim.Adam(p, lr=lr), loss="cross_entropy",
+                           batchSize=bs, epochs=epochs, numProc=2, verbose=0,
+                           store=Store(os.path.join(tmp, "train_store"))).fit(df)
+
+    def baseline():
+        path = os.path.join(tmp, "td_parquet")
+        df.select(vector_to_array("features", "float32").alias("features"), "label") \
+            .write.mode("overwrite").parquet(path)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+        by_rank = [files[r::2] for r in range(2)]
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
+            bench_fns.ddp_parquet_training, by_rank, epochs, bs, lr)
+
+    t_ours, t_td = alternate(ours, baseline, reps)
+    sps = lambda t: n * epochs / t  # noqa: E731
+    rows.append(Row("estimator", f"fit() throughput, {n // 1000}k rows x 64, MLP, 2 ranks, {epochs} epochs (whole fit)",
+                    f"{sps(t_ours):,.0f} samples/s", f"TorchDistributor+DDP+pyarrow {sps(t_td):,.0f} samples/s",
+                    t_td / t_ours, ">= 1.0x", goal_value=1.0))
+
+    def single():
+        import numpy as np
+        import pyarrow.parquet as pq
+
+        path = os.path.join(tmp, "td_parquet")
+        table = pq.read_table(path)
+        feats = table.column("features").combine_chunks()
+        x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
+        y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+        model = net()
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        for _ in range(epochs):
+            perm = torch.randperm(len(x))
+            for i in range(len(x) // bs):
+                idx = perm[i * bs:(i + 1) * bs]
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    t_single = timed(single)
+    torch.set_num_threads(threads)
+    rows.append(Row("estimator", "fit() vs one plain torch process on the same rows (2 threads, data in memory)",
+                    f"{sps(t_ours):,.0f} samples/s", f"single process {sps(t_single):,.0f} samples/s",
+                    t_single / t_ours, "(scaling; 2 cores shared)"))
+
+
+def bench_transform(spark, rows, reps, tmp):
+    import numpy as np
+    import pandas as pd
+    import torch
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import DoubleType
+
+    from sparkring import SparkRingModel
+
+    n = 200_000
+    src = os.path.join(tmp, "transform_source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+    df = spark.read.parquet(src)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).eval()
+    model = SparkRingModel()
+    model._set(model=net, loss="cross_entropy", featuresCol="features", inferenceBatchSize=4096)
+    model.featureShapes = {"features": [64]}
+
+    def ours():
+        model.transform(df).write.format("noop").mode("overwrite").save()
+
+    def hand_written():
+        def predict(frames):
+            for frame in frames:
+                x = torch.from_numpy(np.stack(frame["f"].to_numpy()).astype(np.float32))
+                with torch.no_grad():
+                    out = net(x)
+                frame = frame.drop(columns=["f"])
+                frame["prediction"] = out.argmax(dim=1).double().numpy()
+                frame["probability"] = list(torch.softmax(out, 1).double().numpy())
+                yield frame
+
+        (df.withColumn("f", vector_to_array("features", "float32")).drop("features")
+         .mapInPandas(predict, "label double, prediction double, probability array<double>")
+         .write.format("noop").mode("overwrite").save())
+
+    t_ours, t_hand = alternate(ours, hand_written, reps)
+    rows.append(Row("estimator", f"transform rows/s, {n // 1000}k rows x 64, MLP", f"{n / t_ours:,.0f} rows/s",
+                    f"hand-written mapInPandas {n / t_hand:,.0f} rows/s", t_hand / t_ours, ">= 0.9x", goal_value=0.9))
+
+    small = df.limit(20_000)
+
+    @F.udf(DoubleType())
+    def row_at_a_time(v):
+        with torch.no_grad():
+            return float(net(torch.tensor(v.toArray(), dtype=torch.float32).unsqueeze(0)).argmax())
+
+    t_row = timed(lambda: small.withColumn("prediction", row_at_a_time("features")).write.format("noop")
+                  .mode("overwrite").save())
+    rows.append(Row("estimator", "transform vs row-at-a-time UDF (Horovod's way), 20k rows",
+                    f"{n / t_ours:,.0f} rows/s", f"row UDF {20_000 / t_row:,.0f} rows/s",
+                    (n / t_ours) / (20_000 / t_row), "(reference)"))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="launch,allreduce,optimizer,data,training,transform")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--train-rows", type=int, default=1_000_000)
+    parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    spark = spark_session()
+    spark.sparkContext.setLogLevel("ERROR")
+    tmp = tempfile.mkdtemp(prefix="sparkring-bench-")
+    rows = []
+    started = time.time()
+    try:
+        for name, fn in (("launch", bench_launch), ("allreduce", bench_allreduce), ("optimizer", bench_optimizer)):
+            if name in only:
+                print(f"== {name}", flush=True)
+                fn(spark, rows, args.reps)
+        if "data" in only:
+            print("== data", flush=True)
+            bench_data(spark, rows, args.reps, tmp)
+        if "training" in only:
+            print("== training", flush=True)
+            bench_training(spark, rows, max(1, args.reps - 1), tmp, args.train_rows)
+        if "transform" in only:
+            print("== transform", flush=True)
+            bench_transform(spark, rows, args.reps, tmp)
+    finally:
+        spark.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    import pyarrow
+    import pyspark
+    import torch
+
+    header = (f"# Benchmarks\n\nGenerated by `make bench` ({time.strftime('%Y-%m-%d')}, {time.time() - started:.0f} s) on "
+              f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}, "
+              f"pyspark {pyspark.__version__}, torch {torch.__version__}, pyarrow {pyarrow.__version__}.\n"
+              "Every ratio compares sparkring with its baseline measured side by side in the same run "
+              "(alternating, median of repetitions); ratios > 1 mean sparkring is faster, except the launch "
+              "row, which is a ratio of wall times (lower is better).")
+    write_table(rows, args.out, header)
+    print(open(args.out).read())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""SyncBatchNorm: batch statistics computed over every rank's batch (CPU and GPU).
+
+Written by hand because torch.nn.SyncBatchNorm only runs on GPUs; this one reduces the
+statistics with sparkring's allreduce, and autograd carries the gradient back through a
+differentiable allreduce.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from . import _api
+
+
+class _AllreduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return _api.allreduce(tensor, op=_api.Sum)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _api.allreduce(grad.contiguous(), op=_api.Sum)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Drop-in for torch.nn.BatchNorm{1,2,3}d whose training statistics span all ranks.
+
+    >>> bn = sr.SyncBatchNorm(16)
+    >>> y = bn(torch.randn(8, 16, 4, 4))  # doctest: +SKIP
+    """
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not self.training or not _api.is_initialized() or _api.size() == 1:
+            return super().forward(input)
+        channels = input.shape[1]
+        dims = [0] + list(range(2, input.dim()))
+        count = torch.tensor([input.numel() / channels], dtype=input.dtype, device=input.device)
+        stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
+        stats = _AllreduceSum.apply(stats)
+        total = stats[-1]
+        mean = stats[:channels] / total
+        var = stats[channels:2 * channels] / total - mean * mean
+        if self.track_running_stats and self.running_mean is not None:
+            with torch.no_grad():
+                if self.num_batches_tracked is not None:
+                    self.num_batches_tracked += 1
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                unbiased = var * total / (total - 1).clamp_min(1)
+                self.running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
+                self.running_var.mul_(1 - momentum).add_(momentum * unbiased.detach())
+        shape = [1, channels] + [1] * (input.dim() - 2)
+        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        return out
