@@ -1,0 +1,129 @@
+"""Horovod's classic pytorch_mnist.py, unchanged except for its import line, running on
+Spark through sparkring. MNIST cannot be downloaded here, so the data is synthetic and
+MNIST-shaped (28x28 images of 10 classes).
+
+    python -m sparkring run -np 2 examples/horovod_mnist.py --epochs 2
+"""
+import argparse
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.optim as optim
+import torch.utils.data.distributed
+
+import sparkring.collective as hvd  # was: import horovod.torch as hvd
+
+parser = argparse.ArgumentParser(description="PyTorch MNIST Example")
+parser.add_argument("--batch-size", type=int, default=64)
+parser.add_argument("--test-batch-size", type=int, default=256)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--lr", type=float, default=0.01)
+parser.add_argument("--momentum", type=float, default=0.5)
+parser.add_argument("--seed", type=int, default=42)
+parser.add_argument("--log-interval", type=int, default=10)
+parser.add_argument("--fp16-allreduce", action="store_true", default=False)
+parser.add_argument("--use-adasum", action="store_true", default=False)
+parser.add_argument("--train-size", type=int, default=2048)
+parser.add_argument("--checkpoint-dir", default=None)
+
+
+def synthetic_mnist(n, seed):
+    """Ten fixed 28x28 templates plus noise: learnable, like digits."""
+    g = torch.Generator().manual_seed(1234)
+    templates = torch.rand(10, 1, 28, 28, generator=g)
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, 10, (n,), generator=g)
+    images = templates[labels] + 0.5 * torch.randn(n, 1, 28, 28, generator=g)
+    return torch.utils.data.TensorDataset((images - 0.5) / 0.5, labels)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super(Net, self).__init__()
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
+        self.conv2_drop = nn.Dropout2d()
+        self.fc1 = nn.Linear(320, 50)
+        self.fc2 = nn.Linear(50, 10)
+
+    def forward(self, x):
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = x.view(-1, 320)
+        x = F.relu(self.fc1(x))
+        x = F.dropout(x, training=self.training)
+        x = self.fc2(x)
+        return F.log_softmax(x)
+
+
+def train(epoch):
+    model.train()
+    train_sampler.set_epoch(epoch)
+    for batch_idx, (data, target) in enumerate(train_loader):
+        optimizer.zero_grad()
+        output = model(data)
+        loss = F.nll_loss(output, target)
+        loss.backward()
+        optimizer.step()
+        if batch_idx % args.log_interval == 0 and hvd.rank() == 0:
+            print("Train Epoch: {} [{}/{} ({:.0f}%)]\tLoss: {:.6f}".format(
+                epoch, batch_idx * len(data), len(train_sampler),
+                100. * batch_idx / len(train_loader), loss.item()))
+
+
+def metric_average(val, name):
+    tensor = torch.tensor(val)
+    avg_tensor = hvd.allreduce(tensor, name=name)
+    return avg_tensor.item()
+
+
+def test():
+    model.eval()
+    test_loss = 0.
+    test_accuracy = 0.
+    for data, target in test_loader:
+        output = model(data)
+        test_loss += F.nll_loss(output, target, reduction="sum").item()
+        pred = output.data.max(1, keepdim=True)[1]
+        test_accuracy += pred.eq(target.data.view_as(pred)).cpu().float().sum()
+    test_loss /= len(test_sampler)
+    test_accuracy /= len(test_sampler)
+    test_loss = metric_average(test_loss, "avg_loss")
+    test_accuracy = metric_average(test_accuracy, "avg_accuracy")
+    if hvd.rank() == 0:
+        print("\nTest set: Average loss: {:.4f}, Accuracy: {:.2f}%\n".format(test_loss, 100. * test_accuracy))
+
+
+if __name__ == "__main__":
+    args = parser.parse_args()
+    hvd.init()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+
+    train_dataset = synthetic_mnist(args.train_size, seed=1)
+    train_sampler = torch.utils.data.distributed.DistributedSampler(
+        train_dataset, num_replicas=hvd.size(), rank=hvd.rank())
+    train_loader = torch.utils.data.DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler)
+    test_dataset = synthetic_mnist(512, seed=2)
+    test_sampler = torch.utils.data.distributed.DistributedSampler(
+        test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
+    test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=test_sampler)
+
+    model = Net()
+    lr_scaler = hvd.size() if not args.use_adasum else 1
+    optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
+
+    for epoch in range(1, args.epochs + 1):
+        train(epoch)
+        test()
+    if hvd.rank() == 0 and args.checkpoint_dir:
+        os.makedirs(args.checkpoint_dir, exist_ok=True)
+        torch.save(model.state_dict(), os.path.join(args.checkpoint_dir, "checkpoint.pt"))

@@ -1,0 +1,124 @@
+"""Horovod-style code for the drop-in tests, written against `hvd` exactly as for horovod.torch."""
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import sparkring.collective as hvd
+
+
+class Metric(object):
+    """Horovod's ImageNet example metric: running average, allreduced by name."""
+
+    def __init__(self, name):
+        self.name = name
+        self.sum = torch.tensor(0.)
+        self.n = torch.tensor(0.)
+
+    def update(self, val):
+        self.sum += hvd.allreduce(val.detach().cpu(), name=self.name)
+        self.n += 1
+
+    @property
+    def avg(self):
+        return self.sum / self.n
+
+
+def imagenet_in_miniature(use_adasum=False, epochs=3, resume_epoch_on_rank0=1):
+    torch.manual_seed(0)
+    base_lr, warmup_epochs, batches_per_allreduce = 0.05, 1, 2
+    g = torch.Generator().manual_seed(5)
+    w_true = torch.randn(20, 4, generator=g)
+    x_all = torch.randn(512, 20, generator=g)
+    y_all = (x_all @ w_true).argmax(dim=1)
+    # shard like DistributedSampler
+    x, y = x_all[hvd.rank()::hvd.size()], y_all[hvd.rank()::hvd.size()]
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    # Horovod: resume_from_epoch is decided on rank 0 and broadcast
+    resume_from_epoch = resume_epoch_on_rank0 if hvd.rank() == 0 else 0
+    resume_from_epoch = hvd.broadcast(torch.tensor(resume_from_epoch), root_rank=0,
+                                      name="resume_from_epoch").item()
+    lr_scaler = batches_per_allreduce * hvd.size() if not use_adasum else 1
+    optimizer = torch.optim.SGD(model.parameters(), lr=base_lr * lr_scaler, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=hvd.Compression.fp16,
+                                         backward_passes_per_step=batches_per_allreduce,
+                                         op=hvd.Adasum if use_adasum else hvd.Average)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    def adjust_learning_rate(epoch, batch_idx, steps):
+        if epoch < warmup_epochs:
+            epoch += float(batch_idx + 1) / steps
+            lr_adj = 1. / hvd.size() * (epoch * (hvd.size() - 1) / warmup_epochs + 1)
+        else:
+            lr_adj = 1.
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = base_lr * hvd.size() * batches_per_allreduce * lr_adj
+
+    losses = []
+    bs = 16
+    steps = len(x) // (bs * batches_per_allreduce)
+    for epoch in range(resume_from_epoch, resume_from_epoch + epochs):
+        train_loss = Metric("train_loss")
+        for batch_idx in range(steps):
+            if not use_adasum:
+                adjust_learning_rate(epoch, batch_idx, steps)
+            optimizer.zero_grad()
+            for i in range(batches_per_allreduce):
+                s = (batch_idx * batches_per_allreduce + i) * bs
+                loss = F.cross_entropy(model(x[s:s + bs]), y[s:s + bs])
+                train_loss.update(loss)
+                (loss / batches_per_allreduce).backward()
+            optimizer.step()
+        losses.append(train_loss.avg.item())
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"losses": losses, "resume": resume_from_epoch, "weights": weights,
+            "lr": optimizer.param_groups[0]["lr"]}
+
+
+def horovod_surface():
+    out = {}
+    r, n = hvd.rank(), hvd.size()
+    out["flags"] = (hvd.is_initialized(), hvd.gloo_built(), hvd.mpi_built(), hvd.mpi_threads_supported(),
+                    hvd.cross_rank(), hvd.cross_size())
+    t = torch.tensor([1.0, 2.0]) * (r + 1)
+    out["avg_kw"] = hvd.allreduce(t, average=True).tolist()
+    out["sum_kw"] = hvd.allreduce(t, average=False).tolist()
+    out["scaled"] = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5).tolist()
+    out["product"] = hvd.allreduce(t, op=hvd.Product).tolist()
+    h = hvd.allreduce_async_(t.clone(), op=hvd.Sum)
+    out["poll_then_sync"] = hvd.synchronize(h).tolist()
+    out["grouped"] = [x.tolist() for x in hvd.grouped_allreduce([t, torch.ones(3) * r], op=hvd.Sum)]
+    out["alltoall"] = hvd.alltoall(torch.arange(4) + 10 * r).tolist()
+    out["alltoall_splits"] = hvd.alltoall(torch.arange(3) + 10 * r, splits=[1, 2] if r == 0 else [2, 1]).tolist()
+    out["reducescatter"] = hvd.reducescatter(torch.ones(5, 2) * (r + 1), op=hvd.Sum).tolist()
+    b = torch.tensor([r + 5])
+    hvd.broadcast_(b, root_rank=1)
+    out["broadcast_"] = b.tolist()
+    out["bcast_async"] = hvd.synchronize(hvd.broadcast_async(torch.tensor([r]), root_rank=0)).tolist()
+    try:
+        hvd.allreduce(torch.ones(2 + r), name="mismatch")
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def sync_batch_norm_grads(seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(8, 3, 4)
+    bn = hvd.SyncBatchNorm(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+    half = x[hvd.rank() * 4:(hvd.rank() + 1) * 4].clone().requires_grad_(True)
+    out = bn(half)
+    (out * torch.arange(4 * 3 * 4).reshape(4, 3, 4).float()).sum().backward()
+    return {"out": out.detach(), "dx": half.grad, "dw": hvd.allreduce(bn.weight.grad, op=hvd.Sum),
+            "running_mean": bn.running_mean.clone(), "running_var": bn.running_var.clone()}
+
+
+def adasum_of_rank_vectors(seed=0):
+    g = torch.Generator().manual_seed(seed + hvd.rank())
+    v = torch.randn(11, dtype=torch.float64, generator=g)
+    return {"mine": v, "adasum": hvd.allreduce(v, op=hvd.Adasum)}

@@ -1,0 +1,124 @@
+"""Horovod drop-in: horovod.torch-style code runs with `import sparkring.collective as hvd`."""
+import multiprocessing
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparkring import run
+from sparkring.collective._adasum import adasum_pair
+
+import hvd_fns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rank_entry(rank, size, port, fn_name, kwargs, queue):
+    os.environ.update(SPARKRING_RANK=str(rank), SPARKRING_SIZE=str(size), SPARKRING_MASTER_ADDR="127.0.0.1",
+                      SPARKRING_MASTER_PORT=str(port), SPARKRING_BACKEND="gloo", GLOO_SOCKET_IFNAME="lo",
+                      OMP_NUM_THREADS="1")
+    import hvd_fns as fns
+    import sparkring.collective as sr
+
+    sr.init()
+    try:
+        # plain pickle bytes: tensors through a multiprocessing queue would travel as shared
+        # memory that vanishes when this process exits before the parent reads it
+        queue.put((rank, pickle.dumps(getattr(fns, fn_name)(**kwargs))))
+    finally:
+        sr.shutdown()
+
+
+def _spawn_ranks(fn_name, size, **kwargs):
+    """Ranks as plain processes on the runner's environment contract (no Spark needed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, fn_name, kwargs, queue)) for r in range(size)]
+    for p in procs:
+        p.start()
+    results = {rank: pickle.loads(data) for rank, data in (queue.get(timeout=120) for _ in range(size))}
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return [results[r] for r in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_adasum_matches_a_direct_computation(size):
+    results = _spawn_ranks("adasum_of_rank_vectors", size)
+    vs = [r["mine"] for r in results]
+    if size == 2:
+        expected = adasum_pair(vs[0], vs[1])
+    else:
+        expected = adasum_pair(adasum_pair(vs[0], vs[1]), adasum_pair(vs[2], vs[3]))
+    for r in results:
+        torch.testing.assert_close(r["adasum"], expected, atol=1e-12, rtol=0)
+    # and it is not simply the sum or the mean
+    assert not torch.allclose(expected, sum(vs)) and not torch.allclose(expected, sum(vs) / size)
+
+
+def test_horovod_collectives_keep_horovods_semantics_and_keywords(spark):
+    r0, r1 = run(hvd_fns.horovod_surface, num_proc=2)
+    assert r0["flags"] == (True, True, False, False, 0, 1)
+    for r in (r0, r1):
+        assert r["avg_kw"] == [1.5, 3.0] and r["sum_kw"] == [3.0, 6.0]
+        assert r["scaled"] == [3.0, 6.0] and r["product"] == [2.0, 8.0]
+        assert r["poll_then_sync"] == [3.0, 6.0]
+        assert r["grouped"] == [[3.0, 6.0], [1.0, 1.0, 1.0]]
+        assert r["broadcast_"] == [6] and r["bcast_async"] == [0]
+    assert (r0["alltoall"], r1["alltoall"]) == ([0, 1, 10, 11], [2, 3, 12, 13])
+    assert (r0["alltoall_splits"], r1["alltoall_splits"]) == ([0, 10, 11], [1, 2, 12])
+    assert (r0["reducescatter"], r1["reducescatter"]) == ([[3.0, 3.0]] * 3, [[3.0, 3.0]] * 2)
+    assert re.search(r"tensor 'mismatch' is shape \(3,\) torch.float32 on rank 1 but shape \(2,\)", r0["mismatch"])
+
+
+def test_sync_batch_norm_over_two_ranks_equals_batch_norm_on_the_whole_batch(spark):
+    r0, r1 = run(hvd_fns.sync_batch_norm_grads, num_proc=2)
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 4).requires_grad_(True)
+    bn = torch.nn.BatchNorm1d(3)
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.0, 2.0, 0.5]))
+    out = bn(x)
+    w = torch.arange(48).reshape(4, 3, 4).float()
+    (out * torch.cat([w, w])).sum().backward()
+    torch.testing.assert_close(torch.cat([r0["out"], r1["out"]]), out.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.cat([r0["dx"], r1["dx"]]), x.grad, atol=1e-4, rtol=0)
+    torch.testing.assert_close(r0["dw"], bn.weight.grad, atol=1e-3, rtol=0)
+    torch.testing.assert_close(r0["running_mean"], bn.running_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(r1["running_var"], bn.running_var, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("use_adasum", [False, True])
+def test_imagenet_style_loop_with_warmup_metrics_resume_fp16_and_two_passes_per_step(spark, use_adasum):
+    r0, r1 = run(hvd_fns.imagenet_in_miniature, kwargs={"use_adasum": use_adasum}, num_proc=2)
+    assert r0["resume"] == r1["resume"] == 1  # rank 0's resume epoch reached rank 1
+    assert r0["losses"] == r1["losses"]  # Metric averages are global
+    assert r0["losses"][-1] < r0["losses"][0]
+    torch.testing.assert_close(r0["weights"], r1["weights"], atol=0, rtol=0)
+    if not use_adasum:
+        assert r0["lr"] == pytest.approx(0.05 * 2 * 2)  # warmed up to base_lr * size * passes
+
+
+def test_horovod_mnist_script_runs_on_spark_with_only_its_import_changed(tmp_path):
+    script = os.path.join(ROOT, "examples", "horovod_mnist.py")
+    source = open(script).read()
+    code = source.split('"""', 2)[2]  # after the module docstring
+    assert code.count("sparkring") == 1  # the one changed import line
+    assert "import sparkring.collective as hvd  # was: import horovod.torch as hvd" in source
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, "-m", "sparkring", "run", "-np", "2", "--master", "local[2]", script,
+                           "--epochs", "3", "--checkpoint-dir", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"Test set: Average loss: ([0-9.]+)", proc.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert os.path.getsize(tmp_path / "checkpoint.pt") > 10_000
