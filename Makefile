@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: test demo bench java clean
 
@@ -25,7 +26,7 @@ demo: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) examples/digits.py
 
 bench: java $(STAMP)
-	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run_all.py
+	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -191,3 +191,14 @@ def test_a_reader_never_sees_a_half_written_checkpoint(tmp_path):
     t.join()
     assert seen and all(seen)
     assert [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")] == []
+
+
+def test_store_works_on_fsspec_urls_pyarrow_cannot_open():
+    store = Store("memory://sparkring-tests/store")
+    store.check_writable()
+    path = store.checkpoint_path("r1", "epoch-00000.pt")
+    store.write_bytes(path, b"weights")
+    assert store.read_bytes(path) == b"weights"
+    assert store.listdir(store.checkpoint_path("r1")) == ["epoch-00000.pt"]
+    clone = __import__("pickle").loads(__import__("pickle").dumps(store))
+    assert clone.read_bytes(path) == b"weights"

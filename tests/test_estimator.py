@@ -245,3 +245,32 @@ def test_spark_submit_digits_example_on_local_cluster():
     assert acc >= 0.95
     assert "identical predictions: True" in proc.stdout
     assert os.path.getsize(os.path.join(out, "digits_loss.png")) > 1000
+
+
+def test_steps_per_epoch_linear_lr_scaling_and_multi_output_regression(spark, store):
+    import io
+
+    df = H.regression_df(spark)
+    torch.manual_seed(0)
+    est = SparkRingEstimator(model=torch.nn.Linear(2, 2), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                             loss=lambda out, y: ((out - y.reshape(-1, 1)) ** 2).mean(), featuresCol=["a", "b"],
+                             labelCol="y", batchSize=10, epochs=2, numProc=2, trainStepsPerEpoch=3,
+                             learningRateScaling="linear", store=store, runId="scaled", verbose=0)
+    model = est.fit(df)
+    ckpt = torch.load(io.BytesIO(store.read_bytes(store.checkpoint_path("scaled", "epoch-00001.pt"))),
+                      weights_only=False)
+    assert ckpt["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.2)  # 0.1 x 2 ranks
+    assert ckpt["optimizer"]["state"] == {}  # plain SGD
+    out = model.transform(df)
+    assert dict(out.dtypes)["prediction"] == "array<double>"
+    assert len(out.first().prediction) == 2
+
+
+def test_transform_works_on_vector_columns_read_back_from_parquet(spark, store, tmp_path):
+    df = H.classification_df(spark, n=200)
+    model = _estimator(store, epochs=1).fit(df)
+    df.write.parquet(str(tmp_path / "in.parquet"))
+    from_parquet = spark.read.parquet(str(tmp_path / "in.parquet"))
+    rows = model.transform(from_parquet).orderBy("id").collect()
+    expected = model.transform(df).orderBy("id").collect()
+    assert [r.prediction for r in rows] == [r.prediction for r in expected]

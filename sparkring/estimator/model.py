@@ -9,6 +9,7 @@ from typing import Any, Dict, Iterator, List, Optional
 import cloudpickle
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
@@ -51,6 +52,21 @@ def _worker_device() -> torch.device:
             pass
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+_COLUMNAR_INPUT_CONF = "spark.sql.execution.arrow.pythonUDF.columnarInput.enabled"
+
+
+def _avoid_columnar_udf_input_with_udts(spark) -> None:
+    """Spark 4.3 feeds pandas UDFs over columnar scans (Parquet) through a row-to-columnar
+    converter that has no case for user-defined types such as ML vectors, so any DataFrame
+    read from Parquet with a vector column fails with UNSUPPORTED_DATATYPE. Turning the
+    optimization off for the session keeps transform() working; it changes nothing else."""
+    try:
+        if str(spark.conf.get(_COLUMNAR_INPUT_CONF)).lower() == "true":
+            spark.conf.set(_COLUMNAR_INPUT_CONF, "false")
+    except Exception:  # noqa: BLE001 - older Spark has no such conf: nothing to avoid
+        pass
 
 
 class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
@@ -113,12 +129,12 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         missing = [c for c in self.featureColumns() if c not in dataset.columns]
         if missing:
             raise ValueError(f"featuresCol {missing} not in the DataFrame to transform; it has {dataset.columns}")
-        kind, width = self._output_kinds()
+        kind, out_width = self._output_kinds()
         loss = self.getOrDefault("loss")
         batch_size = self.getOrDefault("inferenceBatchSize")
         if kind == "classification":
             schema = "prediction double, probability array<double>, rawPrediction array<double>"
-        elif width == 1:
+        elif out_width == 1:
             schema = "prediction double"
         else:
             schema = "prediction array<double>"
@@ -134,37 +150,68 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                 parts.append(F.array(col.cast("float")))
         packed = parts[0] if len(parts) == 1 else F.concat(*parts)
         spark = dataset.sparkSession
+        if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
+            _avoid_columnar_udf_input_with_udts(spark)
         broadcast = spark.sparkContext.broadcast(cloudpickle.dumps(self.getModel().cpu()))
         key = uuid.uuid4().hex
         shapes = [self.featureShapes.get(c, []) for c in self.featureColumns()]
         single_shape = shapes[0] if len(shapes) == 1 and len(shapes[0]) > 1 else None
 
-        empty_columns = (["prediction", "probability", "rawPrediction"] if kind == "classification"
-                         else ["prediction"])
+        in_width = self._feature_width()
 
-        def predict(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+        def forward(x: np.ndarray) -> Dict[str, np.ndarray]:
             model = _load_on_worker(key, broadcast)
             device = next(iter(model.parameters()), torch.zeros(0)).device
-            for series in batches:
-                if len(series) == 0:
-                    yield pd.DataFrame({name: [] for name in empty_columns})
-                    continue
-                x = np.stack(series.to_numpy()).astype(np.float32, copy=False)
-                if single_shape is not None:
-                    x = x.reshape(len(x), *single_shape)
-                outs = []
-                with torch.no_grad():
-                    for start in range(0, len(x), batch_size):
-                        xb = torch.from_numpy(x[start:start + batch_size]).to(device)
-                        outs.append(model(xb).float().cpu())
-                preds = losses.predictions(loss, torch.cat(outs))
-                frame = {}
-                for name, values in preds.items():
-                    arr = values.numpy()
-                    frame[name] = list(arr) if arr.ndim > 1 else arr
-                yield pd.DataFrame(frame)
+            if single_shape is not None:
+                x = x.reshape(len(x), *single_shape)
+            outs = []
+            with torch.no_grad():
+                for start in range(0, len(x), batch_size):
+                    xb = torch.from_numpy(x[start:start + batch_size]).to(device)
+                    outs.append(model(xb).float().cpu())
+            if not outs:
+                return {}
+            return {name: v.numpy() for name, v in losses.predictions(loss, torch.cat(outs)).items()}
 
-        udf = pandas_udf(predict, schema)
+        names = ["prediction", "probability", "rawPrediction"] if kind == "classification" else ["prediction"]
+        arrow_udf = getattr(F, "arrow_udf", None)
+        if arrow_udf is not None:
+            # Spark >= 4.1: Arrow in, Arrow out, no per-row Python objects either way.
+            scalar_prediction = kind == "classification" or out_width == 1
+            struct_type = pa.struct([(name, pa.float64() if name == "prediction" and scalar_prediction
+                                      else pa.list_(pa.float64())) for name in names])
+
+            def predict_arrow(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
+                for arr in batches:
+                    n = len(arr)
+                    if n == 0:
+                        yield pa.array([], type=struct_type)
+                        continue
+                    x = arr.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
+                    preds = forward(x.reshape(n, in_width))
+                    fields = []
+                    for name in names:
+                        values = preds[name]
+                        if values.ndim == 1:
+                            fields.append(pa.array(values, type=pa.float64()))
+                        else:
+                            k = values.shape[1]
+                            offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
+                            fields.append(pa.ListArray.from_arrays(
+                                offsets, pa.array(values.reshape(-1), type=pa.float64())))
+                    yield pa.StructArray.from_arrays(fields, names=names)
+
+            udf = arrow_udf(predict_arrow, schema)
+        else:
+            def predict(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+                for series in batches:
+                    if len(series) == 0:
+                        yield pd.DataFrame({name: [] for name in names})
+                        continue
+                    preds = forward(np.stack(series.to_numpy()).astype(np.float32, copy=False))
+                    yield pd.DataFrame({n: list(v) if v.ndim > 1 else v for n, v in preds.items()})
+
+            udf = pandas_udf(predict, schema)
         out = dataset.withColumn(_OUT, udf(packed))
         pred = F.col(f"{_OUT}.prediction")
         out = out.withColumn(self.getPredictionCol(), pred)
