@@ -46,10 +46,10 @@ def bench_allreduce(spark, rows, reps):
         goal = ">= 0.95x" if r["bytes"] >= (1 << 20) else "(reference)"
         gv = 0.95 if r["bytes"] >= (1 << 20) else None
         rows.append(Row("collective", f"allreduce bus bandwidth {label}, sr.allreduce (new tensor)",
-                        f"{r['ours']:.2f} GB/s", f"dist.all_reduce {r['raw']:.2f} GB/s", r["ours"] / r["raw"], goal,
+                        f"{r['ours'] * 1000:.0f} MB/s", f"dist.all_reduce {r['raw'] * 1000:.0f} MB/s", r["ours"] / r["raw"], goal,
                         goal_value=gv))
         rows.append(Row("collective", f"allreduce bus bandwidth {label}, sr.allreduce_ (in place)",
-                        f"{r['ours_inplace']:.2f} GB/s", f"dist.all_reduce {r['raw']:.2f} GB/s",
+                        f"{r['ours_inplace'] * 1000:.0f} MB/s", f"dist.all_reduce {r['raw'] * 1000:.0f} MB/s",
                         r["ours_inplace"] / r["raw"], goal, goal_value=gv))
 
 

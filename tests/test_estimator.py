@@ -220,8 +220,8 @@ def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spa
                         evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
     prep = sys.modules["sparkring.data.prepare"]
     calls = []
-    original = prep._profile
-    monkeypatch.setattr(prep, "_profile", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = prep._write_partition_fn
+    monkeypatch.setattr(prep, "_write_partition_fn", lambda *a, **k: calls.append(1) or original(*a, **k))
     cv_model = cv.fit(df)
     assert len(cv_model.avgMetrics) == 4
     assert len(calls) == 2 + 1  # one prepare per fold, one for the final refit

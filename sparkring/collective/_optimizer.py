@@ -23,6 +23,7 @@ class _Bucket:
         self.pending = set(id(p) for p in params)
         self.handle = None
         self.flat: Optional[torch.Tensor] = None
+        self.buffer: Optional[torch.Tensor] = None
         self.ctx = None
 
 
@@ -110,15 +111,20 @@ class _DistributedOptimizerMixin:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.reshape(-1))
-        flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+        # one flat buffer per bucket, reused every step: no allocation (and page faults)
+        # on the hot path; the reduction happens in place in it
+        flat = bucket.buffer
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
+            flat = bucket.buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
+                                               device=grads[0].device)
+        torch.cat(grads, out=flat)
+        bucket.flat = flat
         if self._sr_op == _api.Adasum:
-            bucket.flat = flat
             bucket.handle = _api._allreduce_async(flat, flat, _api.Adasum)
             return
         prescale = 1.0 / self._sr_predivide if self._sr_predivide != 1.0 else 1.0
         postscale = self._sr_predivide if self._sr_predivide != 1.0 else 1.0
-        bucket.flat = flat
-        bucket.handle = _api._allreduce_async(flat, None, self._sr_op, self._sr_compression,
+        bucket.handle = _api._allreduce_async(flat, flat, self._sr_op, self._sr_compression,
                                               prescale, postscale)
 
     def synchronize(self) -> None:

@@ -146,7 +146,11 @@ class Dataset:
             if cache and key in self._decoded:
                 return self._decoded[key]
             if path not in files:
-                files[path] = pq.ParquetFile(self.store.fs.open_input_file(f"{self.data_dir}/{path}"))
+                full = f"{self.data_dir}/{path}"
+                local = self.store.local_path(full)
+                # local files are memory-mapped: decoding reads the page cache, no extra copy
+                files[path] = (pq.ParquetFile(local, memory_map=True) if local is not None
+                               else pq.ParquetFile(self.store.fs.open_input_file(full)))
             table = files[path].read_row_group(rg, columns=cols)
             arrays = {c: _to_numpy(table.column(c), self.columns[c]) for c in cols}
             if cache:
@@ -164,10 +168,23 @@ class Dataset:
 
         def emit(arrays: Dict[str, np.ndarray], final: bool):
             nonlocal carry
-            if carry is not None:
-                arrays = {c: np.concatenate([carry[c], arrays[c]]) for c in cols}
-                carry = None
             n = len(next(iter(arrays.values())))
+            if carry is not None:
+                # top the carried rows up to one batch; copy only those, slice the rest
+                have = len(next(iter(carry.values())))
+                take = min(batch_size - have, n)
+                carry = {c: np.concatenate([carry[c], arrays[c][:take]]) for c in cols}
+                arrays = {c: a[take:] for c, a in arrays.items()}
+                n -= take
+                if have + take == batch_size:
+                    yield to_torch(carry)
+                    carry = None
+                elif final:
+                    yield to_torch(carry)
+                    carry = None
+                    return
+                else:
+                    return
             full = n - n % batch_size
             for start in range(0, full, batch_size):
                 yield to_torch({c: a[start:start + batch_size] for c, a in arrays.items()})

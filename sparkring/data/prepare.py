@@ -50,22 +50,17 @@ def _kind_of(field) -> Dict[str, Any]:
     raise DataError(f"column {field.name!r} has type {dt.simpleString()}, which cannot become a tensor: {hint}")
 
 
-def _profile(df, columns: Sequence[str], kinds: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
-    """One Spark job: row count, nulls per column, min/max length of vectors and arrays."""
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.sql import functions as F
-
-    aggs = [F.count(F.lit(1)).alias("__rows")]
+def _merge_stats(parts: List[Dict[str, Any]], columns, tensor_cols) -> Dict[str, Any]:
+    merged: Dict[str, Any] = {"__rows": sum(p["__rows"] for p in parts)}
     for c in columns:
-        col = F.col(f"`{c}`")
-        aggs.append(F.sum(F.when(col.isNull(), 1).otherwise(0)).alias(f"{c}__nulls"))
-        if kinds[c]["kind"] in ("vector", "array"):
-            arr = vector_to_array(col) if kinds[c]["kind"] == "vector" else col
-            aggs += [F.min(F.size(arr)).alias(f"{c}__min"), F.max(F.size(arr)).alias(f"{c}__max")]
-            if kinds[c]["kind"] == "array":
-                aggs.append(F.sum(F.when(F.exists(arr, lambda x: x.isNull()), 1).otherwise(0))
-                            .alias(f"{c}__null_elems"))
-    return df.agg(*aggs).collect()[0].asDict()
+        merged[f"{c}__nulls"] = sum(p[f"{c}__nulls"] for p in parts)
+        if c in tensor_cols:
+            los = [p[f"{c}__min"] for p in parts if p[f"{c}__min"] is not None]
+            his = [p[f"{c}__max"] for p in parts if p[f"{c}__max"] is not None]
+            merged[f"{c}__min"] = min(los) if los else 0
+            merged[f"{c}__max"] = max(his) if his else 0
+            merged[f"{c}__null_elems"] = sum(p[f"{c}__null_elems"] for p in parts)
+    return merged
 
 
 def _check_profile(profile: Dict[str, Any], columns, kinds) -> None:
@@ -89,9 +84,10 @@ def _check_profile(profile: Dict[str, Any], columns, kinds) -> None:
             kinds[c]["shape"] = [int(lo)]
 
 
-def _write_partition_fn(store: Store, data_dir: str, columns: List[str], tensor_cols: List[str],
-                        row_group_rows: int):
-    """The function mapInArrow runs on executors: encode and write one Parquet file per split."""
+def _write_partition_fn(store: Store, data_dir: str, columns: List[str], tensor_cols: List[str]):
+    """The function mapInArrow runs on executors: check, encode and write one Parquet file
+    per split in the same pass, and report what it saw (rows, nulls, lengths) so that the
+    driver validates without a separate scan of the data."""
 
     def write(batches):
         import numpy as np
@@ -105,6 +101,38 @@ def _write_partition_fn(store: Store, data_dir: str, columns: List[str], tensor_
         writers: Dict[str, Any] = {}
         pending: Dict[str, List[pa.Table]] = {"train": [], "val": []}
         counts: Dict[str, List[int]] = {"train": [], "val": []}
+        stats: Dict[str, Any] = {"__rows": 0}
+        for c in columns:
+            stats[f"{c}__nulls"] = 0
+            if c in tensor_cols:
+                stats.update({f"{c}__min": None, f"{c}__max": None, f"{c}__null_elems": 0})
+        state = {"ok": True, "row_group_rows": None}
+
+        def observe(batch: pa.RecordBatch) -> bool:
+            """Update the stats; False when this batch cannot be written as tensors."""
+            ok = True
+            stats["__rows"] += batch.num_rows
+            for name in columns:
+                arr = batch.column(batch.schema.get_field_index(name))
+                if arr.null_count:
+                    stats[f"{name}__nulls"] += arr.null_count
+                    ok = False
+                if name in tensor_cols:
+                    lengths = pc.list_value_length(arr)
+                    lo, hi = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+                    if lo is not None:
+                        old_lo, old_hi = stats[f"{name}__min"], stats[f"{name}__max"]
+                        stats[f"{name}__min"] = lo if old_lo is None else min(old_lo, lo)
+                        stats[f"{name}__max"] = hi if old_hi is None else max(old_hi, hi)
+                        if stats[f"{name}__min"] != stats[f"{name}__max"] or lo == 0:
+                            ok = False
+                    values = arr.flatten()
+                    if values.null_count:
+                        parents = pc.list_parent_indices(arr).to_numpy()
+                        mask = values.is_null().to_numpy(zero_copy_only=False)
+                        stats[f"{name}__null_elems"] += int(len(np.unique(parents[mask])))
+                        ok = False
+            return ok
 
         def encode(batch: pa.RecordBatch) -> pa.Table:
             arrays, names = [], []
@@ -121,6 +149,7 @@ def _write_partition_fn(store: Store, data_dir: str, columns: List[str], tensor_
             return pa.Table.from_arrays(arrays, names=names)
 
         def flush(split: str, final: bool = False):
+            row_group_rows = state["row_group_rows"]
             tables = pending[split]
             rows = sum(t.num_rows for t in tables)
             if not rows or (rows < row_group_rows and not final):
@@ -143,6 +172,14 @@ def _write_partition_fn(store: Store, data_dir: str, columns: List[str], tensor_
         for batch in batches:
             if batch.num_rows == 0:
                 continue
+            if not observe(batch):
+                state["ok"] = False
+            if not state["ok"]:
+                continue  # keep counting for the error message, write nothing more
+            if state["row_group_rows"] is None:
+                row_bytes = sum(4 * len(batch.column(batch.schema.get_field_index(c))[0]) if c in tensor_cols
+                                else 8 for c in columns)
+                state["row_group_rows"] = int(max(1024, min(1 << 20, TARGET_ROW_GROUP_BYTES // max(1, row_bytes))))
             is_val = batch.column(batch.schema.get_field_index(VAL_COLUMN)).to_numpy(zero_copy_only=False)
             table = encode(batch)
             if is_val.any():
@@ -153,18 +190,25 @@ def _write_partition_fn(store: Store, data_dir: str, columns: List[str], tensor_
                 pending["train"].append(table)
             for split in ("train", "val"):
                 flush(split)
-        for split in ("train", "val"):
-            flush(split, final=True)
-        out = {"split": [], "path": [], "rows": [], "row_groups": []}
+        if state["ok"]:
+            for split in ("train", "val"):
+                flush(split, final=True)
+        out = {"split": [], "path": [], "rows": [], "row_groups": [], "stats": []}
         for split, (writer, path) in writers.items():
             writer.close()
             out["split"].append(split)
             out["path"].append(path)
             out["rows"].append(sum(counts[split]))
             out["row_groups"].append(counts[split])
+            out["stats"].append(None)
+        out["split"].append("stats")
+        out["path"].append(None)
+        out["rows"].append(stats["__rows"])
+        out["row_groups"].append([])
+        out["stats"].append(json.dumps(stats))
         yield pa.RecordBatch.from_pydict(out, schema=pa.schema([
             ("split", pa.string()), ("path", pa.string()), ("rows", pa.int64()),
-            ("row_groups", pa.list_(pa.int64()))]))
+            ("row_groups", pa.list_(pa.int64())), ("stats", pa.string())]))
 
     return write
 
@@ -224,8 +268,6 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
             return cached
     store.check_writable()
 
-    profile = _profile(df, columns, kinds)
-    _check_profile(profile, columns, kinds)
     run_id = run_id or uuid.uuid4().hex[:12]
     data_dir = store.data_path(run_id)
 
@@ -249,11 +291,16 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
         selected.append((F.rand(seed if seed is not None else 0) < validation).alias(VAL_COLUMN))
     else:
         selected.append(F.lit(False).alias(VAL_COLUMN))
-    row_bytes = sum(4 * kinds[c]["shape"][0] if c in tensor_cols else 8 for c in columns)
-    row_group_rows = int(max(1024, min(1 << 20, TARGET_ROW_GROUP_BYTES // max(1, row_bytes))))
-    writer = _write_partition_fn(store, data_dir, columns, tensor_cols, row_group_rows)
-    files = df.select(*selected).mapInArrow(
-        writer, "split string, path string, rows long, row_groups array<long>").collect()
+    writer = _write_partition_fn(store, data_dir, columns, tensor_cols)
+    rows = df.select(*selected).mapInArrow(
+        writer, "split string, path string, rows long, row_groups array<long>, stats string").collect()
+    files = [r for r in rows if r["split"] != "stats"]
+    try:
+        _check_profile(_merge_stats([json.loads(r["stats"]) for r in rows if r["split"] == "stats"], columns,
+                                    tensor_cols), columns, kinds)
+    except DataError:
+        store.delete(data_dir)
+        raise
 
     import pyarrow as pa  # noqa: F401 - schema of the written files
 
@@ -268,8 +315,7 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     for row in sorted(files, key=lambda r: r["path"]):
         splits[row["split"]].append({"path": row["path"].rsplit("/", 2)[-2] + "/" + row["path"].rsplit("/", 1)[-1],
                                      "rows": int(row["rows"]), "row_groups": [int(x) for x in row["row_groups"]]})
-    metadata = {"format": 1, "columns": schema, "splits": splits, "row_group_rows": row_group_rows,
-                "validation": validation, "seed": seed}
+    metadata = {"format": 1, "columns": schema, "splits": splits, "validation": validation, "seed": seed}
     if not any(f["rows"] for f in splits["train"]):
         raise DataError("every row went to validation: no training rows are left; lower validation=")
     # Files of failed task attempts are not listed: remove them before committing.
