@@ -46,7 +46,9 @@ def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torc
                              f"range for a model with {classes} outputs (loss {loss!r} needs labels in 0..{classes - 1}); "
                              "give the model more outputs or re-index the labels")
         return y
-    y = y.to(out.dtype)
+    y = y.to(out.dtype) if torch.is_floating_point(out) else y
+    if not isinstance(loss, str):
+        return y  # a callable loss decides how output and label line up
     if y.shape != out.shape:
         if y.numel() == out.numel():
             y = y.reshape(out.shape)
