@@ -22,7 +22,7 @@ def torch_distributor_trivial():
     return t.item()
 
 
-def allreduce_bandwidth(sizes, min_seconds=0.6):
+def allreduce_bandwidth(sizes, min_seconds=0.4):
     """Bus bandwidth (GB/s) of sr.allreduce / sr.allreduce_ vs dist.all_reduce on the same gloo group."""
     out = []
     n = sr.size()
@@ -45,7 +45,7 @@ def allreduce_bandwidth(sizes, min_seconds=0.6):
             return (time.perf_counter() - start) / iters
 
         results = {"raw": [], "ours": [], "ours_inplace": []}
-        for _ in range(2):  # alternate blocks so drift hits both
+        for _ in range(4):  # alternate blocks so drift hits both; best block of each
             results["raw"].append(measure(lambda: dist.all_reduce(t)))
             results["ours"].append(measure(lambda: sr.allreduce(t, op=sr.Sum)))
             results["ours_inplace"].append(measure(lambda: sr.allreduce_(t, op=sr.Sum)))
@@ -84,7 +84,7 @@ def optimizer_vs_ddp(steps=60, width=1024, batch=64):
         step_ddp()
         step_ours()
     times = {"ddp": [], "ours": []}
-    for _ in range(3):
+    for _ in range(6):
         for name, fn in (("ddp", step_ddp), ("ours", step_ours)):
             sr.barrier()
             start = time.perf_counter()

@@ -48,9 +48,8 @@ class _Progress:
 
                     self.bar = tqdm(total=event["steps"], desc=f"epoch {event['epoch'] + 1}/{self.epochs}",
                                     unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
-                self.bar.n = event["step"]
                 self.bar.set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
-                self.bar.refresh()
+                self.bar.update(max(0, event["step"] - self.bar.n))
             elif kind == "epoch":
                 self._close_bar()
                 logs = event["logs"]
