@@ -44,9 +44,10 @@ def allreduce_bandwidth(sizes, min_seconds=0.4):
                     break
             return (time.perf_counter() - start) / iters
 
-        results = {"raw": [], "ours": [], "ours_inplace": []}
+        results = {"raw": [], "raw_clone": [], "ours": [], "ours_inplace": []}
         for _ in range(4):  # alternate blocks so drift hits both; best block of each
             results["raw"].append(measure(lambda: dist.all_reduce(t)))
+            results["raw_clone"].append(measure(lambda: dist.all_reduce(t.clone())))
             results["ours"].append(measure(lambda: sr.allreduce(t, op=sr.Sum)))
             results["ours_inplace"].append(measure(lambda: sr.allreduce_(t, op=sr.Sum)))
         bus = lambda sec: 2 * (n - 1) / n * nbytes / min(sec) / 1e9  # noqa: E731
