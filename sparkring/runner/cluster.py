@@ -59,10 +59,17 @@ def task_slots(sc, use_gpu: bool) -> int:
             per_exec = float(_conf(sc, "spark.executor.resource.gpu.amount", "0") or 0)
             slots = min(slots, executors * int(per_exec // task_gpus(sc)))
         return slots
-    # A real cluster: ask the scheduler (after executors register it is exact).
-    return int(sc._jsc.sc().maxNumConcurrentTasks(
-        sc._jvm.org.apache.spark.resource.ResourceProfile.getOrCreateDefaultProfile(sc._jsc.sc().conf())
-    )) if hasattr(sc, "_jsc") else sc.defaultParallelism
+    # A real cluster: ask the scheduler (exact once executors have registered); Spark's
+    # internal API can change between versions, so fall back to the default parallelism.
+    try:
+        jsc = sc._jsc.sc()
+        profile = sc._jvm.org.apache.spark.resource.ResourceProfile.getOrCreateDefaultProfile(jsc.conf())
+        slots = int(jsc.maxNumConcurrentTasks(profile))
+        if slots > 0:
+            return slots
+    except Exception:  # noqa: BLE001
+        pass
+    return int(sc.defaultParallelism)
 
 
 def task_max_failures(sc) -> int:
