@@ -274,3 +274,14 @@ def test_transform_works_on_vector_columns_read_back_from_parquet(spark, store, 
     rows = model.transform(from_parquet).orderBy("id").collect()
     expected = model.transform(df).orderBy("id").collect()
     assert [r.prediction for r in rows] == [r.prediction for r in expected]
+
+
+def test_rank_zero_writes_tensorboard_scalars_to_the_run_logs(spark, store):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    df = H.classification_df(spark, n=200)
+    _estimator(store, epochs=3, runId="board", validation=0.2).fit(df)
+    acc = EventAccumulator(store.logs_path("board"))
+    acc.Reload()
+    assert {"loss", "val_loss"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("loss")] == [0, 1, 2]
