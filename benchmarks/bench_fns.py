@@ -104,7 +104,7 @@ def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     table = pq.read_table(files_by_rank[rank])
     feats = table.column("features").combine_chunks()
     x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))

@@ -8,7 +8,6 @@ import argparse
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -194,7 +193,6 @@ def bench_training(spark, rows, reps, tmp, n):
 
 def bench_transform(spark, rows, reps, tmp):
     import numpy as np
-    import pandas as pd
     import torch
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql.types import DoubleType
@@ -267,7 +265,6 @@ def main():
 
     results_path = os.path.join(ROOT, "benchmarks", "results.json")
     saved = json.load(open(results_path)) if os.path.exists(results_path) else {}
-    started = time.time()
 
     def done(section, section_rows):
         saved[section] = [r.__dict__ for r in section_rows]

@@ -1,6 +1,4 @@
 """Horovod-style code for the drop-in tests, written against `hvd` exactly as for horovod.torch."""
-import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +78,7 @@ def imagenet_in_miniature(use_adasum=False, epochs=3, resume_epoch_on_rank0=1):
 
 def horovod_surface():
     out = {}
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     out["flags"] = (hvd.is_initialized(), hvd.gloo_built(), hvd.mpi_built(), hvd.mpi_threads_supported(),
                     hvd.cross_rank(), hvd.cross_size())
     t = torch.tensor([1.0, 2.0]) * (r + 1)

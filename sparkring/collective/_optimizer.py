@@ -22,9 +22,7 @@ class _Bucket:
         self.params = params
         self.pending = set(id(p) for p in params)
         self.handle = None
-        self.flat: Optional[torch.Tensor] = None
         self.buffer: Optional[torch.Tensor] = None
-        self.ctx = None
 
 
 class _DistributedOptimizerMixin:
@@ -118,7 +116,6 @@ class _DistributedOptimizerMixin:
             flat = bucket.buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
                                                device=grads[0].device)
         torch.cat(grads, out=flat)
-        bucket.flat = flat
         if self._sr_op == _api.Adasum:
             bucket.handle = _api._allreduce_async(flat, flat, _api.Adasum)
             return
@@ -148,7 +145,6 @@ class _DistributedOptimizerMixin:
                 p.grad.copy_(reduced[offset:offset + n].view_as(p.grad))
                 offset += n
             bucket.handle = None
-            bucket.flat = None
             bucket.pending = set(id(p) for p in bucket.params)
         self._sr_next_launch = 0
         for key in self._sr_passes:
@@ -197,9 +193,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ...                               named_parameters=model.named_parameters())
     >>> loss.backward(); opt.step()
     """
-    if num_groups or groups:
-        # Grouping is a fusion hint in Horovod; buckets already fuse, so it changes nothing.
-        pass
+    # num_groups/groups are Horovod's fusion hints; the buckets already fuse, so they are
+    # accepted and change nothing.
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizerMixin.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})

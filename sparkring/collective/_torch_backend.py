@@ -116,14 +116,3 @@ class TorchBackend(Backend):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
-
-def gloo_built() -> bool:
-    return dist.is_available() and dist.is_gloo_available()
-
-
-def nccl_built() -> bool:
-    return dist.is_available() and dist.is_nccl_available()
-
-
-def default_timeout_s() -> float:
-    return float(os.environ.get("SPARKRING_COLLECTIVE_TIMEOUT", "1800"))

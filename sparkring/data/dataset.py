@@ -9,8 +9,6 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 METADATA_FILE = "_sparkring_metadata.json"
-_TORCH_DTYPES = {"float32": "float32", "float64": "float64", "int8": "int8", "int16": "int16",
-                 "int32": "int32", "int64": "int64", "bool": "bool"}
 
 
 def plan_rows(total: int, batch_size: int, rank: int, size: int, drop_last: bool) -> Tuple[int, int]:

@@ -302,8 +302,6 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
         store.delete(data_dir)
         raise
 
-    import pyarrow as pa  # noqa: F401 - schema of the written files
-
     schema = {}
     for c in columns:
         if c in tensor_cols:

@@ -23,9 +23,7 @@ def _open_filesystem(url: str, storage_options: Optional[Dict[str, Any]]):
     if not storage_options:
         try:
             return pafs.FileSystem.from_uri(url)
-        except (pafs.ArrowInvalid if hasattr(pafs, "ArrowInvalid") else Exception, ValueError, OSError):
-            pass
-        except Exception:  # noqa: BLE001 - unknown scheme for pyarrow: try fsspec
+        except Exception:  # noqa: BLE001 - a scheme pyarrow does not know: fsspec may
             pass
     import fsspec
 

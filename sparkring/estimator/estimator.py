@@ -5,7 +5,7 @@ import copy
 import sys
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 from pyspark import keyword_only
@@ -39,7 +39,6 @@ class _Progress:
             kind = event.get("kind")
             if kind == "begin":
                 self.epochs = event["epochs"]
-                self.steps = event["steps"]
                 if event["start_epoch"]:
                     self._write(f"resuming from the checkpoint of epoch {event['start_epoch']}")
             elif kind == "step" and self.verbose > 0:
@@ -278,7 +277,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             train_steps=self.getOrDefault("trainStepsPerEpoch"),
             val_steps=self.getOrDefault("validationStepsPerEpoch"),
             callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
-            use_gpu=checked["use_gpu"], has_validation=ds.num_rows("val") > 0, verbose=verbose)
+            use_gpu=checked["use_gpu"], has_validation=ds.num_rows("val") > 0)
         progress = _Progress(verbose)
         try:
             results = run(train_rank, args=(cfg,), num_proc=num_proc, backend=self.getOrDefault("backend"),

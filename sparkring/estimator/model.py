@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List
 
 import cloudpickle
 import numpy as np
@@ -19,7 +19,6 @@ from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 
 _OUT = "__sparkring_out"
-_IN = "__sparkring_features"
 _worker_models: Dict[str, torch.nn.Module] = {}
 _worker_lock = threading.Lock()
 

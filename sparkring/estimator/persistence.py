@@ -13,10 +13,6 @@ from .params import OBJECT_PARAMS
 OBJECTS_FILE = "objects.pkl"
 
 
-def _blob_store(path: str) -> Store:
-    return Store(path)
-
-
 class SparkRingWriter(MLWriter):
     def __init__(self, instance, extra: Optional[Dict[str, Any]] = None, blobs: Optional[Dict[str, bytes]] = None):
         super().__init__()
@@ -30,7 +26,7 @@ class SparkRingWriter(MLWriter):
         DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, extraMetadata=self.extra,
                                          paramMap=json_params)
         objects = {name: inst.getOrDefault(name) for name in OBJECT_PARAMS if inst.isSet(name)}
-        store = _blob_store(path)
+        store = Store(path)
         store.write_bytes(store.path(OBJECTS_FILE), cloudpickle.dumps(objects))
         for name, data in self.blobs.items():
             store.write_bytes(store.path(name), data)
@@ -46,7 +42,7 @@ class SparkRingReader(MLReader):
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
-        store = _blob_store(path)
+        store = Store(path)
         objects = cloudpickle.loads(store.read_bytes(store.path(OBJECTS_FILE)))
         instance._set(**objects)
         instance._after_load(metadata, store)

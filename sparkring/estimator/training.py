@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import os
 import random
 import re
 import time
@@ -48,7 +47,6 @@ class TrainConfig:
     early_stopping: Optional[Dict[str, Any]] = None
     use_gpu: bool = False
     has_validation: bool = False
-    verbose: int = 1
 
 
 def _features(batch: Dict[str, torch.Tensor], cols: List[str]) -> torch.Tensor:

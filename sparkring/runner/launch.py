@@ -245,7 +245,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
                 failed_attempts = len(state.errors)
             if failure is None and max_failures > 1 and failed_attempts >= max_failures:
                 err = state.first_error()
-                failure = RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""), err.get("exit_code"))
+                failure = _rank_failed(err)
             if failure is not None:
                 channel.broadcast({"t": "abort", "reason": str(failure)})
                 sc.cancelJobGroup(group)
@@ -256,14 +256,17 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             if err is not None:
                 if err.get("kind") == "timeout":
                     raise _timeout_error(state, num_proc, timeout) from None
-                raise RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""),
-                                      err.get("exit_code")) from None
+                raise _rank_failed(err) from None
             raise SparkRingError(f"the barrier stage failed before any rank reported: {outcome['error']}") \
                 from outcome["error"]
     finally:
         channel.close()
         _last_worker_pids[:] = state.pids
     return _assemble(outcome["chunks"], num_proc)
+
+
+def _rank_failed(err: Dict[str, Any]) -> RankFailedError:
+    return RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""), err.get("exit_code"))
 
 
 def _timeout_error(state: _RunState, num_proc: int, timeout: float) -> RankTimeoutError:
