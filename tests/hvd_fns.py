@@ -120,3 +120,56 @@ def adasum_of_rank_vectors(seed=0):
     g = torch.Generator().manual_seed(seed + hvd.rank())
     v = torch.randn(11, dtype=torch.float64, generator=g)
     return {"mine": v, "adasum": hvd.allreduce(v, op=hvd.Adasum)}
+
+
+def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
+    """Every reduce op while ranks drop out, then a second round with gathers and broadcasts."""
+    r, n = hvd.rank(), hvd.size()
+    out = {k: [] for k in ("sum", "avg", "min", "max", "prod")}
+    for _ in range(steps_by_rank[r]):
+        v = torch.tensor([float(r + 1)] * 3)
+        handle = hvd.allreduce_async(v, name="avg")  # in flight while the others run
+        out["sum"].append(hvd.allreduce(v, op=hvd.Sum, name="sum")[0].item())
+        out["min"].append(hvd.allreduce(v, op=hvd.Min)[0].item())
+        out["max"].append(hvd.allreduce(v.long(), op=hvd.Max)[0].item())
+        out["prod"].append(hvd.allreduce(v, op=hvd.Product, compression=hvd.Compression.fp16)[0].item())
+        out["avg"].append(hvd.synchronize(handle)[0].item())
+    out["last"] = hvd.join()
+    if r == 0:  # round 2: rank 0 has nothing more to do
+        out["last2"] = hvd.join()
+        return out
+    out["gathered"] = hvd.allgather(torch.full((r, 2), r)).tolist()
+    out["bcast"] = hvd.broadcast(torch.tensor([r * 10]), root_rank=n - 1).tolist()
+    out["objects"] = hvd.allgather_object(r)
+    out["alltoall"] = hvd.alltoall(torch.full((n,), r)).tolist()
+    hvd.barrier()
+    out["last2"] = hvd.join()
+    return out
+
+
+def uneven_training(batches=(2, 4), lr=0.1):
+    """DistributedOptimizer on shards of different lengths: the short rank joins."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters())
+    for x, y in uneven_batches(batches)[hvd.rank()]:
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    last = hvd.join()
+    return {"last": last, "weights": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def uneven_batches(batches):
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)) for _ in range(k)]
+            for k in batches]
+
+
+def broadcast_from_a_joined_rank():
+    if hvd.rank() == 0:
+        hvd.join()
+    else:
+        hvd.broadcast(torch.ones(2), root_rank=0, name="weights")

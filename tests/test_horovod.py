@@ -122,3 +122,56 @@ def test_horovod_mnist_script_runs_on_spark_with_only_its_import_changed(tmp_pat
     losses = [float(x) for x in re.findall(r"Test set: Average loss: ([0-9.]+)", proc.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert os.path.getsize(tmp_path / "checkpoint.pt") > 10_000
+
+
+def test_join_lets_ranks_with_uneven_steps_finish_with_horovods_semantics():
+    steps = (2, 4, 6)
+    results = _spawn_ranks("join_with_uneven_steps", 3, steps_by_rank=steps)
+    for r, res in enumerate(results):
+        for i in range(steps[r]):
+            active = [q + 1 for q in range(3) if steps[q] > i]
+            assert res["sum"][i] == sum(active)
+            assert res["avg"][i] == pytest.approx(sum(active) / 3)  # Horovod: zeros, divided by size
+            assert res["min"][i] == min(active) and res["max"][i] == max(active)
+            assert res["prod"][i] == pytest.approx(float(torch.tensor(active).prod()))
+        assert res["last"] == 2  # the longest shard joins last
+    assert {res["last2"] for res in results} <= {1, 2} and len({res["last2"] for res in results}) == 1
+    for res in results[1:]:  # round 2: rank 0 joined at once and sends nothing
+        assert res["gathered"] == [[1, 1], [2, 2], [2, 2]]
+        assert res["bcast"] == [20]
+        assert res["objects"] == [None, 1, 2]
+    assert results[1]["alltoall"] == [1, 2] and results[2]["alltoall"] == [1, 2]
+
+
+def test_join_with_distributed_optimizer_on_spark_matches_the_hand_computed_updates(spark):
+    batches, lr = (2, 4), 0.1
+    r0, r1 = run(hvd_fns.uneven_training, kwargs={"batches": batches, "lr": lr}, num_proc=2)
+    assert r0["last"] == r1["last"] == 1
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    data = hvd_fns.uneven_batches(batches)
+    states = []
+    for step in range(max(batches)):
+        grads = []
+        for shard in data:
+            if step < len(shard):
+                model.zero_grad()
+                x, y = shard[step]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= lr * sum(g[i] for g in grads) / len(data)  # joined ranks add zeros
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    for key in ("weight", "bias"):
+        torch.testing.assert_close(r0["weights"][key], states[batches[0] - 1][key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r1["weights"][key], states[-1][key], atol=1e-6, rtol=0)
+
+
+def test_broadcast_from_a_joined_rank_fails_the_run_naming_that_rank(spark):
+    from sparkring import RankFailedError
+
+    with pytest.raises(RankFailedError) as info:
+        run(hvd_fns.broadcast_from_a_joined_rank, num_proc=2, timeout=60)
+    assert info.value.rank == 0
+    assert "rank 0 called join() but the other ranks then started a broadcast from root rank 0" in str(info.value)

@@ -9,7 +9,7 @@ from ._api import (Adasum, Average, Max, Min, NotInitializedError, Product, Sum,
                    alltoall, backend, barrier, broadcast, broadcast_, broadcast_async,
                    broadcast_async_, broadcast_object, broadcast_optimizer_state,
                    broadcast_parameters, check_same_shapes, cross_rank, cross_size, gloo_built,
-                   grouped_allreduce, grouped_allreduce_, init, is_initialized, local_rank, local_size,
+                   grouped_allreduce, grouped_allreduce_, init, is_initialized, join, local_rank, local_size,
                    mpi_built, mpi_threads_supported, nccl_built, poll, rank, reducescatter, shutdown,
                    size, synchronize)
 from ._optimizer import DistributedOptimizer
@@ -21,7 +21,7 @@ __all__ = [
     "cross_rank", "cross_size", "backend", "allreduce", "allreduce_", "allreduce_async",
     "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "poll", "synchronize",
     "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "alltoall", "reducescatter", "barrier",
+    "broadcast_async_", "broadcast_object", "join", "alltoall", "reducescatter", "barrier",
     "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
     "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInitializedError",
     "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built", "mpi_threads_supported", "check_same_shapes",

@@ -31,6 +31,7 @@ class _State:
     local_size = 1
     cross_rank = 0
     cross_size = 1
+    joiner = None  # _join.Joiner when the ring has more than one rank
     lock = threading.Lock()
 
 
@@ -73,6 +74,12 @@ def init(backend: Optional[str] = None) -> None:
         _state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
         _state.cross_size = int(env.get(_env.CROSS_SIZE, "1"))
         _checked_names.clear()
+        stores = _state.backend.join_stores()
+        if stores is not None:
+            from ._join import Joiner
+
+            _state.joiner = Joiner(_state.backend.rank, _state.backend.size, stores[0], stores[1],
+                                   _replay)
 
 
 def shutdown() -> None:
@@ -82,6 +89,9 @@ def shutdown() -> None:
     False
     """
     with _state.lock:
+        if _state.joiner is not None:
+            _state.joiner.close()
+            _state.joiner = None
         if _state.backend is not None:
             _state.backend.shutdown()
             _state.backend = None
@@ -105,6 +115,18 @@ def _b() -> Backend:
             "sparkring.collective is not initialized: call sparkring.collective.init() first "
             "(sparkring.run() does this for you before calling your function)")
     return _state.backend
+
+
+def _enter(kind: str, **meta) -> int:
+    """Number this collective (and keep how to replay it) for ranks that join()."""
+    joiner = _state.joiner
+    return joiner.enter(kind, meta) if joiner is not None else -1
+
+
+def _completed(seq: int) -> None:
+    joiner = _state.joiner
+    if joiner is not None and seq >= 0:
+        joiner.completed(seq)
 
 
 def rank() -> int:
@@ -226,16 +248,20 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
                      compression=Compression.none, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> Handle:
     b = _b()
+    if tensor.numel() == 0:
+        result = out if out is not None else tensor.clone()
+        return _DoneHandle(result)
+    seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
+                 compression=f"{compression.__module__}:{compression.__qualname__}",
+                 prescale=prescale_factor, postscale=postscale_factor)
     if op == Adasum:
         from ._adasum import adasum_allreduce
 
         result = adasum_allreduce(tensor, b)
+        _completed(seq)
         if out is not None:
             out.copy_(result)
             result = out
-        return _DoneHandle(result)
-    if tensor.numel() == 0:
-        result = out if out is not None else tensor.clone()
         return _DoneHandle(result)
     work = tensor
     if prescale_factor != 1.0:
@@ -248,6 +274,7 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     is_float = tensor.dtype.is_floating_point or tensor.dtype.is_complex
 
     def finish(reduced: torch.Tensor) -> torch.Tensor:
+        _completed(seq)
         result = compression.decompress(reduced, ctx)
         if result.device != tensor.device:
             result = result.to(tensor.device)
@@ -383,6 +410,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     """
     b = _b()
     t = tensor if tensor.dim() > 0 else tensor.reshape(1)
+    seq = _enter("allgather", tail=list(t.shape[1:]), dtype=str(t.dtype))
     wire = _to_wire(t.contiguous())
     first = torch.tensor([t.shape[0]], dtype=torch.int64, device=wire.device)
     rest = torch.tensor(list(t.shape[1:]), dtype=torch.int64, device=wire.device)
@@ -400,6 +428,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
                           device=wire.device)
         wire = torch.cat([wire, pad])
     parts = b.allgather_same_shape(wire)
+    _completed(seq)
     out = torch.cat([p[:n] for p, n in zip(parts, firsts)])
     return out.to(tensor.device)
 
@@ -413,6 +442,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     wire = _to_wire(tensor)
     if tensor.numel() == 0:
         return _DoneHandle(tensor)
+    _enter("broadcast", shape=list(tensor.shape), dtype=str(tensor.dtype), root=root_rank)
     inner = _b().broadcast_async(wire, root_rank)
     if wire is tensor:
         return inner
@@ -455,7 +485,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
     >>> sr.broadcast_object({"epoch": 3}, root_rank=0)  # doctest: +SKIP
     {'epoch': 3}
     """
-    return _b().broadcast_object(obj, root_rank)
+    b = _b()
+    _enter("broadcast_object", root=root_rank)
+    return b.broadcast_object(obj, root_rank)
 
 
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
@@ -464,7 +496,11 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     >>> sr.allgather_object(sr.rank())  # doctest: +SKIP
     [0, 1]
     """
-    return _b().allgather_object(obj)
+    b = _b()
+    seq = _enter("allgather_object")
+    out = b.allgather_object(obj)
+    _completed(seq)
+    return out
 
 
 def barrier() -> None:
@@ -472,7 +508,87 @@ def barrier() -> None:
 
     >>> sr.barrier()  # doctest: +SKIP
     """
-    _b().barrier()
+    b = _b()
+    seq = _enter("barrier")
+    b.barrier()
+    _completed(seq)
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: until every rank has joined, take part in the other
+    ranks' collectives with neutral inputs, then return the rank that joined last.
+
+    While a rank is joined it contributes zeros to allreduce (``Average`` still divides
+    by ``size()``, as in Horovod; Min/Max/Product get their identity instead of zeros),
+    no rows to allgather/alltoall, ``None`` to allgather_object, and receives broadcasts.
+    A broadcast *from* a joined rank fails that rank with an error naming it. Call it
+    once per round (e.g. at the end of every epoch); ``device`` is accepted for Horovod
+    compatibility (neutral tensors go where the backend needs them).
+
+    >>> for batch in my_uneven_shard:  # doctest: +SKIP
+    ...     loss_fn(model(batch)).backward(); opt.step()
+    >>> last = sr.join()  # doctest: +SKIP
+    """
+    b = _b()
+    joiner = _state.joiner
+    return b.rank if joiner is None else joiner.join()
+
+
+def _neutral(shape: List[int], dtype: torch.dtype, op: str) -> torch.Tensor:
+    """What a joined rank contributes to an allreduce: the identity of ``op``."""
+    if op in (Min, Max):
+        if dtype == torch.bool:
+            value: Any = op == Min
+        elif dtype.is_floating_point:
+            value = float("inf") if op == Min else float("-inf")
+        else:
+            info = torch.iinfo(dtype)
+            value = info.max if op == Min else info.min
+    else:
+        value = 1 if op == Product else 0
+    return torch.full(shape, value, dtype=dtype)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.split(".")[-1])
+
+
+def _replay(recipe: Dict[str, Any]) -> None:
+    """Run, on a joined rank, the collective the active ranks are running."""
+    import importlib
+
+    kind = recipe["kind"]
+    me = _b().rank
+    if kind == "allreduce":
+        module, _, qualname = recipe["compression"].partition(":")
+        compression = importlib.import_module(module)
+        for part in qualname.split("."):
+            compression = getattr(compression, part)
+        tensor = _neutral(recipe["shape"], _dtype(recipe["dtype"]), recipe["op"])
+        _allreduce_async(tensor, tensor, recipe["op"], compression, recipe["prescale"],
+                         recipe["postscale"]).wait()
+    elif kind == "allgather":
+        allgather(torch.empty([0] + recipe["tail"], dtype=_dtype(recipe["dtype"])))
+    elif kind == "alltoall":
+        alltoall(torch.empty([0] + recipe["tail"], dtype=_dtype(recipe["dtype"])),
+                 splits=[0] * _b().size)
+    elif kind in ("broadcast", "broadcast_object"):
+        if recipe["root"] == me:
+            raise RuntimeError(
+                f"rank {me} called join() but the other ranks then started a {kind} from root "
+                f"rank {me}; a rank that has joined has no data to send. Broadcast from a rank "
+                "that has not joined, or before the first rank joins")
+        if kind == "broadcast":
+            broadcast_async_(torch.empty(recipe["shape"], dtype=_dtype(recipe["dtype"])),
+                             recipe["root"]).wait()
+        else:
+            broadcast_object(None, recipe["root"])
+    elif kind == "allgather_object":
+        allgather_object(None)
+    elif kind == "barrier":
+        barrier()
+    else:  # a newer peer: fail loudly rather than hang
+        raise RuntimeError(f"join(): rank {me} cannot take part in a {kind!r} collective")
 
 
 def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
@@ -492,6 +608,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tenso
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(splits) != b.size or sum(splits) != n:
         raise ValueError(f"alltoall: splits {splits} must have {b.size} entries summing to {n}")
+    seq = _enter("alltoall", tail=list(tensor.shape[1:]), dtype=str(tensor.dtype))
     wire = _to_wire(tensor.contiguous())
     send_counts = torch.tensor(splits, dtype=torch.int64)
     recv_counts = [int(row[b.rank]) for row in b.allgather_same_shape(_to_wire(send_counts))]
@@ -499,6 +616,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tenso
     tail = tuple(tensor.shape[1:])
     outputs = [torch.empty((c,) + tail, dtype=tensor.dtype, device=wire.device) for c in recv_counts]
     b.alltoall(outputs, inputs)
+    _completed(seq)
     return torch.cat(outputs).to(tensor.device)
 
 
@@ -636,9 +754,9 @@ def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
     if b.size == 1:
         return
     mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    everyone = b.allgather_object(mine)
+    everyone = allgather_object(mine)
     for r, theirs in enumerate(everyone):
-        if theirs == mine:
+        if theirs == mine or theirs is None:  # None: a rank that join()ed sends nothing
             continue
         mine_d = {n: (s, d) for n, s, d in mine}
         theirs_d = {n: (s, d) for n, s, d in theirs}

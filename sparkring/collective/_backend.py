@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -56,6 +56,11 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...
+
+    def join_stores(self) -> Optional[Tuple[Any, Any]]:
+        """Two connections to a key-value store every rank reaches (the second one for a
+        thread that blocks on it), or None when ``join()`` has nothing to coordinate."""
+        return None
 
     @property
     def device(self) -> Optional[torch.device]:

@@ -44,12 +44,15 @@ class TorchBackend(Backend):
         timeout = datetime.timedelta(seconds=timeout_s)
         if name == "nccl":
             torch.cuda.set_device(0)  # the runner narrows CUDA_VISIBLE_DEVICES to this rank's GPU
+        self._start_timeout = datetime.timedelta(
+            seconds=float(os.environ.get("SPARKRING_START_TIMEOUT", timeout_s)))
+        self._master = (master_addr, int(master_port)) if master_addr else None
         if size == 1 and not master_addr:
             store = dist.HashStore()
         else:
-            start = datetime.timedelta(seconds=float(os.environ.get("SPARKRING_START_TIMEOUT", timeout_s)))
             store = dist.TCPStore(master_addr, int(master_port), size, is_master=(rank == 0),
-                                  timeout=start, wait_for_workers=False)
+                                  timeout=self._start_timeout, wait_for_workers=False)
+        self._store = store
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout)
@@ -57,6 +60,13 @@ class TorchBackend(Backend):
         # Object collectives on nccl would move pickles through GPU memory; a gloo side
         # group keeps them on CPU and lets barrier() work without a device.
         self._cpu_group = dist.new_group(backend="gloo") if name == "nccl" else None
+
+    def join_stores(self):
+        if self.size == 1 or self._master is None:
+            return None
+        watcher = dist.TCPStore(self._master[0], self._master[1], is_master=False,
+                                timeout=self._start_timeout, wait_for_workers=False)
+        return self._store, watcher
 
     @property
     def device(self) -> Optional[torch.device]:

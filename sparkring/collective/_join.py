@@ -1,0 +1,179 @@
+"""join(): ranks that ran out of data keep serving the other ranks' collectives.
+
+Written by hand: torch.distributed's Join context covers only DDP/ZeRO's own hooks, and
+Horovod's negotiation lives in its C++ core. Nothing is negotiated while no rank has
+joined, so a collective costs a sequence number and a history entry:
+
+- every collective entry point calls ``Joiner.enter(kind, meta)``: its sequence number
+  and a recipe (kind, shape, dtype, op...) a joined rank can replay;
+- a rank that joins records (its sequence number) in the rendezvous store, tells every
+  other rank's watcher thread through that rank's inbox, and then replays, with neutral
+  inputs, each collective the active ranks publish under ``op/<seq>``, until the last
+  rank joins and publishes "done" under its own sequence number;
+- an active rank's watcher (its own store connection, so its blocking wait never stalls
+  the main thread) publishes the recipes of the collectives its rank already entered
+  from the joiner's sequence number on; from then on each new collective is published
+  before it starts. Either the watcher or the main thread publishes, under one lock,
+  so none is missed even when the main thread is already blocked in that collective.
+
+Rounds: every rank calls join() once per round (typically once per epoch); keys carry
+the round number so a round's leftovers never confuse the next.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+PREFIX = "sparkring/join/"
+_FOREVER = datetime.timedelta(days=30)
+_HISTORY_LIMIT = 100_000
+
+
+class Joiner:
+    """Per-process join state; ``replay(recipe)`` runs one collective with neutral inputs."""
+
+    def __init__(self, rank: int, size: int, store, watch_store, replay: Callable[[Dict[str, Any]], None]):
+        self.rank = rank
+        self.size = size
+        self._store = store
+        self._watch_store = watch_store
+        self._replay = replay
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._round = 0
+        self._joined = False
+        self._history: Deque[Tuple[int, str, Dict[str, Any]]] = collections.deque()
+        self._publish_from: Optional[int] = None  # first seq the current round's joiners need
+        self._early: Dict[int, List[int]] = {}  # join seqs the watcher saw for later rounds
+        self._stopping = False  # the watcher got its stop message (rank 0 may be gone soon)
+        self._thread = threading.Thread(target=self._watch, name="sparkring-join-watcher", daemon=True)
+        self._thread.start()
+
+    # -- every collective ---------------------------------------------------------------
+
+    def enter(self, kind: str, meta: Dict[str, Any]) -> int:
+        with self._lock:
+            seq = self._seq
+            self._seq += 1
+            if self._publish_from is not None and not self._joined:
+                self._publish(seq, kind, meta)
+            else:
+                self._history.append((seq, kind, meta))
+                if len(self._history) > _HISTORY_LIMIT:
+                    self._history.popleft()
+            return seq
+
+    def completed(self, seq: int) -> None:
+        """Every rank has entered collective ``seq`` (it needed them all): a later joiner
+        starts after it, so the history up to it can go."""
+        with self._lock:
+            while self._history and self._history[0][0] <= seq:
+                self._history.popleft()
+
+    def _publish(self, seq: int, kind: str, meta: Dict[str, Any]) -> None:
+        self._store.set(f"{PREFIX}{self._round}/op/{seq}", json.dumps(dict(meta, kind=kind)))
+
+    def _someone_joined_at(self, seq: int) -> None:
+        """Called with the lock held: publish what a rank that joined at ``seq`` needs."""
+        if self._joined or (self._publish_from is not None and self._publish_from <= seq):
+            return
+        upto = self._publish_from
+        for s, kind, meta in self._history:
+            if s >= seq and (upto is None or s < upto):
+                self._publish(s, kind, meta)
+        self._publish_from = seq
+
+    # -- join ---------------------------------------------------------------------------
+
+    def join(self) -> int:
+        with self._lock:
+            my_seq, rnd = self._seq, self._round
+        base = f"{PREFIX}{rnd}/"
+        order = self._store.add(base + "count", 1)
+        self._store.set(f"{base}joined/{order}", json.dumps({"rank": self.rank, "seq": my_seq}))
+        earlier = [json.loads(self._store.get(f"{base}joined/{i}")) for i in range(1, order)]
+        with self._lock:
+            if earlier:  # our watcher may not have told us yet
+                self._someone_joined_at(min(e["seq"] for e in earlier))
+            self._joined = True
+        for other in range(self.size):
+            if other != self.rank:
+                self._notify(other, {"round": rnd, "seq": my_seq})
+        try:
+            if order == self.size:
+                self._store.set(f"{base}op/{my_seq}", json.dumps({"kind": "done", "last": self.rank}))
+                last = self.rank
+            else:
+                last = self._serve(base)
+        finally:
+            with self._lock:
+                self._joined = False
+                self._round = rnd + 1
+                self._history.clear()
+                early = self._early.pop(rnd + 1, [])
+                self._publish_from = min(early) if early else None
+        return last
+
+    def _serve(self, base: str) -> int:
+        """Replay the active ranks' collectives until the last rank joins."""
+        while True:
+            with self._lock:
+                key = f"{base}op/{self._seq}"
+            # no deadline here: the runner's timeout decides when a ring hangs
+            self._store.wait([key], _FOREVER)
+            recipe = json.loads(self._store.get(key))
+            if recipe["kind"] == "done":
+                return int(recipe["last"])
+            self._replay(recipe)
+
+    # -- the watcher ----------------------------------------------------------------------
+
+    def _notify(self, rank: int, message: Dict[str, Any]) -> None:
+        n = self._store.add(f"{PREFIX}inbox/{rank}/n", 1)
+        self._store.set(f"{PREFIX}inbox/{rank}/{n}", json.dumps(message))
+
+    def _watch(self) -> None:
+        n = 1
+        while True:
+            key = f"{PREFIX}inbox/{self.rank}/{n}"
+            try:
+                self._watch_store.wait([key], _FOREVER)
+                message = json.loads(self._watch_store.get(key))
+            except Exception:  # noqa: BLE001 - the store is gone: the ring is over
+                return
+            n += 1
+            if message.get("stop"):
+                with self._lock:
+                    self._stopping = True
+                try:
+                    self._watch_store.set(f"{PREFIX}stopped/{self.rank}", "1")
+                except Exception:  # noqa: BLE001
+                    pass
+                return
+            with self._lock:
+                if message["round"] == self._round:
+                    self._someone_joined_at(int(message["seq"]))
+                elif message["round"] > self._round:
+                    self._early.setdefault(message["round"], []).append(int(message["seq"]))
+
+    def close(self) -> None:
+        """Stop the watchers before the store goes away (rank 0 hosts it): a watcher whose
+        store vanishes under it makes torch print a C++ stack trace."""
+        try:
+            with self._lock:
+                if not self._stopping:  # rank 0 did not stop our watcher yet: the store is up
+                    self._notify(self.rank, {"stop": True})
+            if self.rank == 0:
+                for other in range(1, self.size):
+                    self._notify(other, {"stop": True})
+                keys = [f"{PREFIX}stopped/{r}" for r in range(self.size)]
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline and not self._store.check(keys):
+                    time.sleep(0.005)
+        except Exception:  # noqa: BLE001 - shutting down after a failure: nothing to save
+            pass
+        self._thread.join(timeout=2.0)
