@@ -125,7 +125,7 @@ def adasum_of_rank_vectors(seed=0):
 def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
     """Every reduce op while ranks drop out, then a second round with gathers and broadcasts."""
     r, n = hvd.rank(), hvd.size()
-    out = {k: [] for k in ("sum", "avg", "min", "max", "prod")}
+    out = {k: [] for k in ("sum", "avg", "min", "max", "prod", "big")}
     for _ in range(steps_by_rank[r]):
         v = torch.tensor([float(r + 1)] * 3)
         handle = hvd.allreduce_async(v, name="avg")  # in flight while the others run
@@ -134,6 +134,8 @@ def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
         out["max"].append(hvd.allreduce(v.long(), op=hvd.Max)[0].item())
         out["prod"].append(hvd.allreduce(v, op=hvd.Product, compression=hvd.Compression.fp16)[0].item())
         out["avg"].append(hvd.synchronize(handle)[0].item())
+        big = hvd.allreduce(torch.full((100_001,), float(r + 1)), op=hvd.Sum)  # the ring path
+        out["big"].append((big[0].item(), big[-1].item()))
     out["last"] = hvd.join()
     if r == 0:  # round 2: rank 0 has nothing more to do
         out["last2"] = hvd.join()

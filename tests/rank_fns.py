@@ -169,3 +169,28 @@ def report_events(n):
         report({"i": i, "rank": sr.rank()})
     sr.barrier()
     return n
+
+
+def large_out_of_place_allreduce():
+    """Tensors big enough for the out-of-place ring, of sizes no rank count divides."""
+    from sparkring.collective import _api
+
+    r = sr.rank()
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(300_007, generator=g, dtype=torch.float64)
+    out = {"x": x.clone(), "ring_used": _api._b().ring_applies(x)}
+    for op in ("Sum", "Average", "Min", "Max", "Product"):
+        out[op] = sr.allreduce(x, op=getattr(sr, op))
+    out["untouched"] = torch.equal(x, out["x"])
+    xi = torch.randint(-1000, 1000, (300_007,), generator=g, dtype=torch.int32)
+    out["xi"], out["int_sum"] = xi, sr.allreduce(xi, op=sr.Sum)
+    y = torch.randn(3, 70_001, generator=g)
+    out["y"], out["y_avg"] = y, sr.allreduce(y)
+    # a result the caller still holds is never handed out again
+    first = sr.allreduce(y, op=sr.Sum)
+    kept = first.clone()
+    del out["y_avg"]
+    out["y_avg"] = sr.allreduce(y)
+    out["second"] = sr.allreduce(y * 2, op=sr.Sum)
+    out["first_intact"] = torch.equal(first, kept)
+    return out

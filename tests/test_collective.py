@@ -6,6 +6,7 @@ import sparkring.collective as sr
 from sparkring import run
 
 import rank_fns
+from spawn import spawn_ranks
 
 
 def _assert_state_close(a, b, atol):
@@ -130,3 +131,21 @@ def test_collective_before_init_says_to_call_init():
     sr.shutdown()
     with pytest.raises(sr.NotInitializedError, match="init"):
         sr.rank()
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_out_of_place_allreduce_of_large_odd_tensors_matches_a_direct_computation(size):
+    results = spawn_ranks("rank_fns", "large_out_of_place_allreduce", size)
+    xs = torch.stack([r["x"] for r in results])
+    expected = {"Sum": xs.sum(0), "Average": xs.mean(0), "Min": xs.min(0).values,
+                "Max": xs.max(0).values, "Product": xs.prod(0)}
+    ys = torch.stack([r["y"] for r in results])
+    int_sum = torch.stack([r["xi"] for r in results]).sum(0, dtype=torch.int32)
+    for r in results:
+        assert r["ring_used"] and r["untouched"] and r["first_intact"]
+        for op, want in expected.items():
+            torch.testing.assert_close(r[op], want, rtol=1e-12, atol=1e-12)
+        assert r["int_sum"].dtype == torch.int32 and torch.equal(r["int_sum"], int_sum)
+        assert r["y_avg"].shape == (3, 70_001)
+        torch.testing.assert_close(r["y_avg"], ys.mean(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["second"], 2 * ys.sum(0), rtol=1e-5, atol=1e-5)

@@ -1,9 +1,6 @@
 """Horovod drop-in: horovod.torch-style code runs with `import sparkring.collective as hvd`."""
-import multiprocessing
 import os
-import pickle
 import re
-import socket
 import subprocess
 import sys
 
@@ -14,41 +11,13 @@ from sparkring import run
 from sparkring.collective._adasum import adasum_pair
 
 import hvd_fns
+from spawn import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _rank_entry(rank, size, port, fn_name, kwargs, queue):
-    os.environ.update(SPARKRING_RANK=str(rank), SPARKRING_SIZE=str(size), SPARKRING_MASTER_ADDR="127.0.0.1",
-                      SPARKRING_MASTER_PORT=str(port), SPARKRING_BACKEND="gloo", GLOO_SOCKET_IFNAME="lo",
-                      OMP_NUM_THREADS="1")
-    import hvd_fns as fns
-    import sparkring.collective as sr
-
-    sr.init()
-    try:
-        # plain pickle bytes: tensors through a multiprocessing queue would travel as shared
-        # memory that vanishes when this process exits before the parent reads it
-        queue.put((rank, pickle.dumps(getattr(fns, fn_name)(**kwargs))))
-    finally:
-        sr.shutdown()
-
-
 def _spawn_ranks(fn_name, size, **kwargs):
-    """Ranks as plain processes on the runner's environment contract (no Spark needed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, fn_name, kwargs, queue)) for r in range(size)]
-    for p in procs:
-        p.start()
-    results = {rank: pickle.loads(data) for rank, data in (queue.get(timeout=120) for _ in range(size))}
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    return [results[r] for r in range(size)]
+    return spawn_ranks("hvd_fns", fn_name, size, **kwargs)
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -130,7 +99,7 @@ def test_join_lets_ranks_with_uneven_steps_finish_with_horovods_semantics():
     for r, res in enumerate(results):
         for i in range(steps[r]):
             active = [q + 1 for q in range(3) if steps[q] > i]
-            assert res["sum"][i] == sum(active)
+            assert res["sum"][i] == sum(active) and res["big"][i] == (sum(active), sum(active))
             assert res["avg"][i] == pytest.approx(sum(active) / 3)  # Horovod: zeros, divided by size
             assert res["min"][i] == min(active) and res["max"][i] == max(active)
             assert res["prod"][i] == pytest.approx(float(torch.tensor(active).prod()))

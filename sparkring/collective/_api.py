@@ -246,14 +246,14 @@ def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
 
 def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
                      compression=Compression.none, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> Handle:
+                     postscale_factor: float = 1.0, blocking: bool = False) -> Handle:
     b = _b()
     if tensor.numel() == 0:
         result = out if out is not None else tensor.clone()
         return _DoneHandle(result)
     seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
                  compression=f"{compression.__module__}:{compression.__qualname__}",
-                 prescale=prescale_factor, postscale=postscale_factor)
+                 prescale=prescale_factor, postscale=postscale_factor, blocking=blocking)
     if op == Adasum:
         from ._adasum import adasum_allreduce
 
@@ -268,7 +268,8 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         work = work * prescale_factor
     wire, ctx = compression.compress(work)
     wire = _to_wire(wire)
-    if wire is tensor:  # never reduce into the caller's tensor unless asked (out is tensor)
+    ring = blocking and wire is tensor and out is None and op != Adasum and b.ring_applies(tensor)
+    if wire is tensor and not ring:  # never reduce into the caller's tensor unless asked
         wire = tensor.clone() if out is not tensor else tensor
     size_ = b.size
     is_float = tensor.dtype.is_floating_point or tensor.dtype.is_complex
@@ -291,6 +292,8 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
             return out
         return result
 
+    if ring:
+        return _DoneHandle(finish(b.allreduce_new(tensor, _REDUCE_OPS[op])))
     return _PostHandle(b.allreduce_async(wire, _REDUCE_OPS[op]), finish)
 
 
@@ -329,7 +332,7 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     """
     _check_name(name, tensor, "allreduce")
     return synchronize(_allreduce_async(tensor, None, _resolve_op(average, op), compression,
-                                        prescale_factor, postscale_factor))
+                                        prescale_factor, postscale_factor, blocking=True))
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -565,8 +568,9 @@ def _replay(recipe: Dict[str, Any]) -> None:
         for part in qualname.split("."):
             compression = getattr(compression, part)
         tensor = _neutral(recipe["shape"], _dtype(recipe["dtype"]), recipe["op"])
-        _allreduce_async(tensor, tensor, recipe["op"], compression, recipe["prescale"],
-                         recipe["postscale"]).wait()
+        # the same call shape as the active ranks', so every rank takes the same path
+        _allreduce_async(tensor, None if recipe["blocking"] else tensor, recipe["op"], compression,
+                         recipe["prescale"], recipe["postscale"], blocking=recipe["blocking"]).wait()
     elif kind == "allgather":
         allgather(torch.empty([0] + recipe["tail"], dtype=_dtype(recipe["dtype"])))
     elif kind == "alltoall":

@@ -29,6 +29,15 @@ class Backend(abc.ABC):
     def allreduce_async(self, tensor: torch.Tensor, op: str) -> Handle:
         """Reduce ``tensor`` in place across ranks; returns a handle."""
 
+    def ring_applies(self, tensor: torch.Tensor) -> bool:
+        """True when ``allreduce_new`` can reduce ``tensor`` into a new tensor without
+        copying it first (every rank decides the same from shape and dtype)."""
+        return False
+
+    def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Blocking out-of-place allreduce; only called where ``ring_applies``."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def allgather_same_shape(self, tensor: torch.Tensor) -> List[torch.Tensor]: ...
 

@@ -1,9 +1,10 @@
 """Gloo and NCCL backends over torch.distributed, rendezvous through a TCPStore."""
 from __future__ import annotations
 
+import collections
 import datetime
 import os
-from typing import Any, List, Optional
+from typing import Any, Deque, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,45 @@ _OPS = {
     "max": dist.ReduceOp.MAX,
     "product": dist.ReduceOp.PRODUCT,
 }
+
+
+# Out-of-place allreduce on gloo runs its own ring over point-to-point messages: gloo's
+# allreduce works in place only, so a new result would cost a full copy of the input on
+# top of the reduction; the ring writes input + received partials straight into the result.
+RING_MIN_BYTES = 256 * 1024
+_SEGMENT_BYTES = 2 * 1024 * 1024
+_WINDOW = 8  # receive buffers in flight per reduce step
+_COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}
+
+
+class _ResultBuffers:
+    """Result tensors handed out again once the caller dropped every reference to them.
+
+    A fresh multi-MB CPU tensor pays one page fault per 4 KB page on first write, which
+    costs about as much as the reduction itself; like CUDA's caching allocator, reusing
+    a dead result's memory avoids that. Bounded in count and bytes."""
+
+    def __init__(self, max_buffers: int = 8, max_bytes: int = 512 * 1024 * 1024):
+        self._storages: Deque[torch.UntypedStorage] = collections.deque()
+        self._max_buffers = max_buffers
+        self._max_bytes = max_bytes
+
+    @staticmethod
+    def _free(storage: torch.UntypedStorage) -> bool:
+        return torch._C._storage_Use_Count(storage._cdata) == 1  # only our handle is left
+
+    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        for storage in self._storages:
+            if storage.nbytes() == nbytes and self._free(storage):
+                return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
+        fresh = torch.empty(numel, dtype=dtype)
+        if nbytes <= self._max_bytes:
+            self._storages.append(fresh.untyped_storage())
+            while (len(self._storages) > self._max_buffers
+                   or sum(s.nbytes() for s in self._storages) > self._max_bytes):
+                self._storages.popleft()
+        return fresh
 
 
 class _TorchHandle(Handle):
@@ -53,6 +93,8 @@ class TorchBackend(Backend):
             store = dist.TCPStore(master_addr, int(master_port), size, is_master=(rank == 0),
                                   timeout=self._start_timeout, wait_for_workers=False)
         self._store = store
+        self._results = _ResultBuffers()
+        self._window: List[torch.Tensor] = []
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout)
@@ -75,6 +117,61 @@ class TorchBackend(Backend):
     def allreduce_async(self, tensor, op):
         work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
         return _TorchHandle(work, tensor)
+
+    def ring_applies(self, tensor: torch.Tensor) -> bool:
+        return (self.name == "gloo" and self.size > 1 and tensor.device.type == "cpu"
+                and tensor.is_contiguous() and tensor.dtype != torch.bool and not tensor.is_complex()
+                and tensor.numel() * tensor.element_size() >= RING_MIN_BYTES)
+
+    def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce into a new tensor: reduce-scatter then allgather around the ring, cut in
+        segments that move on as soon as they are reduced, so receiving, reducing and
+        sending overlap and the allgather starts while the reduction still runs."""
+        flat = tensor.reshape(-1)
+        out = self._results.get(flat.numel(), flat.dtype)
+        combine = _COMBINE[op]
+        n, rank = self.size, self.rank
+        right, left = (rank + 1) % n, (rank - 1) % n
+        bounds = [flat.numel() * i // n for i in range(n + 1)]
+        seg = max(1, _SEGMENT_BYTES // flat.element_size())
+
+        def segments(c: int):
+            length = bounds[c + 1] - bounds[c]
+            return [(bounds[c] + o, min(seg, length - o)) for o in range(0, length, seg)]
+
+        reduce_tag, gather_tag = 0, 1  # one FIFO per phase between neighbours
+        sends = [dist.isend(flat[a:a + m], right, tag=reduce_tag) for a, m in segments(rank)]
+        # allgather: the chunks arrive straight in the result, in the order left sends them
+        gathers = [(step, a, m, dist.irecv(out[a:a + m], left, tag=gather_tag))
+                   for step in range(n - 1) for a, m in segments((rank - step) % n)]
+        # reduce-scatter: partials from the left land in a few reused buffers
+        jobs = [(step, a, m) for step in range(n - 1) for a, m in segments((rank - step - 1) % n)]
+        pending: Deque[Tuple[int, int, int, torch.Tensor, Any]] = collections.deque()
+        for job, buf in zip(jobs, self._receive_window(seg, flat.dtype)):
+            pending.append(job + (buf, dist.irecv(buf[:job[2]], left, tag=reduce_tag)))
+        following = len(pending)
+        while pending:
+            step, a, m, buf, work = pending.popleft()
+            work.wait()
+            combine(flat[a:a + m], buf[:m], out=out[a:a + m])
+            # the last step's result is final: it starts the allgather at once
+            sends.append(dist.isend(out[a:a + m], right, tag=reduce_tag if step < n - 2 else gather_tag))
+            if following < len(jobs):
+                job = jobs[following]
+                pending.append(job + (buf, dist.irecv(buf[:job[2]], left, tag=reduce_tag)))
+                following += 1
+        for step, a, m, work in gathers:
+            work.wait()
+            if step < n - 2:
+                sends.append(dist.isend(out[a:a + m], right, tag=gather_tag))
+        for work in sends:
+            work.wait()
+        return out.view(tensor.shape)
+
+    def _receive_window(self, seg: int, dtype: torch.dtype) -> List[torch.Tensor]:
+        if not self._window or self._window[0].dtype != dtype or self._window[0].numel() != seg:
+            self._window = [torch.empty(seg, dtype=dtype) for _ in range(_WINDOW)]
+        return self._window
 
     def allgather_same_shape(self, tensor):
         out = [torch.empty_like(tensor) for _ in range(self.size)]
