@@ -134,7 +134,7 @@ def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
         out["max"].append(hvd.allreduce(v.long(), op=hvd.Max)[0].item())
         out["prod"].append(hvd.allreduce(v, op=hvd.Product, compression=hvd.Compression.fp16)[0].item())
         out["avg"].append(hvd.synchronize(handle)[0].item())
-        big = hvd.allreduce(torch.full((100_001,), float(r + 1)), op=hvd.Sum)  # the ring path
+        big = hvd.allreduce(torch.full((600_001,), float(r + 1)), op=hvd.Sum)  # the ring path
         out["big"].append((big[0].item(), big[-1].item()))
     out["last"] = hvd.join()
     if r == 0:  # round 2: rank 0 has nothing more to do

@@ -177,14 +177,14 @@ def large_out_of_place_allreduce():
 
     r = sr.rank()
     g = torch.Generator().manual_seed(r)
-    x = torch.randn(300_007, generator=g, dtype=torch.float64)
+    x = torch.randn(600_007, generator=g, dtype=torch.float64)
     out = {"x": x.clone(), "ring_used": _api._b().ring_applies(x)}
     for op in ("Sum", "Average", "Min", "Max", "Product"):
         out[op] = sr.allreduce(x, op=getattr(sr, op))
     out["untouched"] = torch.equal(x, out["x"])
-    xi = torch.randint(-1000, 1000, (300_007,), generator=g, dtype=torch.int32)
+    xi = torch.randint(-1000, 1000, (600_007,), generator=g, dtype=torch.int32)
     out["xi"], out["int_sum"] = xi, sr.allreduce(xi, op=sr.Sum)
-    y = torch.randn(3, 70_001, generator=g)
+    y = torch.randn(3, 180_001, generator=g)
     out["y"], out["y_avg"] = y, sr.allreduce(y)
     # a result the caller still holds is never handed out again
     first = sr.allreduce(y, op=sr.Sum)

@@ -269,8 +269,8 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     wire, ctx = compression.compress(work)
     wire = _to_wire(wire)
     ring = blocking and wire is tensor and out is None and op != Adasum and b.ring_applies(tensor)
-    if wire is tensor and not ring:  # never reduce into the caller's tensor unless asked
-        wire = tensor.clone() if out is not tensor else tensor
+    if wire is tensor and not ring and out is not tensor:  # never reduce into the caller's tensor
+        wire = b.result_like(tensor).copy_(tensor)
     size_ = b.size
     is_float = tensor.dtype.is_floating_point or tensor.dtype.is_complex
 

@@ -34,6 +34,10 @@ class Backend(abc.ABC):
         copying it first (every rank decides the same from shape and dtype)."""
         return False
 
+    def result_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An uninitialized contiguous tensor shaped like ``tensor`` to return a result in."""
+        return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
     def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """Blocking out-of-place allreduce; only called where ``ring_applies``."""
         raise NotImplementedError

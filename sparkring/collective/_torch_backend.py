@@ -22,7 +22,8 @@ _OPS = {
 # Out-of-place allreduce on gloo runs its own ring over point-to-point messages: gloo's
 # allreduce works in place only, so a new result would cost a full copy of the input on
 # top of the reduction; the ring writes input + received partials straight into the result.
-RING_MIN_BYTES = 256 * 1024
+RING_MIN_BYTES = 2 * 1024 * 1024  # below this, gloo plus a copy is faster (fewer messages)
+_POOL_MIN_BYTES = 256 * 1024  # smaller allocations come from malloc's free lists anyway
 _SEGMENT_BYTES = 2 * 1024 * 1024
 _WINDOW = 8  # receive buffers in flight per reduce step
 _COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}
@@ -117,6 +118,11 @@ class TorchBackend(Backend):
     def allreduce_async(self, tensor, op):
         work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
         return _TorchHandle(work, tensor)
+
+    def result_like(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < _POOL_MIN_BYTES:
+            return super().result_like(tensor)
+        return self._results.get(tensor.numel(), tensor.dtype).view(tensor.shape)
 
     def ring_applies(self, tensor: torch.Tensor) -> bool:
         return (self.name == "gloo" and self.size > 1 and tensor.device.type == "cpu"
