@@ -41,9 +41,11 @@ class _ResultBuffers:
         self._max_buffers = max_buffers
         self._max_bytes = max_bytes
 
-    @staticmethod
-    def _free(storage: torch.UntypedStorage) -> bool:
-        return torch._C._storage_Use_Count(storage._cdata) == 1  # only our handle is left
+    _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; absent: never reuse
+
+    @classmethod
+    def _free(cls, storage: torch.UntypedStorage) -> bool:
+        return cls._use_count is not None and cls._use_count(storage._cdata) == 1  # only ours is left
 
     def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * dtype.itemsize
