@@ -268,7 +268,7 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         work = work * prescale_factor
     wire, ctx = compression.compress(work)
     wire = _to_wire(wire)
-    ring = blocking and wire is tensor and out is None and op != Adasum and b.ring_applies(tensor)
+    ring = blocking and wire is tensor and out is None and b.ring_applies(tensor)  # Adasum returned above
     if wire is tensor and not ring and out is not tensor:  # never reduce into the caller's tensor
         wire = b.result_like(tensor).copy_(tensor)
     size_ = b.size
