@@ -172,13 +172,18 @@ def report_events(n):
 
 
 def large_out_of_place_allreduce():
-    """Tensors big enough for the out-of-place ring, of sizes no rank count divides."""
+    """Tensors big enough for the direct out-of-place algorithms (two-rank swap up to 8 MB,
+    ring above it or with more ranks), of sizes no rank count divides."""
     from sparkring.collective import _api
 
     r = sr.rank()
+    b = _api._b()
     g = torch.Generator().manual_seed(r)
     x = torch.randn(600_007, generator=g, dtype=torch.float64)
-    out = {"x": x.clone(), "ring_used": _api._b().ring_applies(x)}
+    z = torch.randn(1_100_003, generator=g, dtype=torch.float64)
+    out = {"x": x.clone(), "direct": b.out_of_place_applies(x) and b.out_of_place_applies(z),
+           "algorithms": {b.out_of_place_algorithm(x), b.out_of_place_algorithm(z)}}
+    out["z"], out["z_max"] = z, sr.allreduce(z, op=sr.Max)
     for op in ("Sum", "Average", "Min", "Max", "Product"):
         out[op] = sr.allreduce(x, op=getattr(sr, op))
     out["untouched"] = torch.equal(x, out["x"])

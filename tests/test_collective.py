@@ -141,8 +141,13 @@ def test_out_of_place_allreduce_of_large_odd_tensors_matches_a_direct_computatio
                 "Max": xs.max(0).values, "Product": xs.prod(0)}
     ys = torch.stack([r["y"] for r in results])
     int_sum = torch.stack([r["xi"] for r in results]).sum(0, dtype=torch.int32)
+    z_max = torch.stack([r["z"] for r in results]).max(0).values
     for r in results:
-        assert r["ring_used"] and r["untouched"] and r["first_intact"]
+        assert r["direct"] and r["untouched"] and r["first_intact"]
+        assert r["algorithms"] == ({"swap", "ring"} if size == 2 else {"ring"})
+        assert torch.equal(r["z_max"], z_max)
+        for op in expected:  # every rank holds bitwise the same result
+            assert torch.equal(r[op], results[0][op])
         for op, want in expected.items():
             torch.testing.assert_close(r[op], want, rtol=1e-12, atol=1e-12)
         assert r["int_sum"].dtype == torch.int32 and torch.equal(r["int_sum"], int_sum)

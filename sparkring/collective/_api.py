@@ -268,8 +268,8 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         work = work * prescale_factor
     wire, ctx = compression.compress(work)
     wire = _to_wire(wire)
-    ring = blocking and wire is tensor and out is None and b.ring_applies(tensor)  # Adasum returned above
-    if wire is tensor and not ring and out is not tensor:  # never reduce into the caller's tensor
+    direct = blocking and wire is tensor and out is None and b.out_of_place_applies(tensor)  # Adasum returned above
+    if wire is tensor and not direct and out is not tensor:  # never reduce into the caller's tensor
         wire = b.result_like(tensor).copy_(tensor)
     size_ = b.size
     is_float = tensor.dtype.is_floating_point or tensor.dtype.is_complex
@@ -292,7 +292,7 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
             return out
         return result
 
-    if ring:
+    if direct:
         return _DoneHandle(finish(b.allreduce_new(tensor, _REDUCE_OPS[op])))
     return _PostHandle(b.allreduce_async(wire, _REDUCE_OPS[op]), finish)
 

@@ -29,7 +29,7 @@ class Backend(abc.ABC):
     def allreduce_async(self, tensor: torch.Tensor, op: str) -> Handle:
         """Reduce ``tensor`` in place across ranks; returns a handle."""
 
-    def ring_applies(self, tensor: torch.Tensor) -> bool:
+    def out_of_place_applies(self, tensor: torch.Tensor) -> bool:
         """True when ``allreduce_new`` can reduce ``tensor`` into a new tensor without
         copying it first (every rank decides the same from shape and dtype)."""
         return False
@@ -39,7 +39,7 @@ class Backend(abc.ABC):
         return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
     def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """Blocking out-of-place allreduce; only called where ``ring_applies``."""
+        """Blocking out-of-place allreduce; only called where ``out_of_place_applies``."""
         raise NotImplementedError
 
     @abc.abstractmethod
