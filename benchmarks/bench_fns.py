@@ -22,41 +22,48 @@ def torch_distributor_trivial():
     return t.item()
 
 
-def allreduce_bandwidth(sizes, block_seconds=0.08, rounds=15):
+def allreduce_bandwidth(sizes, block_seconds=0.1, rounds=21):
     """Bus bandwidth (GB/s) of sr.allreduce / sr.allreduce_ vs dist.all_reduce on the same gloo
     group. Short blocks of each call alternate round after round, so a noisy moment on the
-    shared cores hits one round of every method; ratios are medians of per-round ratios."""
+    shared cores hits one round of every method (in a rotating order); ratios are medians of per-round ratios.
+    dist.all_reduce also runs against itself: that ratio is the measurement's noise floor."""
     import statistics
 
     out = []
     n = sr.size()
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)
-        for _ in range(2):
-            sr.allreduce(t, op=sr.Sum)
+        methods = {"raw": lambda: dist.all_reduce(t), "ours": lambda: sr.allreduce(t, op=sr.Sum),
+                   "raw_clone": lambda: dist.all_reduce(t.clone()),
+                   "ours_inplace": lambda: sr.allreduce_(t, op=sr.Sum), "raw_again": lambda: dist.all_reduce(t)}
+        for op in methods.values():
+            op()
+            op()
+        start = time.perf_counter()
+        for _ in range(3):
             dist.all_reduce(t)
+        # every rank runs the same number of calls per block, fixed by rank 0's estimate, so
+        # no synchronisation inside the timed loop
+        iters = torch.tensor([min(2000, max(3, round(block_seconds * 3 / (time.perf_counter() - start))))])
+        dist.broadcast(iters, 0)
+        iters = int(iters)
 
         def measure(op):
-            iters, start = 0, time.perf_counter()
-            # every rank must run the same count: agree on it from rank 0's timing
-            while True:
+            dist.barrier()
+            begin = time.perf_counter()
+            for _ in range(iters):
                 op()
-                iters += 1
-                done = torch.tensor([1.0 if time.perf_counter() - start > block_seconds or iters >= 2000 else 0.0])
-                dist.broadcast(done, 0)
-                if done.item():
-                    break
-            return (time.perf_counter() - start) / iters
+            return (time.perf_counter() - begin) / iters
 
-        methods = {"raw": lambda: dist.all_reduce(t), "raw_clone": lambda: dist.all_reduce(t.clone()),
-                   "ours": lambda: sr.allreduce(t, op=sr.Sum), "ours_inplace": lambda: sr.allreduce_(t, op=sr.Sum)}
         times = {k: [] for k in methods}
-        for _ in range(rounds):
-            for k, op in methods.items():
-                times[k].append(measure(op))
+        names = list(methods)
+        for r in range(rounds):
+            # rotate the order every round: the position in a round has an effect of its own
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                times[k].append(measure(methods[k]))
         bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
         row = {"bytes": nbytes, **{k: bus(statistics.median(v)) for k, v in times.items()}}
-        for ours, base in (("ours", "raw"), ("ours", "raw_clone"), ("ours_inplace", "raw")):
+        for ours, base in (("ours", "raw"), ("ours", "raw_clone"), ("ours_inplace", "raw"), ("raw_again", "raw")):
             row[f"{ours}/{base}"] = statistics.median(b / o for o, b in zip(times[ours], times[base]))
         out.append(row)
     return out

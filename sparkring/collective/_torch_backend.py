@@ -185,15 +185,18 @@ class TorchBackend(Backend):
             return [(bounds[c] + o, min(seg, length - o)) for o in range(0, length, seg)]
 
         reduce_tag, gather_tag = _REDUCE_TAG, _GATHER_TAG  # one FIFO per phase between neighbours
-        sends = [dist.isend(flat[a:a + m], right, tag=reduce_tag) for a, m in segments(rank)]
-        # allgather: the chunks arrive straight in the result, in the order left sends them
-        gathers = [(step, a, m, dist.irecv(out[a:a + m], left, tag=gather_tag))
-                   for step in range(n - 1) for a, m in segments((rank - step) % n)]
+        # Every receive is posted before the first send: gloo then writes a message straight
+        # into its destination as it arrives instead of holding the sender until the
+        # receiver asks for it (measured 5-10% at 16 MB).
         # reduce-scatter: partials from the left land in a few reused buffers
         jobs = [(step, a, m) for step in range(n - 1) for a, m in segments((rank - step - 1) % n)]
         pending: Deque[Tuple[int, int, int, torch.Tensor, Any]] = collections.deque()
         for job, buf in zip(jobs, self._receive_window(seg, flat.dtype)):
             pending.append(job + (buf, dist.irecv(buf[:job[2]], left, tag=reduce_tag)))
+        # allgather: the chunks arrive straight in the result, in the order left sends them
+        gathers = [(step, a, m, dist.irecv(out[a:a + m], left, tag=gather_tag))
+                   for step in range(n - 1) for a, m in segments((rank - step) % n)]
+        sends = [dist.isend(flat[a:a + m], right, tag=reduce_tag) for a, m in segments(rank)]
         following = len(pending)
         while pending:
             step, a, m, buf, work = pending.popleft()
