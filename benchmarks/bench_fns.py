@@ -69,7 +69,7 @@ def allreduce_bandwidth(sizes, block_seconds=0.1, rounds=21):
     return out
 
 
-def optimizer_vs_ddp(steps=60, width=1024, batch=64):
+def optimizer_vs_ddp(steps=60, width=1024, batch=64, rounds=20):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     def make():
@@ -102,8 +102,9 @@ def optimizer_vs_ddp(steps=60, width=1024, batch=64):
 
     times = {"ddp": [], "ours": []}
     per_block = max(1, steps // 6)
-    for _ in range(15):  # short alternating blocks; ratios are medians of per-block ratios
-        for name, fn in (("ddp", step_ddp), ("ours", step_ours)):
+    order = [("ddp", step_ddp), ("ours", step_ours)]
+    for r in range(rounds):  # short alternating blocks; ratios are medians of per-block ratios
+        for name, fn in order if r % 2 == 0 else order[::-1]:  # who goes first alternates too
             sr.barrier()
             start = time.perf_counter()
             for _ in range(per_block):

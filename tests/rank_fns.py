@@ -17,20 +17,21 @@ def make_batches(steps=4, batch=8, seed=1):
     return [(torch.randn(batch, 5, generator=g), torch.randn(batch, 3, generator=g)) for _ in range(steps)]
 
 
-def train_reference(compression=None, bpps=1, steps=4):
+def train_reference(compression=None, bpps=1, steps=4, set_to_none=True):
     """One process on the whole batches."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = make_batches(steps * bpps)
     for i in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         for x, y in batches[i * bpps:(i + 1) * bpps]:
             torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def train_distributed(compression="none", bpps=1, steps=4, bucket_bytes=None):
+def train_distributed(compression="none", bpps=1, steps=4, bucket_bytes=None, set_to_none=True,
+                      report_grad_storage=False):
     """Each rank trains on its half of every batch."""
     model = make_model(seed=0 if sr.rank() == 0 else 100 + sr.rank())  # broadcast must fix rank 1
     sr.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -43,11 +44,16 @@ def train_distributed(compression="none", bpps=1, steps=4, bucket_bytes=None):
     half = 8 // sr.size()
     lo, hi = sr.rank() * half, (sr.rank() + 1) * half
     for i in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         for x, y in batches[i * bpps:(i + 1) * bpps]:
             torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
         opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if report_grad_storage:  # do the gradients live in the optimizer's reduction buffers?
+        buffers = {b.buffer.untyped_storage().data_ptr() for b in opt._sr_buckets}
+        state["grads_in_buffers"] = all(p.grad.untyped_storage().data_ptr() in buffers
+                                        for p in model.parameters())
+    return state
 
 
 def collectives_tour():

@@ -42,6 +42,18 @@ def test_backward_passes_per_step_two_equals_manual_accumulation(spark):
         _assert_state_close(state, expected, atol=1e-6)
 
 
+def test_gradients_zeroed_in_place_accumulate_straight_into_the_reduction_buffers(spark):
+    # zero_grad(set_to_none=False) keeps the grads that synchronize() pointed into the bucket
+    # buffers, so backward accumulates there and nothing is copied; results must not change
+    expected = rank_fns.train_reference(bpps=2, steps=3, set_to_none=False)
+    results = run(rank_fns.train_distributed, kwargs={"bpps": 2, "steps": 3, "bucket_bytes": 64,
+                                                      "set_to_none": False, "report_grad_storage": True},
+                  num_proc=2)
+    for state in results:
+        assert state.pop("grads_in_buffers")
+        _assert_state_close(state, expected, atol=1e-6)
+
+
 def test_collectives_handle_odd_sizes_empty_int_and_float64_tensors(spark):
     r0, r1 = run(rank_fns.collectives_tour, num_proc=2)
     base = torch.arange(7, dtype=torch.float32)

@@ -23,6 +23,18 @@ class _Bucket:
         self.pending = set(id(p) for p in params)
         self.handle = None
         self.buffer: Optional[torch.Tensor] = None
+        self._offsets = [0]
+        for p in params[:-1]:
+            self._offsets.append(self._offsets[-1] + p.numel())
+
+    def offsets(self) -> List[int]:
+        """Where each parameter's gradient starts in the flat buffer, in elements."""
+        return self._offsets
+
+
+def _lives_at(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
+    return (grad.is_contiguous() and grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and grad.storage_offset() == offset)
 
 
 class _DistributedOptimizerMixin:
@@ -108,14 +120,22 @@ class _DistributedOptimizerMixin:
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(p.grad.reshape(-1))
+            grads.append(p.grad)
         # one flat buffer per bucket, reused every step: no allocation (and page faults)
         # on the hot path; the reduction happens in place in it
         flat = bucket.buffer
         if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
             flat = bucket.buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
                                                device=grads[0].device)
-        torch.cat(grads, out=flat)
+        # grads that synchronize() left in the buffer and backward accumulated into in place
+        # (zero_grad(set_to_none=False)) are already there; only the others are copied
+        placed = [_lives_at(g, flat, offset) for g, offset in zip(grads, bucket.offsets())]
+        if not any(placed):
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        elif not all(placed):
+            for g, offset, there in zip(grads, bucket.offsets(), placed):
+                if not there:
+                    flat[offset:offset + g.numel()].copy_(g.reshape(-1))
         if self._sr_op == _api.Adasum:
             bucket.handle = _api._allreduce_async(flat, flat, _api.Adasum)
             return
@@ -139,11 +159,13 @@ class _DistributedOptimizerMixin:
             self._sr_next_launch += 1
         for bucket in self._sr_buckets:
             reduced = bucket.handle.wait()
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                p.grad.copy_(reduced[offset:offset + n].view_as(p.grad))
-                offset += n
+            for p, offset in zip(bucket.params, bucket.offsets()):
+                if reduced is bucket.buffer and p.grad.is_contiguous():
+                    # like Horovod's p.grad.set_(output): the grad (same tensor object) now
+                    # reads the reduced buffer, which saves copying every gradient back
+                    p.grad.set_(reduced.untyped_storage(), offset, p.grad.shape, p.grad.stride())
+                else:
+                    p.grad.copy_(reduced[offset:offset + p.numel()].view_as(p.grad))
             bucket.handle = None
             bucket.pending = set(id(p) for p in bucket.params)
         self._sr_next_launch = 0
