@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, Handle
+from ._store import client_store, rendezvous_store
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -98,8 +99,7 @@ class TorchBackend(Backend):
         if size == 1 and not master_addr:
             store = dist.HashStore()
         else:
-            store = dist.TCPStore(master_addr, int(master_port), size, is_master=(rank == 0),
-                                  timeout=self._start_timeout, wait_for_workers=False)
+            store = rendezvous_store(master_addr, int(master_port), size, rank, self._start_timeout)
         self._store = store
         self._results = _ResultBuffers()
         self._window: List[torch.Tensor] = []
@@ -115,9 +115,7 @@ class TorchBackend(Backend):
     def join_stores(self):
         if self.size == 1 or self._master is None:
             return None
-        watcher = dist.TCPStore(self._master[0], self._master[1], is_master=False,
-                                timeout=self._start_timeout, wait_for_workers=False)
-        return self._store, watcher
+        return self._store, client_store(self._master[0], self._master[1], self._start_timeout)
 
     @property
     def device(self) -> Optional[torch.device]:
