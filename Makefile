@@ -8,10 +8,10 @@ BENCH_ARGS ?=
 
 .PHONY: test demo bench java clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,mpi]'
 	touch $(STAMP)
 
 java:

@@ -205,3 +205,38 @@ def large_out_of_place_allreduce():
     out["second"] = sr.allreduce(y * 2, op=sr.Sum)
     out["first_intact"] = torch.equal(first, kept)
     return out
+
+
+def dtype_and_collective_tour():
+    """Every dtype torch reduces and the Horovod collectives beyond the basic tour."""
+    r, n = sr.rank(), sr.size()
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.uint8):
+        out[f"sum_{dtype}"] = sr.allreduce(torch.arange(5).to(dtype) + r, op=sr.Sum)
+    out["avg_half"] = sr.allreduce(torch.tensor([1.0, 3.0], dtype=torch.float16) * (r + 1))
+    out["prod"] = sr.allreduce(torch.tensor([2.0, 3.0]) + r, op=sr.Product)
+    out["bool_max"] = sr.allreduce(torch.tensor([r == 0, False, True]), op=sr.Max)
+    out["complex"] = sr.allreduce(torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64) * (r + 1), op=sr.Sum)
+    out["strided"] = sr.allreduce(torch.arange(12.0).reshape(3, 4).t() + r, op=sr.Sum)
+    big = torch.full((700_001,), float(r + 1))
+    out["big"] = sr.allreduce(big, op=sr.Sum)[[0, -1]]
+    out["grouped"] = sr.grouped_allreduce([torch.ones(2) * r, torch.ones(3, dtype=torch.float64) * r], op=sr.Sum)
+    out["alltoall"] = sr.alltoall(torch.arange(3 * n) + 100 * r)
+    out["reducescatter"] = sr.reducescatter(torch.arange(4.0 * n) * (r + 1), op=sr.Sum)
+    params = {"w": torch.full((3,), float(r)), "step": torch.tensor(r)}
+    sr.broadcast_parameters(params, root_rank=1)
+    out["params"] = params
+    out["bcast_bf16"] = sr.broadcast(torch.tensor([1.5, 2.5], dtype=torch.bfloat16) * (r + 1), root_rank=0)
+    return out
+
+
+def listening_addresses():
+    """Addresses this rank's process and its parent (task process or mpiexec) listen on."""
+    import psutil
+
+    me = psutil.Process()
+    sr.barrier()  # every rank's transport is up before anyone looks
+    procs = [me] + [me.parent()] if me.parent() is not None else [me]
+    addrs = sorted({c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == "LISTEN"})
+    sr.barrier()
+    return {"addrs": addrs, "launcher": me.parent().name()}

@@ -36,7 +36,7 @@ def test_adasum_matches_a_direct_computation(size):
 
 def test_horovod_collectives_keep_horovods_semantics_and_keywords(spark):
     r0, r1 = run(hvd_fns.horovod_surface, num_proc=2)
-    assert r0["flags"] == (True, True, False, False, 0, 1)
+    assert r0["flags"] == (True, True, True, False, 0, 1)  # mpi4py installed, but this ring runs on gloo
     for r in (r0, r1):
         assert r["avg_kw"] == [1.5, 3.0] and r["sum_kw"] == [3.0, 6.0]
         assert r["scaled"] == [3.0, 6.0] and r["product"] == [2.0, 8.0]

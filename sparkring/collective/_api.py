@@ -61,7 +61,8 @@ def init(backend: Optional[str] = None) -> None:
         if name == "mpi":
             from ._mpi_backend import MPIBackend
 
-            _state.backend = MPIBackend()
+            _state.backend = MPIBackend(rank, size, env.get(_env.MASTER_ADDR), env.get(_env.MASTER_PORT),
+                                        float(env.get("SPARKRING_START_TIMEOUT", timeout)))
         elif name in ("gloo", "nccl"):
             from ._torch_backend import TorchBackend
 
@@ -729,21 +730,29 @@ def nccl_built() -> bool:
 
 
 def mpi_built() -> bool:
-    """False: this release has no MPI transport.
+    """True when mpi4py (and so the ``backend="mpi"`` transport) is installed.
 
-    >>> sr.mpi_built()
-    False
+    >>> sr.mpi_built()  # doctest: +SKIP
+    True
     """
-    return False
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
 
 
 def mpi_threads_supported() -> bool:
-    """False: this release has no MPI transport.
+    """True when this ring runs on MPI and the MPI library takes calls from several
+    threads at once (MPI_THREAD_MULTIPLE); False on gloo/nccl (MPI is never initialized
+    just to answer).
 
-    >>> sr.mpi_threads_supported()
-    False
+    >>> sr.mpi_threads_supported()  # doctest: +SKIP
+    True
     """
-    return False
+    if _state.backend is None or _state.backend.name != "mpi":
+        return False
+    from ._mpi_backend import threads_supported
+
+    return threads_supported()
 
 
 _checked_names: Dict[str, Tuple] = {}

@@ -149,8 +149,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if self.getOrDefault("learningRateScaling") not in ("none", "linear"):
             raise ConfigurationError(f"learningRateScaling={self.getOrDefault('learningRateScaling')!r}: "
                                      "use 'none' or 'linear'")
-        if self.getOrDefault("backend") not in ("auto", "gloo", "nccl"):
-            raise ConfigurationError(f"backend={self.getOrDefault('backend')!r}: use 'auto', 'gloo' or 'nccl'")
+        if self.getOrDefault("backend") not in ("auto", "gloo", "nccl", "mpi"):
+            raise ConfigurationError(f"backend={self.getOrDefault('backend')!r}: use 'auto', 'gloo', 'nccl' or 'mpi'")
         fields = {f.name: f.dataType for f in df.schema.fields}
         feature_cols = self.featureColumns()
         for c in feature_cols:

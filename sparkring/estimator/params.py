@@ -59,7 +59,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
     validation = _param("validation", "fraction of rows held out, or a boolean column marking them",
                         _to_validation)
     shuffle = _param("shuffle", "shuffle training rows every epoch", TypeConverters.toBoolean)
-    backend = _param("backend", "auto | gloo | nccl", TypeConverters.toString)
+    backend = _param("backend", "auto | gloo | nccl | mpi", TypeConverters.toString)
     useGpu = _param("useGpu", "train on GPUs (default: when Spark schedules GPUs)", _identity)
     store = _param("store", "sparkring.Store for data, checkpoints, logs (default: a temporary local one)")
     runId = _param("runId", "name of the run in the store; fitting again with the same runId resumes",

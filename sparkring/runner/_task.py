@@ -92,7 +92,12 @@ def _dump_stacks(proc, workdir: str) -> str:
     """Ask the worker for its Python stacks (faulthandler on SIGUSR1) before killing it."""
     path = os.path.join(workdir, "stacks.txt")
     try:
-        os.kill(proc.pid, signal.SIGUSR1)
+        with open(os.path.join(workdir, "pid")) as f:
+            pid = int(f.read())
+    except (OSError, ValueError):
+        pid = proc.pid
+    try:
+        os.kill(pid, signal.SIGUSR1)
     except ProcessLookupError:
         return "(process already gone)"
     deadline = time.monotonic() + 2
@@ -181,13 +186,41 @@ class ForkedWorker:
         return self.returncode
 
 
+def find_mpiexec() -> Optional[str]:
+    """MPICH's fork-only launcher next to this interpreter (the mpich wheel puts it there):
+    it talks to its one process over a socketpair, where hydra's mpiexec listens on every
+    interface. Any ``mpiexec`` on PATH otherwise."""
+    here = os.path.dirname(sys.executable)
+    for name in ("mpiexec.gforker", "mpiexec"):
+        found = shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
+        if found:
+            return found
+    return None
+
+
+def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
+    """Keep MPI's own listeners on the task's interface (loopback in local mode)."""
+    env = {"MPIR_CVAR_CH3_INTERFACE_HOSTNAME": ip}
+    if iface:
+        env.update({"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface})
+    return env
+
+
 def start_worker(workdir: str, env: Dict[str, str]):
-    """Fork (Linux, default) or spawn a fresh interpreter (SPARKRING_WORKER_START=spawn)."""
-    mode = env.get("SPARKRING_WORKER_START", "fork" if sys.platform.startswith("linux") else "spawn")
-    if mode == "fork":
-        return ForkedWorker(workdir, env)
-    return subprocess.Popen([sys.executable, "-m", WORKER_MODULE, workdir], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True)
+    """Fork (Linux, default) or spawn a fresh interpreter (SPARKRING_WORKER_START=spawn);
+    MPI ranks always start fresh under ``mpiexec -n 1``, which MPI_Init needs."""
+    command = [sys.executable, "-m", WORKER_MODULE, workdir]
+    if env.get(_env.BACKEND) == "mpi":
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
+        command = [mpiexec, "-n", "1"] + command
+    else:
+        mode = env.get("SPARKRING_WORKER_START", "fork" if sys.platform.startswith("linux") else "spawn")
+        if mode == "fork":
+            return ForkedWorker(workdir, env)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _rank_layout(hosts: List[str], rank: int):
@@ -244,6 +277,9 @@ def run_task(spec: TaskSpec, _rows) -> Iterator:
     if iface:
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
+    if spec.backend == "mpi":
+        for key, value in mpi_network_env(iface, my_ip).items():
+            env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, spec.task_cpus)))
     if spec.use_gpu:
         resources = ctx.resources()

@@ -11,20 +11,35 @@ import traceback
 
 
 def _die_with_parent() -> None:
-    parent = int(os.environ.get("SPARKRING_PARENT_PID", "0"))
+    """Exit when the task process that owns this rank is gone (it is the parent of a forked
+    worker, the grandparent under mpiexec)."""
+    task = int(os.environ.get("SPARKRING_PARENT_PID", "0"))
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with the task
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with our parent
     except OSError:
         pass
 
+    def task_alive() -> bool:
+        try:
+            os.kill(task, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    if not task:
+        return
+    parent = os.getppid()
+
     def watch():
         while True:
-            if parent and os.getppid() != parent:
+            if os.getppid() != parent or not task_alive():
                 os._exit(137)
             time.sleep(0.5)
 
-    if parent and os.getppid() != parent:
+    if not task_alive():
         os._exit(137)
     threading.Thread(target=watch, daemon=True).start()
 
@@ -52,6 +67,8 @@ def main(workdir: str) -> None:
     _name_process()
     import faulthandler
 
+    with open(os.path.join(workdir, "pid"), "w") as f:
+        f.write(str(os.getpid()))
     stacks = open(os.path.join(workdir, "stacks.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import cloudpickle

@@ -1,6 +1,7 @@
 """``run()``: execute a function (or script) once per rank in a Spark barrier stage."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import socket
@@ -152,6 +153,17 @@ def _driver_ip(sc) -> str:
         return host
 
 
+def _check_mpi_installed() -> None:
+    from ._task import find_mpiexec
+
+    missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
+                                     ("mpiexec", find_mpiexec() is not None)) if not ok]
+    if missing:
+        raise ConfigurationError(
+            f"backend='mpi' needs {' and '.join(missing)} on the driver and every executor: "
+            "pip install 'sparkring[mpi]' (mpi4py and the mpich wheel), or use backend='gloo'")
+
+
 def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
         num_proc: Optional[int] = None, backend: str = "auto", use_gpu: Optional[bool] = None,
         start_timeout: float = 120, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
@@ -169,8 +181,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     [0.5, 0.5]
     """
     if backend == "mpi":
-        raise ConfigurationError("backend='mpi' is not available in this release yet; use "
-                                 "backend='gloo' (CPU) or 'nccl' (GPU)")
+        _check_mpi_installed()
     if backend not in BACKENDS:
         raise ConfigurationError(f"backend={backend!r} is not known; use one of {', '.join(BACKENDS)}")
     if timeout is not None and timeout <= 0:
