@@ -69,6 +69,46 @@ def allreduce_bandwidth(sizes, block_seconds=0.1, rounds=21):
     return out
 
 
+def mpi_allreduce_overhead(sizes, block_seconds=0.1, rounds=15):
+    """On backend="mpi": sr.allreduce vs mpi4py's out-of-place Allreduce into a preallocated
+    result, sr.allreduce_ vs Allreduce(IN_PLACE), on the very communicator sparkring formed
+    (alternating blocks, rotating order, medians)."""
+    import statistics
+
+    from mpi4py import MPI
+
+    comm = sr._api._b()._comm
+    out = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        a, result = t.numpy(), torch.empty_like(t).numpy()
+        methods = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
+                   "raw_new": lambda: comm.Allreduce(a, result, MPI.SUM),
+                   "ours": lambda: sr.allreduce(t, op=sr.Sum), "ours_inplace": lambda: sr.allreduce_(t, op=sr.Sum)}
+        for op in methods.values():
+            op()
+        start = time.perf_counter()
+        for _ in range(3):
+            methods["raw"]()
+        iters = comm.bcast(min(2000, max(3, round(block_seconds * 3 / (time.perf_counter() - start)))), root=0)
+        times = {k: [] for k in methods}
+        names = list(methods)
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                comm.Barrier()
+                begin = time.perf_counter()
+                for _ in range(iters):
+                    methods[k]()
+                times[k].append((time.perf_counter() - begin) / iters)
+        n = sr.size()
+        bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
+        row = {"bytes": nbytes, **{k: bus(statistics.median(v)) for k, v in times.items()}}
+        for k, base in (("ours", "raw_new"), ("ours_inplace", "raw")):
+            row[f"{k}/{base}"] = statistics.median(b / o for o, b in zip(times[k], times[base]))
+        out.append(row)
+    return out
+
+
 def optimizer_vs_ddp(steps=60, width=1024, batch=64, rounds=20):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -1,6 +1,6 @@
 """Run every benchmark side by side with its baseline and rewrite BENCHMARKS.md.
 
-    make bench                      # or: python benchmarks/run_all.py [--only launch,allreduce,...]
+    make bench                      # or: python benchmarks/run_all.py [--only launch,allreduce,mpi,...]
 """
 from __future__ import annotations
 
@@ -66,6 +66,22 @@ def bench_optimizer(spark, rows, reps):
     rows.append(Row("collective", "DistributedOptimizer step throughput, 3-layer MLP (1.3M params), gloo",
                     f"{r['ours']:.0f} samples/s", f"DDP {r['ddp']:.0f} samples/s", r["ratio"], ">= 0.95x",
                     goal_value=0.95))
+
+
+def bench_mpi(spark, rows, reps):
+    from sparkring import run
+
+    result = run(bench_fns.mpi_allreduce_overhead, args=([1 << 20, 16 << 20],), num_proc=2, backend="mpi",
+                 verbose=0)[0]
+    for r in result:
+        label = f"{r['bytes'] >> 20} MB"
+        rows.append(Row("collective", f"MPI backend allreduce bus bandwidth {label}, sr.allreduce (new tensor)",
+                        f"{r['ours'] * 1000:.0f} MB/s",
+                        f"mpi4py Allreduce(send, preallocated recv) {r['raw_new'] * 1000:.0f} MB/s",
+                        r["ours/raw_new"], "(reference)"))
+        rows.append(Row("collective", f"MPI backend allreduce bus bandwidth {label}, sr.allreduce_ (in place)",
+                        f"{r['ours_inplace'] * 1000:.0f} MB/s", f"mpi4py Allreduce(IN_PLACE) {r['raw'] * 1000:.0f} MB/s",
+                        r["ours_inplace/raw"], "(reference)"))
 
 
 def _vector_df(spark, n, d=64, partitions=4):
@@ -255,7 +271,7 @@ def bench_transform(spark, rows, reps, tmp):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,allreduce,optimizer,data,training,transform")
+    parser.add_argument("--only", default="launch,allreduce,mpi,optimizer,data,training,transform")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -274,7 +290,7 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "allreduce", "optimizer", "data", "training", "transform"):
+        for name in ("launch", "allreduce", "mpi", "optimizer", "data", "training", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -293,7 +309,8 @@ def main():
               "row, which is a ratio of wall times (lower is better). `results.json` in benchmarks/ keeps "
               "the raw rows; `--only SECTION` reruns one section.")
     try:
-        for name, fn in (("launch", bench_launch), ("allreduce", bench_allreduce), ("optimizer", bench_optimizer)):
+        for name, fn in (("launch", bench_launch), ("allreduce", bench_allreduce), ("mpi", bench_mpi),
+                         ("optimizer", bench_optimizer)):
             if name in only:
                 print(f"== {name}", flush=True)
                 rows = []

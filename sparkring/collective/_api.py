@@ -247,15 +247,19 @@ def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
 
 def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
                      compression=Compression.none, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0, blocking: bool = False) -> Handle:
+                     postscale_factor: float = 1.0, blocking: bool = False,
+                     path: Optional[str] = None) -> Handle:
+    """Start (or, with ``blocking``, run) one allreduce. ``path`` is how it travels: "new"
+    (out-of-place straight into a new tensor), "blocking" or "async"; decided here from the
+    call and recorded, so a joined rank replaying it takes the very same path."""
     b = _b()
     if tensor.numel() == 0:
         result = out if out is not None else tensor.clone()
         return _DoneHandle(result)
-    seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
-                 compression=f"{compression.__module__}:{compression.__qualname__}",
-                 prescale=prescale_factor, postscale=postscale_factor, blocking=blocking)
     if op == Adasum:
+        seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
+                     compression=f"{compression.__module__}:{compression.__qualname__}",
+                     prescale=prescale_factor, postscale=postscale_factor, path="adasum")
         from ._adasum import adasum_allreduce
 
         result = adasum_allreduce(tensor, b)
@@ -267,10 +271,21 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     work = tensor
     if prescale_factor != 1.0:
         work = work * prescale_factor
-    wire, ctx = compression.compress(work)
-    wire = _to_wire(wire)
-    direct = blocking and wire is tensor and out is None and b.out_of_place_applies(tensor)  # Adasum returned above
-    if wire is tensor and not direct and out is not tensor:  # never reduce into the caller's tensor
+    compressed, ctx = compression.compress(work)
+    wire = _to_wire(compressed)
+    if not wire.is_contiguous():
+        wire = wire.contiguous()
+    if path is None:
+        if not blocking:
+            path = "async"
+        elif out is None and compressed is tensor and b.out_of_place_applies(wire):
+            path = "new"
+        else:
+            path = "blocking"
+    seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
+                 compression=f"{compression.__module__}:{compression.__qualname__}",
+                 prescale=prescale_factor, postscale=postscale_factor, path=path)
+    if wire is tensor and path != "new" and out is not tensor:  # never reduce into the caller's tensor
         wire = b.result_like(tensor).copy_(tensor)
     size_ = b.size
     is_float = tensor.dtype.is_floating_point or tensor.dtype.is_complex
@@ -293,8 +308,10 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
             return out
         return result
 
-    if direct:
-        return _DoneHandle(finish(b.allreduce_new(tensor, _REDUCE_OPS[op])))
+    if path == "new":
+        return _DoneHandle(finish(b.allreduce_new(wire, _REDUCE_OPS[op])))
+    if path == "blocking":
+        return _DoneHandle(finish(b.allreduce(wire, _REDUCE_OPS[op])))
     return _PostHandle(b.allreduce_async(wire, _REDUCE_OPS[op]), finish)
 
 
@@ -345,7 +362,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     """
     _check_name(name, tensor, "allreduce")
     return synchronize(_allreduce_async(tensor, tensor, _resolve_op(average, op),
-                                        Compression.none, prescale_factor, postscale_factor))
+                                        Compression.none, prescale_factor, postscale_factor, blocking=True))
 
 
 def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = None,
@@ -569,9 +586,9 @@ def _replay(recipe: Dict[str, Any]) -> None:
         for part in qualname.split("."):
             compression = getattr(compression, part)
         tensor = _neutral(recipe["shape"], _dtype(recipe["dtype"]), recipe["op"])
-        # the same call shape as the active ranks', so every rank takes the same path
-        _allreduce_async(tensor, None if recipe["blocking"] else tensor, recipe["op"], compression,
-                         recipe["prescale"], recipe["postscale"], blocking=recipe["blocking"]).wait()
+        # the path the active ranks took, so every rank runs matching transfers
+        _allreduce_async(tensor, None, recipe["op"], compression, recipe["prescale"], recipe["postscale"],
+                         path=recipe["path"]).wait()
     elif kind == "allgather":
         allgather(torch.empty([0] + recipe["tail"], dtype=_dtype(recipe["dtype"])))
     elif kind == "alltoall":

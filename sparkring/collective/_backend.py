@@ -29,9 +29,13 @@ class Backend(abc.ABC):
     def allreduce_async(self, tensor: torch.Tensor, op: str) -> Handle:
         """Reduce ``tensor`` in place across ranks; returns a handle."""
 
+    def allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Blocking in-place allreduce (every rank calls the blocking flavour together)."""
+        return self.allreduce_async(tensor, op).wait()
+
     def out_of_place_applies(self, tensor: torch.Tensor) -> bool:
-        """True when ``allreduce_new`` can reduce ``tensor`` into a new tensor without
-        copying it first (every rank decides the same from shape and dtype)."""
+        """True when ``allreduce_new`` can reduce the contiguous ``tensor`` into a new tensor
+        without copying it first (every rank decides the same from shape and dtype)."""
         return False
 
     def result_like(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, Handle
+from ._buffers import ResultBuffers
 from ._store import client_store, rendezvous_store
 
 _OPS = {
@@ -28,43 +29,10 @@ _OPS = {
 SWAP_MIN_BYTES = 1024 * 1024  # two ranks: below this, gloo plus a copy is as fast
 SWAP_MAX_BYTES = 8 * 1024 * 1024  # two ranks: above this, the ring's half-size adds win
 RING_MIN_BYTES = 2 * 1024 * 1024  # three or more ranks
-_POOL_MIN_BYTES = 256 * 1024  # smaller allocations come from malloc's free lists anyway
 _SEGMENT_BYTES = 4 * 1024 * 1024
 _WINDOW = 4  # receive buffers in flight per reduce step
 _REDUCE_TAG, _GATHER_TAG, _SWAP_TAG = 0, 1, 2
 _COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}
-
-
-class _ResultBuffers:
-    """Result tensors handed out again once the caller dropped every reference to them.
-
-    A fresh multi-MB CPU tensor pays one page fault per 4 KB page on first write, which
-    costs about as much as the reduction itself; like CUDA's caching allocator, reusing
-    a dead result's memory avoids that. Bounded in count and bytes."""
-
-    def __init__(self, max_buffers: int = 8, max_bytes: int = 512 * 1024 * 1024):
-        self._storages: Deque[torch.UntypedStorage] = collections.deque()
-        self._max_buffers = max_buffers
-        self._max_bytes = max_bytes
-
-    _use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; absent: never reuse
-
-    @classmethod
-    def _free(cls, storage: torch.UntypedStorage) -> bool:
-        return cls._use_count is not None and cls._use_count(storage._cdata) == 1  # only ours is left
-
-    def get(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        for storage in self._storages:
-            if storage.nbytes() == nbytes and self._free(storage):
-                return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
-        fresh = torch.empty(numel, dtype=dtype)
-        if nbytes <= self._max_bytes:
-            self._storages.append(fresh.untyped_storage())
-            while (len(self._storages) > self._max_buffers
-                   or sum(s.nbytes() for s in self._storages) > self._max_bytes):
-                self._storages.popleft()
-        return fresh
 
 
 class _TorchHandle(Handle):
@@ -101,7 +69,7 @@ class TorchBackend(Backend):
         else:
             store = rendezvous_store(master_addr, int(master_port), size, rank, self._start_timeout)
         self._store = store
-        self._results = _ResultBuffers()
+        self._results = ResultBuffers()
         self._window: List[torch.Tensor] = []
         self._scratch_bytes: Optional[torch.Tensor] = None
         self._owns_group = not dist.is_initialized()
@@ -126,9 +94,7 @@ class TorchBackend(Backend):
         return _TorchHandle(work, tensor)
 
     def result_like(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "cpu" or tensor.numel() * tensor.element_size() < _POOL_MIN_BYTES:
-            return super().result_like(tensor)
-        return self._results.get(tensor.numel(), tensor.dtype).view(tensor.shape)
+        return self._results.like(tensor)
 
     def out_of_place_applies(self, tensor: torch.Tensor) -> bool:
         if not (self.name == "gloo" and self.size > 1 and tensor.device.type == "cpu"
