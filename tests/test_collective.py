@@ -145,7 +145,7 @@ def test_collective_before_init_says_to_call_init():
         sr.rank()
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
 def test_out_of_place_allreduce_of_large_odd_tensors_matches_a_direct_computation(size):
     results = spawn_ranks("rank_fns", "large_out_of_place_allreduce", size)
     xs = torch.stack([r["x"] for r in results])
