@@ -175,3 +175,17 @@ def broadcast_from_a_joined_rank():
         hvd.join()
     else:
         hvd.broadcast(torch.ones(2), root_rank=0, name="weights")
+
+
+def join_with_two_rank_swaps(steps_by_rank=(1, 3)):
+    """Two ranks: 2 MB tensors go through the swap, out of place and in place, while the
+    short rank has joined and replays them."""
+    r = hvd.rank()
+    out = {"new": [], "in_place": []}
+    for _ in range(steps_by_rank[r]):
+        out["new"].append(hvd.allreduce(torch.full((500_001,), float(r + 1)), op=hvd.Sum)[[0, -1]].tolist())
+        t = torch.full((500_001,), float(r + 1))
+        hvd.allreduce_(t, op=hvd.Max)
+        out["in_place"].append(t[[0, -1]].tolist())
+    out["last"] = hvd.join()
+    return out

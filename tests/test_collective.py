@@ -158,6 +158,7 @@ def test_out_of_place_allreduce_of_large_odd_tensors_matches_a_direct_computatio
         assert r["direct"] and r["untouched"] and r["first_intact"]
         assert r["algorithms"] == ({"swap", "ring"} if size == 2 else {"ring"})
         assert torch.equal(r["z_max"], z_max)
+        assert r["in_place_is_same_tensor"] and torch.equal(r["y_max_in_place"], ys.max(0).values)
         for op in expected:  # every rank holds bitwise the same result
             assert torch.equal(r[op], results[0][op])
         for op, want in expected.items():

@@ -112,6 +112,15 @@ def test_join_lets_ranks_with_uneven_steps_finish_with_horovods_semantics():
     assert results[1]["alltoall"] == [1, 2] and results[2]["alltoall"] == [1, 2]
 
 
+def test_join_replays_the_two_rank_swap_out_of_place_and_in_place():
+    r0, r1 = _spawn_ranks("join_with_two_rank_swaps", 2, steps_by_rank=(1, 3))
+    assert r0["new"] == [[3.0, 3.0]] and r0["in_place"] == [[2.0, 2.0]]
+    # after rank 0 joined: its zeros for Sum, -inf for Max
+    assert r1["new"] == [[3.0, 3.0], [2.0, 2.0], [2.0, 2.0]]
+    assert r1["in_place"] == [[2.0, 2.0]] * 3
+    assert r0["last"] == r1["last"] == 1
+
+
 def test_join_with_distributed_optimizer_on_spark_matches_the_hand_computed_updates(spark):
     batches, lr = (2, 4), 0.1
     r0, r1 = run(hvd_fns.uneven_training, kwargs={"batches": batches, "lr": lr}, num_proc=2)
