@@ -178,7 +178,7 @@ def broadcast_from_a_joined_rank():
 
 
 def join_with_two_rank_swaps(steps_by_rank=(1, 3)):
-    """Two ranks: 2 MB tensors go through the swap, out of place and in place, while the
+    """Two ranks: 2 MB tensors (out of place: the swap; in place: gloo's allreduce) while the
     short rank has joined and replays them."""
     r = hvd.rank()
     out = {"new": [], "in_place": []}

@@ -197,7 +197,7 @@ def large_out_of_place_allreduce():
     out["xi"], out["int_sum"] = xi, sr.allreduce(xi, op=sr.Sum)
     y = torch.randn(3, 180_001, generator=g)
     out["y"], out["y_avg"] = y, sr.allreduce(y)
-    in_place = y.clone()  # 2 MB in place: on two ranks, swapped and copied back
+    in_place = y.clone()  # the same tensor object comes back, reduced
     out["in_place_is_same_tensor"] = sr.allreduce_(in_place, op=sr.Max) is in_place
     out["y_max_in_place"] = in_place
     # a result the caller still holds is never handed out again

@@ -112,7 +112,7 @@ def test_join_lets_ranks_with_uneven_steps_finish_with_horovods_semantics():
     assert results[1]["alltoall"] == [1, 2] and results[2]["alltoall"] == [1, 2]
 
 
-def test_join_replays_the_two_rank_swap_out_of_place_and_in_place():
+def test_join_replays_two_rank_swaps_and_in_place_reductions_of_the_active_rank():
     r0, r1 = _spawn_ranks("join_with_two_rank_swaps", 2, steps_by_rank=(1, 3))
     assert r0["new"] == [[3.0, 3.0]] and r0["in_place"] == [[2.0, 2.0]]
     # after rank 0 joined: its zeros for Sum, -inf for Max

@@ -278,9 +278,8 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     if path is None:
         if not blocking:
             path = "async"
-        elif compressed is tensor and b.out_of_place_applies(wire) and (
-                out is None or b.new_beats_in_place(wire)):
-            path = "new"  # in place too where reducing into a new tensor and copying back wins
+        elif out is None and compressed is tensor and b.out_of_place_applies(wire):
+            path = "new"
         else:
             path = "blocking"
     seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,

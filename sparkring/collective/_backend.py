@@ -42,11 +42,6 @@ class Backend(abc.ABC):
         """An uninitialized contiguous tensor shaped like ``tensor`` to return a result in."""
         return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
-    def new_beats_in_place(self, tensor: torch.Tensor) -> bool:
-        """True when ``allreduce_new`` plus copying the result back is faster than the
-        blocking in-place ``allreduce`` (every rank decides the same from shape and dtype)."""
-        return False
-
     def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """Blocking out-of-place allreduce; only called where ``out_of_place_applies``."""
         raise NotImplementedError

@@ -27,7 +27,6 @@ _OPS = {
 # algorithms below use few, large messages.
 SWAP_MIN_BYTES = 1024 * 1024  # two ranks: below this, gloo plus a copy is as fast
 SWAP_MAX_BYTES = 8 * 1024 * 1024  # two ranks: above this, the ring's half-size adds win
-SWAP_IN_PLACE_MAX_BYTES = 4 * 1024 * 1024  # in place, the swap also pays a copy back
 RING_MIN_BYTES = 2 * 1024 * 1024  # three or more ranks
 _SEGMENT_BYTES = 4 * 1024 * 1024
 _REDUCE_TAG, _GATHER_TAG, _SWAP_TAG = 0, 1, 2
@@ -100,11 +99,6 @@ class TorchBackend(Backend):
             return False
         return tensor.numel() * tensor.element_size() >= (SWAP_MIN_BYTES if self.size == 2 else RING_MIN_BYTES)
 
-    def new_beats_in_place(self, tensor: torch.Tensor) -> bool:
-        # the swap is 1.05-1.2x gloo's allreduce at 1-4 MB, more than the copy back costs
-        return (self.out_of_place_algorithm(tensor) == "swap"
-                and tensor.numel() * tensor.element_size() <= SWAP_IN_PLACE_MAX_BYTES)
-
     def out_of_place_algorithm(self, tensor: torch.Tensor) -> str:
         """"swap" (two ranks exchange whole tensors) or "ring" (reduce-scatter + allgather)."""
         swap = self.size == 2 and tensor.numel() * tensor.element_size() <= SWAP_MAX_BYTES
@@ -124,8 +118,10 @@ class TorchBackend(Backend):
         way instead of the ring's four, for twice the (cheap) elementwise work."""
         peer = 1 - self.rank
         theirs = self._scratch(flat.numel(), flat.dtype)
-        received = dist.irecv(theirs, peer, tag=_SWAP_TAG)
+        # send before receiving: measured 1.07-1.22x gloo's allreduce at 1-4 MB this way,
+        # 0.8-0.9x with the receive posted first (the ring is the other way round)
         sent = dist.isend(flat, peer, tag=_SWAP_TAG)
+        received = dist.irecv(theirs, peer, tag=_SWAP_TAG)
         received.wait()
         # rank 0's operand first on both ranks: min/max of signed zeros or NaNs depend on order
         first, second = (flat, theirs) if self.rank == 0 else (theirs, flat)
