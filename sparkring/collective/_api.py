@@ -58,16 +58,17 @@ def init(backend: Optional[str] = None) -> None:
         if name == "auto":
             name = "nccl" if torch.cuda.is_available() and env.get("CUDA_VISIBLE_DEVICES") else "gloo"
         timeout = float(env.get(_env.TIMEOUT, "1800"))
+        start_timeout = float(env.get(_env.START_TIMEOUT, timeout))  # rendezvous
         if name == "mpi":
             from ._mpi_backend import MPIBackend
 
             _state.backend = MPIBackend(rank, size, env.get(_env.MASTER_ADDR), env.get(_env.MASTER_PORT),
-                                        float(env.get("SPARKRING_START_TIMEOUT", timeout)))
+                                        start_timeout)
         elif name in ("gloo", "nccl"):
             from ._torch_backend import TorchBackend
 
             _state.backend = TorchBackend(name, rank, size, env.get(_env.MASTER_ADDR),
-                                          env.get(_env.MASTER_PORT), timeout)
+                                          env.get(_env.MASTER_PORT), timeout, start_timeout)
         else:
             raise ValueError(f"backend={name!r} is not known; use 'gloo', 'nccl', 'mpi' or 'auto'")
         _state.local_rank = int(env.get(_env.LOCAL_RANK, str(_state.backend.rank)))
@@ -256,10 +257,11 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     if tensor.numel() == 0:
         result = out if out is not None else tensor.clone()
         return _DoneHandle(result)
+    recipe = dict(shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
+                  compression=f"{compression.__module__}:{compression.__qualname__}",
+                  prescale=prescale_factor, postscale=postscale_factor)
     if op == Adasum:
-        seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
-                     compression=f"{compression.__module__}:{compression.__qualname__}",
-                     prescale=prescale_factor, postscale=postscale_factor, path="adasum")
+        seq = _enter("allreduce", path="adasum", **recipe)
         from ._adasum import adasum_allreduce
 
         result = adasum_allreduce(tensor, b)
@@ -282,9 +284,7 @@ def _allreduce_async(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
             path = "new"
         else:
             path = "blocking"
-    seq = _enter("allreduce", shape=list(tensor.shape), dtype=str(tensor.dtype), op=op,
-                 compression=f"{compression.__module__}:{compression.__qualname__}",
-                 prescale=prescale_factor, postscale=postscale_factor, path=path)
+    seq = _enter("allreduce", path=path, **recipe)
     if wire is tensor and path != "new" and out is not tensor:  # never reduce into the caller's tensor
         wire = b.result_like(tensor).copy_(tensor)
     size_ = b.size

@@ -43,14 +43,22 @@ def _as_buffer(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().numpy()
 
 
-def _staged(tensor: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def _staged(tensor: torch.Tensor, op: str = "sum") -> Tuple[torch.Tensor, torch.Tensor]:
     """(target, work): MPI operates on ``work``; where that is a widened or contiguous copy,
-    it is written back into ``target`` (``tensor`` itself, or its real view if complex)."""
+    it is written back into ``target`` (``tensor`` itself, or its real view if complex, which
+    only a sum reduces correctly)."""
+    if tensor.is_complex() and op != "sum":
+        raise ValueError(f"allreduce op {op!r} is not defined for complex tensors; use Sum or Average")
     target = torch.view_as_real(tensor) if tensor.is_complex() else tensor
     wide = _WIDEN.get(target.dtype)
     if wide is not None:
         return target, target.to(wide)
     return target, target if target.is_contiguous() else target.contiguous()
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a tensor: point-to-point moves any dtype unchanged."""
+    return _as_buffer(tensor.contiguous().view(-1).view(torch.uint8)) if tensor.numel() else np.empty(0, np.uint8)
 
 
 class _MPIHandle(Handle):
@@ -139,9 +147,7 @@ class MPIBackend(Backend):
 
     def allreduce(self, tensor, op):
         # blocking MPI_Allreduce: MPICH's non-blocking schedule costs ~25% at 1 MB
-        if tensor.is_complex() and op != "sum":
-            raise ValueError(f"allreduce op {op!r} is not defined for complex tensors; use Sum or Average")
-        target, work = _staged(tensor)
+        target, work = _staged(tensor, op)
         self._comm.Allreduce(_mpi().IN_PLACE, _as_buffer(work), _ops()[op])
         if work is not target:
             target.copy_(work)
@@ -159,9 +165,7 @@ class MPIBackend(Backend):
         return self._results.like(tensor)
 
     def allreduce_async(self, tensor, op):
-        if tensor.is_complex() and op != "sum":
-            raise ValueError(f"allreduce op {op!r} is not defined for complex tensors; use Sum or Average")
-        target, work = _staged(tensor)
+        target, work = _staged(tensor, op)
         request = self._comm.Iallreduce(_mpi().IN_PLACE, _as_buffer(work), _ops()[op])
         return _MPIHandle(request, tensor, target, work)
 
@@ -177,10 +181,6 @@ class MPIBackend(Backend):
         target, work = _staged(tensor)
         return _MPIHandle(self._comm.Ibcast(_as_buffer(work), root=root_rank), tensor, target, work)
 
-    def _bytes(self, tensor: torch.Tensor) -> np.ndarray:
-        """Raw bytes of a contiguous tensor: point-to-point moves any dtype unchanged."""
-        return _as_buffer(tensor.contiguous().view(-1).view(torch.uint8)) if tensor.numel() else np.empty(0, np.uint8)
-
     def alltoall(self, outputs, inputs):
         for shift in range(self.size):
             dst = (self.rank + shift) % self.size
@@ -189,11 +189,11 @@ class MPIBackend(Backend):
                 outputs[self.rank].copy_(inputs[self.rank])
                 continue
             received = torch.empty(outputs[src].numel() * outputs[src].element_size(), dtype=torch.uint8)
-            self._comm.Sendrecv(self._bytes(inputs[dst]), dest=dst, recvbuf=_as_buffer(received), source=src)
+            self._comm.Sendrecv(_bytes(inputs[dst]), dest=dst, recvbuf=_as_buffer(received), source=src)
             outputs[src].copy_(received.view(outputs[src].dtype).view(outputs[src].shape))
 
     def send(self, tensor, dst):
-        self._comm.Send(self._bytes(tensor), dest=dst)
+        self._comm.Send(_bytes(tensor), dest=dst)
 
     def recv(self, tensor, src):
         received = torch.empty(tensor.numel() * tensor.element_size(), dtype=torch.uint8)

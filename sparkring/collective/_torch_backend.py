@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any, List, Optional
 
 import torch
@@ -52,15 +51,14 @@ class TorchBackend(Backend):
     """torch.distributed process group (gloo or nccl) of ``size`` ranks."""
 
     def __init__(self, name: str, rank: int, size: int, master_addr: Optional[str],
-                 master_port: Optional[int], timeout_s: float):
+                 master_port: Optional[int], timeout_s: float, start_timeout_s: float):
         self.name = name
         self.rank = rank
         self.size = size
         timeout = datetime.timedelta(seconds=timeout_s)
         if name == "nccl":
             torch.cuda.set_device(0)  # the runner narrows CUDA_VISIBLE_DEVICES to this rank's GPU
-        self._start_timeout = datetime.timedelta(
-            seconds=float(os.environ.get("SPARKRING_START_TIMEOUT", timeout_s)))
+        self._start_timeout = datetime.timedelta(seconds=start_timeout_s)
         self._master = (master_addr, int(master_port)) if master_addr else None
         if size == 1 and not master_addr:
             store = dist.HashStore()
