@@ -14,6 +14,11 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run SCRIPT on -np ranks")
     r.add_argument("-np", "--num-proc", type=int, default=None, help="number of ranks (default: all task slots)")
     r.add_argument("--master", default=None, help="Spark master when no session exists (default: local[NP])")
+    r.add_argument("--remote", default=None,
+                   help="Spark Connect URL, e.g. sc://host:15002 (default: $SPARK_REMOTE when set)")
+    r.add_argument("--no-stream", dest="stream", action="store_false",
+                   help="no live output: logs arrive when the ranks end (for executors that cannot reach "
+                        "this machine)")
     r.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"])
     r.add_argument("--use-gpu", action="store_true", default=None, help="schedule one GPU per rank")
     r.add_argument("--timeout", type=float, default=None, help="seconds before a rank is killed")
@@ -24,9 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _session(master: Optional[str], num_proc: Optional[int]):
+def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[str] = None):
     from pyspark.sql import SparkSession
 
+    remote = remote or os.environ.get("SPARK_REMOTE")
+    if remote:
+        if master:
+            raise SystemExit("sparkring: give --master or --remote (Spark Connect), not both")
+        return SparkSession.builder.remote(remote).getOrCreate(), True
     spark = SparkSession.getActiveSession()
     if spark is not None:
         return spark, False
@@ -46,18 +56,24 @@ def _session(master: Optional[str], num_proc: Optional[int]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, run
+    from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
+    from sparkring.runner.launch import ScriptMain
+    from sparkring.runner.plan import CLI_NAMES
 
-    spark, owned = _session(args.master, args.num_proc)
+    spark, owned = _session(args.master, args.num_proc, args.remote)
     try:
-        run(args.script, args=args.script_args, num_proc=args.num_proc, backend=args.backend,
-            use_gpu=args.use_gpu, start_timeout=args.start_timeout, timeout=args.timeout,
-            verbose=args.verbose)
+        if args.timeout is not None and args.timeout <= 0:
+            raise ConfigurationError(f"--timeout={args.timeout:g}: it must be positive (seconds)")
+        script = ScriptMain(args.script, args.script_args)
+        launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
+                           stream=args.stream, names=CLI_NAMES)
+        launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
+               verbose=args.verbose)
         return 0
     except RankFailedError as e:
         print(f"sparkring: {e}", file=sys.stderr)
         return e.exit_code if isinstance(e.exit_code, int) and e.exit_code > 0 else 1
-    except (RankTimeoutError, ConfigurationError) as e:
+    except (RankTimeoutError, ConfigurationError, FileNotFoundError) as e:
         print(f"sparkring: {e}", file=sys.stderr)
         return 2
     finally:

@@ -1,10 +1,21 @@
 """Shared Spark sessions for the suite: one local[2], one local-cluster[2,1,1024], one
 local[2,3] (task retries), created on demand, one at a time (Spark allows one
-SparkContext per process), and stopped at the end."""
+SparkContext per process), and stopped at the end; and one Spark Connect session.
+
+The Connect session talks to a Spark Connect server in a process of its own, started from the
+installed pyspark (``spark-submit --class ...SparkConnectServer``, bound to 127.0.0.1): that is
+what a real deployment looks like (the client has no JVM, no SparkContext, and reaches the
+server over gRPC only), where ``builder.remote("local[2]")`` would run the server inside the
+test process and let classic-only calls slip through unnoticed. Its master is local[2,3], so
+barrier-stage retries are tested over Connect too. Connect tests run last: pyspark marks the
+whole process as "Connect mode" once a remote session exists."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,19 +35,90 @@ MASTERS = {
     "retry": "local[2,3]",
     "cluster": "local-cluster[2,1,1024]",
 }
-ORDER = ["local", "retry", "cluster"]
+ORDER = ["local", "retry", "cluster", "connect"]
+CONNECT_MASTER = "local[2,3]"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ConnectServer:
+    """A Spark Connect server process on 127.0.0.1 (started on first use, killed at the end)."""
+
+    def __init__(self, log_dir: str):
+        import pyspark
+
+        self.port = _free_port()
+        self.log_path = os.path.join(log_dir, "connect-server.log")
+        submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
+        env = dict(os.environ, SPARK_CONNECT_MODE="0")
+        env.pop("SPARK_CONNECT_MODE_ENABLED", None)
+        env.pop("SPARK_REMOTE", None)
+        confs = {
+            "spark.connect.grpc.binding.address": "127.0.0.1",
+            "spark.connect.grpc.binding.port": str(self.port),
+            "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+            "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
+            "spark.python.worker.reuse": "true",
+        }
+        command = [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+                   "--master", CONNECT_MASTER, "--name", "sparkring-tests-connect"]
+        for key, value in confs.items():
+            command += ["--conf", f"{key}={value}"]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Spark Connect server exited; see {self.log_path}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the Spark Connect server did not listen within 120 s; see {self.log_path}")
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.close()
 
 
 class _Sessions:
     def __init__(self):
         self.kind = None
         self.spark = None
+        self.server = None
 
-    def get(self, kind: str):
+    def get(self, kind: str, log_dir: str = "/tmp"):
         if self.kind == kind:
             return self.spark
         self.stop()
         from pyspark.sql import SparkSession
+
+        if kind == "connect":
+            if self.server is None:
+                self.server = ConnectServer(log_dir)
+            self.spark = SparkSession.builder.remote(self.server.url).getOrCreate()
+            self.kind = kind
+            return self.spark
 
         builder = (SparkSession.builder.master(MASTERS[kind]).appName(f"sparkring-tests-{kind}")
                    .config("spark.driver.host", "127.0.0.1")
@@ -63,6 +145,11 @@ class _Sessions:
         return self.spark
 
     def stop(self):
+        if self.spark is not None and self.kind == "connect":
+            self.spark.stop()
+            os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)  # back to classic for what follows
+            self.spark = None
+            self.kind = None
         if self.spark is not None:
             self.spark.stop()
             from pyspark import SparkContext
@@ -71,6 +158,12 @@ class _Sessions:
             self.spark = None
             self.kind = None
 
+    def stop_server(self):
+        self.stop()
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
 
 _sessions = _Sessions()
 
@@ -78,7 +171,7 @@ _sessions = _Sessions()
 @pytest.fixture(scope="session")
 def _spark_sessions():
     yield _sessions
-    _sessions.stop()
+    _sessions.stop_server()
 
 
 @pytest.fixture
@@ -99,12 +192,24 @@ def spark_cluster(_spark_sessions):
     return _spark_sessions.get("cluster")
 
 
+@pytest.fixture
+def spark_connect(_spark_sessions, tmp_path_factory):
+    """A Spark Connect session on a server process (master local[2,3]) bound to 127.0.0.1."""
+    return _spark_sessions.get("connect", str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture
+def connect_url(spark_connect):
+    return _sessions.server.url
+
+
 def pytest_collection_modifyitems(config, items):
     """Group tests by the session they use so each session starts once."""
     def key(item):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
-            fixture = {"local": "spark", "retry": "spark_retry", "cluster": "spark_cluster"}[kind]
+            fixture = {"local": "spark", "retry": "spark_retry", "cluster": "spark_cluster",
+                       "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

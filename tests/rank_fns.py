@@ -243,3 +243,10 @@ def listening_addresses():
     addrs = sorted({c.laddr.ip for p in procs for c in p.net_connections(kind="inet") if c.status == "LISTEN"})
     sr.barrier()
     return {"addrs": addrs, "launcher": me.parent().name()}
+
+
+def sleep_on_rank(bad_rank):
+    """The bad rank sleeps past any test timeout; the others finish at once (no collective)."""
+    if sr.rank() == bad_rank:
+        time.sleep(600)
+    return "done"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, run
-from sparkring.runner import channel, cluster
+from sparkring.runner import channel, plan
 
 import rank_fns
 
@@ -140,20 +140,22 @@ def test_num_proc_larger_than_slots_is_refused_before_any_job(spark):
     assert spark.sparkContext.statusTracker().getJobIdsForGroup(None) == jobs_before
 
 
-def _fake_sc(master, **conf):
-    return types.SimpleNamespace(master=master, getConf=lambda: types.SimpleNamespace(
-        get=lambda k, d=None: conf.get(k, d)), resources={})
+def _fake_session(master, **conf):
+    """A classic-looking session that only answers spark.conf.get (what plan() reads)."""
+    conf = dict(conf, **{"spark.master": master})
+    return types.SimpleNamespace(conf=types.SimpleNamespace(get=lambda k, d=None: conf.get(k, d)),
+                                 sparkContext=types.SimpleNamespace(resources={}))
 
 
 def test_dynamic_allocation_and_unscheduled_gpus_are_refused_with_the_fix():
-    sc = _fake_sc("local-cluster[2,1,1024]", **{"spark.dynamicAllocation.enabled": "true"})
+    session = _fake_session("local-cluster[2,1,1024]", **{"spark.dynamicAllocation.enabled": "true"})
     with pytest.raises(ConfigurationError, match="spark.dynamicAllocation.enabled=false"):
-        cluster.check_session(sc, 2, use_gpu=False)
-    sc = _fake_sc("local-cluster[2,1,1024]")
+        plan(session, 2, use_gpu=False)
     with pytest.raises(ConfigurationError, match="spark.task.resource.gpu.amount is not set"):
-        cluster.check_session(sc, 2, use_gpu=True)
-    assert cluster.task_slots(_fake_sc("local[4,3]"), False) == 4
-    assert cluster.task_slots(_fake_sc("local-cluster[3,2,512]", **{"spark.task.cpus": "2"}), False) == 3
+        plan(_fake_session("local-cluster[2,1,1024]"), 2, use_gpu=True)
+    assert plan(_fake_session("local[4,3]")).num_proc == 4
+    assert plan(_fake_session("local[4,3]")).attempts == 3
+    assert plan(_fake_session("local-cluster[3,2,512]", **{"spark.task.cpus": "2"})).num_proc == 3
 
 
 def test_channel_binds_the_given_address_and_drops_unsigned_frames():

@@ -14,7 +14,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import Store, prepare
 from ..data.prepare import DataError
-from ..runner import ConfigurationError, cluster, run
+from ..runner import ESTIMATOR_NAMES, ConfigurationError, launch, plan
 from . import losses
 from .model import SparkRingModel
 from .params import SparkRingParams
@@ -94,7 +94,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                  store=None, runId=None, backwardPassesPerStep=1, gradientCompression="none",
                  learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
                  validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
-                 inferenceBatchSize=1024, keepData=False, timeout=None):
+                 inferenceBatchSize=1024, keepData=False, timeout=None, streamLogs=True):
         super().__init__()
         self._hold_data = False
         self._prepared = None
@@ -149,8 +149,6 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if self.getOrDefault("learningRateScaling") not in ("none", "linear"):
             raise ConfigurationError(f"learningRateScaling={self.getOrDefault('learningRateScaling')!r}: "
                                      "use 'none' or 'linear'")
-        if self.getOrDefault("backend") not in ("auto", "gloo", "nccl", "mpi"):
-            raise ConfigurationError(f"backend={self.getOrDefault('backend')!r}: use 'auto', 'gloo', 'nccl' or 'mpi'")
         fields = {f.name: f.dataType for f in df.schema.fields}
         feature_cols = self.featureColumns()
         for c in feature_cols:
@@ -184,24 +182,17 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise ConfigurationError(f"validation={validation}: give a fraction strictly between 0 and 1 "
                                      "or the name of a boolean column")
         es = self._early_stopping(validation is not None, metrics)
-        sc = df.sparkSession.sparkContext
-        use_gpu = self.getOrDefault("useGpu")
-        if use_gpu is None:
-            use_gpu = cluster.default_use_gpu(sc)
-        num_proc = self.getOrDefault("numProc") or cluster.task_slots(sc, bool(use_gpu))
-        try:
-            cluster.check_session(sc, num_proc, bool(use_gpu))
-        except ConfigurationError as exc:
-            raise ConfigurationError(str(exc).replace("num_proc=", "numProc=")) from None
+        launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
+                           use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
+                           stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES)
         store = self.getOrDefault("store") or Store()
         if not isinstance(store, Store):
             store = Store(str(store))
-        if store.is_temporary and not (cluster.is_local(sc) or sc.master.startswith("local-cluster")):
+        if store.is_temporary and not launch_plan.facts.single_host:
             raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
                                      "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
         store.check_writable()
-        return {"metrics": metrics, "early_stopping": es, "num_proc": num_proc, "use_gpu": bool(use_gpu),
-                "store": store, "weight": weight}
+        return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "weight": weight}
 
     def _early_stopping(self, has_val: bool, metrics) -> Optional[Dict[str, Any]]:
         es = self.getOrDefault("earlyStopping")
@@ -247,7 +238,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         ds = self._prepare(dataset, checked["store"], checked["weight"])
         self._prepared = ds
         try:
-            return self._fit_prepared(ds, checked)
+            return self._fit_prepared(dataset.sparkSession, ds, checked)
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
                 ds.delete()
@@ -257,8 +248,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return prepare(dataset, store, columns=columns, validation=self.getOrDefault("validation"),
                        seed=self.getOrDefault("seed"), run_id=self.getOrDefault("runId"))
 
-    def _fit_prepared(self, ds, checked) -> SparkRingModel:
-        num_proc = checked["num_proc"]
+    def _fit_prepared(self, spark, ds, checked) -> SparkRingModel:
+        launch_plan = checked["plan"]
+        num_proc = launch_plan.num_proc
         bs = self.getOrDefault("batchSize")
         if ds.num_batches(bs, num_proc) == 0:
             raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
@@ -277,12 +269,11 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             train_steps=self.getOrDefault("trainStepsPerEpoch"),
             val_steps=self.getOrDefault("validationStepsPerEpoch"),
             callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
-            use_gpu=checked["use_gpu"], has_validation=ds.num_rows("val") > 0)
+            use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0)
         progress = _Progress(verbose)
         try:
-            results = run(train_rank, args=(cfg,), num_proc=num_proc, backend=self.getOrDefault("backend"),
-                          use_gpu=checked["use_gpu"], timeout=self.getOrDefault("timeout"),
-                          verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=progress)
+            results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
+                             verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=progress)
         finally:
             progress.close()
         trained = copy.deepcopy(self.getOrDefault("model")).cpu()

@@ -23,6 +23,22 @@ _worker_models: Dict[str, torch.nn.Module] = {}
 _worker_lock = threading.Lock()
 
 
+class _InlineBytes:
+    """The model's bytes carried in the UDF's closure, where a session has no broadcast
+    variables (Spark Connect: the closure travels in the plan, up to the server's gRPC
+    message limit, spark.connect.grpc.maxInboundMessageSize, 128 MiB by default)."""
+
+    def __init__(self, value: bytes):
+        self.value = value
+
+
+def _ship(spark, data: bytes):
+    """A broadcast variable on classic sessions, the bytes themselves on Spark Connect."""
+    from ..runner.session import is_connect
+
+    return _InlineBytes(data) if is_connect(spark) else spark.sparkContext.broadcast(data)
+
+
 def _load_on_worker(key: str, broadcast) -> torch.nn.Module:
     """Deserialize the model once per Python worker and reuse it for every batch and task."""
     with _worker_lock:
@@ -151,7 +167,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
-        broadcast = spark.sparkContext.broadcast(cloudpickle.dumps(self.getModel().cpu()))
+        broadcast = _ship(spark, cloudpickle.dumps(self.getModel().cpu()))
         key = uuid.uuid4().hex
         shapes = [self.featureShapes.get(c, []) for c in self.featureColumns()]
         single_shape = shapes[0] if len(shapes) == 1 and len(shapes[0]) > 1 else None

@@ -80,6 +80,9 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
     inferenceBatchSize = _param("inferenceBatchSize", "rows per forward pass in transform", TypeConverters.toInt)
     keepData = _param("keepData", "keep the prepared Parquet after fit", TypeConverters.toBoolean)
     timeout = _param("timeout", "seconds before a rank is considered hung (default: none)", _identity)
+    streamLogs = _param("streamLogs", "stream progress and rank output live to the driver; False (or executors "
+                                      "that cannot reach it) prints the epoch lines when training ends",
+                        TypeConverters.toBoolean)
 
     def __init__(self):
         super().__init__()
@@ -90,7 +93,8 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                          learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
                          validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
                          inferenceBatchSize=1024, keepData=False, metrics=None, valBatchSize=None,
-                         numProc=None, optimizer=None, loss=None, model=None, timeout=None)
+                         numProc=None, optimizer=None, loss=None, model=None, timeout=None,
+                         streamLogs=True)
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)

@@ -6,6 +6,8 @@
 """
 from .channel import report
 from .errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
-from .launch import run
+from .launch import launch, run
+from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, plan
 
-__all__ = ["run", "report", "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]
+__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report",
+           "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -1,29 +1,41 @@
-"""The body of one barrier task: rendezvous, start the rank's worker process, relay its
-output and result, and kill it when the run is aborted or times out."""
+"""The body of one barrier task: rendezvous, start the rank's worker process, relay its output,
+stop it when the run is aborted or times out, and return its result (or what went wrong) as the
+stage's output records.
+
+Messages a task has for the driver go over the live channel when every task can reach the
+driver; otherwise the run is *detached*: task 0 hosts a relay through which the tasks stop each
+other, and logs, events and errors come back in the output records when the stage ends."""
 from __future__ import annotations
 
+import base64
 import collections
 import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..collective import _env
 from . import channel
+from ._process import (dump_stacks, free_port, interface_of, kill_tree, mpi_network_env, resolve,
+                       start_worker)
 
-WORKER_MODULE = "sparkring.runner._worker"
+# One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
+# kind "message": one channel message (JSON) the driver handles as if it came live.
+RECORD_SCHEMA = "rank int, kind string, part int, parts int, data binary"
+ERROR_MARK = "SPARKRING-ERROR"
+MAX_LOG_LINES = 5000
 
 
 @dataclass
 class TaskSpec:
+    """What every task of a run gets in its closure (the plan's part the tasks need)."""
+
     payload: bytes
     driver_host: str
     driver_port: int
@@ -32,231 +44,149 @@ class TaskSpec:
     backend: str
     use_gpu: bool
     driver_gpus: List[str]
+    driver_gpu_script: Optional[str]
     start_timeout: float
     timeout: Optional[float]
+    attempts: int
+    stream: bool
+    connect_timeout: float = 5.0
     env: Dict[str, str] = field(default_factory=dict)
     task_cpus: int = 1
     chunk_bytes: int = 8 * 1024 * 1024
 
 
-def _resolve(host: str) -> str:
+def encode_error(message: Dict[str, Any]) -> str:
+    """An error message embedded in a task's exception text: the driver reads it back from
+    Spark's job failure when no channel and no output rows carry it (a retried stage's last
+    attempt on a detached run)."""
+    return f"{ERROR_MARK}[{base64.b64encode(json.dumps(message).encode()).decode()}]"
+
+
+def decode_error(text: str) -> Optional[Dict[str, Any]]:
+    start = text.rfind(ERROR_MARK + "[")
+    if start < 0:
+        return None
+    end = text.find("]", start)
     try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
+        return json.loads(base64.b64decode(text[start + len(ERROR_MARK) + 1:end]))
+    except ValueError:
+        return None
 
 
-def interface_of(ip: str) -> Optional[str]:
-    """Name of the network interface that holds ``ip`` (gloo/nccl bind to it)."""
-    try:
-        import psutil
+class _Outbox:
+    """Where a task's messages go: the live channel, and the output records for what must
+    survive without it (errors and stack dumps always; logs and events when detached)."""
 
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.address == ip for a in addrs):
-                return name
-    except Exception:  # noqa: BLE001 - best effort; the library default applies
-        pass
-    return None
+    def __init__(self, live: Optional[channel.Connection], control: Optional[channel.Connection]):
+        self.live = live
+        self.control = control  # the relay of a detached run: errors stop the other ranks
+        self.records: List[Dict[str, Any]] = []
+        self.logs: collections.deque = collections.deque(maxlen=MAX_LOG_LINES)
+        self.lock = threading.Lock()
+
+    def send(self, message: Dict[str, Any]) -> None:
+        if self.live is not None:
+            self.live.send(message)
+        kind = message.get("t")
+        if kind == "error" and self.control is not None:
+            self.control.send(message)
+        if kind == "log":
+            if self.live is None:
+                self.logs.append(message)
+        elif kind in ("error", "stacks") or (self.live is None and kind in ("event", "started")):
+            with self.lock:
+                self.records.append(message)
+
+    def drain(self) -> List[Dict[str, Any]]:
+        with self.lock:
+            return list(self.logs) + self.records
 
 
-def free_port(ip: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+class _Relay:
+    """Task 0's hub for a detached run: the first error of the stage stops every other rank
+    (asking them for their stacks when it was a timeout)."""
+
+    def __init__(self, host: str, secret: bytes):
+        self.failed = False
+        self.lock = threading.Lock()
+        self.server = channel.DriverChannel(host, secret, self.handle)
+
+    def handle(self, message: Dict[str, Any], conn: channel.Connection) -> None:
+        if message.get("t") == "hello":
+            conn.info["rank"] = message.get("rank")
+        elif message.get("t") == "error":
+            with self.lock:
+                first, self.failed = not self.failed, True
+            if first:
+                rank = message.get("rank")
+                timed_out = message.get("kind") == "timeout"
+                reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
+                self.server.broadcast({"t": "abort", "reason": reason, "dump": timed_out},
+                                      where=lambda c: c.info.get("rank") != rank)
 
 
-def kill_tree(proc) -> None:
-    """Kill the worker and everything it started (it leads its own process group)."""
-    try:
-        import psutil
+def _all_gather(ctx, message: Dict[str, Any], timeout: float, num_proc: int) -> List[Dict[str, Any]]:
+    """BarrierTaskContext.allGather that gives up after ``timeout`` seconds."""
+    box: Dict[str, Any] = {}
 
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001
-        children = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for child in children:
+    def gather():
         try:
-            child.kill()
-        except Exception:  # noqa: BLE001
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+            box["out"] = [json.loads(m) for m in ctx.allGather(json.dumps(message))]
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            box["error"] = exc
+
+    thread = threading.Thread(target=gather, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "error" in box:
+        raise box["error"]
+    if "out" not in box:
+        raise TimeoutError(f"not all {num_proc} ranks reached the rendezvous within start_timeout="
+                           f"{timeout:g}s; the cluster may lack free slots or executors are still starting")
+    return box["out"]
 
 
-def _dump_stacks(proc, workdir: str) -> str:
-    """Ask the worker for its Python stacks (faulthandler on SIGUSR1) before killing it."""
-    path = os.path.join(workdir, "stacks.txt")
-    try:
-        with open(os.path.join(workdir, "pid")) as f:
-            pid = int(f.read())
-    except (OSError, ValueError):
-        pid = proc.pid
-    try:
-        os.kill(pid, signal.SIGUSR1)
-    except ProcessLookupError:
-        return "(process already gone)"
-    deadline = time.monotonic() + 2
-    size = -1
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        current = os.path.getsize(path) if os.path.exists(path) else 0
-        if current and current == size:
-            break
-        size = current
-    try:
-        with open(path) as f:
-            return f.read().strip() or "(no stack dump)"
-    except OSError:
-        return "(no stack dump)"
-
-
-class ForkedWorker:
-    """A rank's worker forked from the task process, which has imported torch already:
-    starts in milliseconds instead of paying the torch import (seconds) on every run. The
-    child leads its own session, keeps only stdin/stdout/stderr, and dies with its parent."""
-
-    def __init__(self, workdir: str, env: Dict[str, str]):
-        import cloudpickle  # noqa: F401 - warm imports the child reuses
-        import torch  # noqa: F401
-
-        import sparkring.collective  # noqa: F401
-
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child
-            try:
-                os.setsid()
-                os.dup2(out_w, 1)
-                os.dup2(err_w, 2)
-                null = os.open(os.devnull, os.O_RDONLY)
-                os.dup2(null, 0)
-                keep = {0, 1, 2}
-                for name in os.listdir("/proc/self/fd"):
-                    fd = int(name)
-                    if fd not in keep:
-                        try:
-                            os.close(fd)
-                        except OSError:
-                            pass
-                for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
-                    signal.signal(sig, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                os.environ.clear()
-                os.environ.update(env)
-                import io
-
-                sys.stdin = open(0, "r", closefd=False)
-                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
-                sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
-                from ._worker import main
-
-                main(workdir)
-            finally:
-                os._exit(1)
-        os.close(out_w)
-        os.close(err_w)
-        self.pid = pid
-        self.stdout = os.fdopen(out_r, "rb")
-        self.stderr = os.fdopen(err_r, "rb")
-        self.returncode: Optional[int] = None
-
-    def poll(self) -> Optional[int]:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:
-                self.returncode = -1
-                return self.returncode
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
-            time.sleep(0.02)
-        return self.returncode
-
-
-def find_mpiexec() -> Optional[str]:
-    """MPICH's fork-only launcher next to this interpreter (the mpich wheel puts it there):
-    it talks to its one process over a socketpair, where hydra's mpiexec listens on every
-    interface. Any ``mpiexec`` on PATH otherwise."""
-    here = os.path.dirname(sys.executable)
-    for name in ("mpiexec.gforker", "mpiexec"):
-        found = shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
-        if found:
-            return found
-    return None
-
-
-def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
-    """Keep MPI's own listeners on the task's interface (loopback in local mode)."""
-    env = {"MPIR_CVAR_CH3_INTERFACE_HOSTNAME": ip}
-    if iface:
-        env.update({"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface})
-    return env
-
-
-def start_worker(workdir: str, env: Dict[str, str]):
-    """Fork (Linux, default) or spawn a fresh interpreter (SPARKRING_WORKER_START=spawn);
-    MPI ranks always start fresh under ``mpiexec -n 1``, which MPI_Init needs."""
-    command = [sys.executable, "-m", WORKER_MODULE, workdir]
-    if env.get(_env.BACKEND) == "mpi":
-        mpiexec = find_mpiexec()
-        if mpiexec is None:
-            raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
-        command = [mpiexec, "-n", "1"] + command
-    else:
-        mode = env.get("SPARKRING_WORKER_START", "fork" if sys.platform.startswith("linux") else "spawn")
-        if mode == "fork":
-            return ForkedWorker(workdir, env)
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def _rank_layout(hosts: List[str], rank: int):
+def _rank_layout(hosts: List[str], rank: int) -> Tuple[int, int, int, int]:
     same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     unique_hosts = list(dict.fromkeys(hosts))
     return (same_host.index(rank), len(same_host), unique_hosts.index(hosts[rank]), len(unique_hosts))
 
 
-def _pump(stream, conn: channel.Connection, rank: int, attempt: int, name: str, tail) -> None:
+def _pump(stream, outbox: _Outbox, rank: int, attempt: int, name: str, tail) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
         tail.append(line)
-        conn.send({"t": "log", "rank": rank, "attempt": attempt, "stream": name, "line": line})
+        outbox.send({"t": "log", "rank": rank, "attempt": attempt, "stream": name, "line": line})
     stream.close()
 
 
-def run_task(spec: TaskSpec, _rows) -> Iterator:
-    from pyspark import BarrierTaskContext
+def _connect_driver(spec: TaskSpec) -> Optional[channel.Connection]:
+    if not spec.stream:
+        return None
+    try:
+        return channel.connect(spec.driver_host, spec.driver_port, spec.secret, timeout=spec.connect_timeout)
+    except OSError:
+        return None
 
-    ctx = BarrierTaskContext.get()
-    rank = ctx.partitionId()
-    hosts = [info.address.rsplit(":", 1)[0].strip("[]") for info in ctx.getTaskInfos()]
-    my_ip = _resolve(hosts[rank])
-    conn = channel.connect(spec.driver_host, spec.driver_port, spec.secret, timeout=spec.start_timeout)
-    conn.send({"t": "arrived", "rank": rank})
-    port = free_port(my_ip) if rank == 0 else None
-    gathered = [json.loads(m) for m in ctx.allGather(json.dumps({"port": port, "tid": ctx.taskAttemptId()}))]
-    port = gathered[0]["port"]
-    # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
-    attempt = min(g["tid"] for g in gathered)
-    conn.send({"t": "hello", "rank": rank, "attempt": attempt, "host": hosts[rank]})
+
+def _gpus(spec: TaskSpec, ctx, local_rank: int) -> List[str]:
+    resources = ctx.resources()
+    if "gpu" in resources and resources["gpu"].addresses:
+        return list(resources["gpu"].addresses)
+    driver_gpus = list(spec.driver_gpus)
+    if not driver_gpus and spec.driver_gpu_script:
+        from .session import discover_gpus
+
+        driver_gpus = list(discover_gpus(spec.driver_gpu_script))
+    return [driver_gpus[local_rank % len(driver_gpus)]] if driver_gpus else []
+
+
+def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, port: int, attempt: int,
+              live: bool, workdir: str) -> Dict[str, str]:
     local_rank, local_size, cross_rank, cross_size = _rank_layout(hosts, rank)
-
     env = dict(os.environ)
     env.update({k: str(v) for k, v in spec.env.items()})
-    master_ip = _resolve(hosts[0])
+    master_ip = resolve(hosts[0])
     env.update({
         _env.RANK: str(rank), _env.SIZE: str(spec.num_proc),
         _env.LOCAL_RANK: str(local_rank), _env.LOCAL_SIZE: str(local_size),
@@ -265,14 +195,17 @@ def run_task(spec: TaskSpec, _rows) -> Iterator:
         # torch.distributed's own names, for code that reads them directly
         "RANK": str(rank), "WORLD_SIZE": str(spec.num_proc), "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": master_ip, "MASTER_PORT": str(port),
-        "SPARKRING_DRIVER": f"{spec.driver_host}:{spec.driver_port}",
-        "SPARKRING_SECRET": spec.secret.hex(), "SPARKRING_ATTEMPT": str(attempt),
-        "SPARKRING_START_TIMEOUT": str(spec.start_timeout),
-        "SPARKRING_PARENT_PID": str(os.getpid()),
+        _env.SECRET: spec.secret.hex(), _env.ATTEMPT: str(attempt),
+        _env.START_TIMEOUT: str(spec.start_timeout), _env.PARENT_PID: str(os.getpid()),
         # Everything this task can import, the worker can import (py-files, zips, tests).
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         "PYTHONUNBUFFERED": "1",
     })
+    if live:
+        env[_env.DRIVER] = f"{spec.driver_host}:{spec.driver_port}"
+    else:
+        env.pop(_env.DRIVER, None)
+        env[_env.EVENT_FILE] = os.path.join(workdir, "events.jsonl")
     iface = interface_of(my_ip)
     if iface:
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
@@ -282,84 +215,131 @@ def run_task(spec: TaskSpec, _rows) -> Iterator:
             env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, spec.task_cpus)))
     if spec.use_gpu:
-        resources = ctx.resources()
-        if "gpu" in resources and resources["gpu"].addresses:
-            gpus = list(resources["gpu"].addresses)
-        elif spec.driver_gpus:
-            gpus = [spec.driver_gpus[local_rank % len(spec.driver_gpus)]]
-        else:
-            gpus = []
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_gpus(spec, ctx, local_rank))
     else:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
+    return env
 
+
+def _records(rank: int, outbox: _Outbox, result: Optional[bytes], chunk: int) -> Iterator[tuple]:
+    for message in outbox.drain():
+        yield (rank, "message", 0, 1, json.dumps(message).encode())
+    if result is not None:
+        total = max(1, -(-len(result) // chunk))
+        for i in range(total):
+            yield (rank, "result", i, total, result[i * chunk:(i + 1) * chunk])
+
+
+def run_task(spec: TaskSpec) -> Iterator[tuple]:
+    """Run one rank; yields ``(rank, kind, part, parts, data)`` records (RECORD_SCHEMA)."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    rank = ctx.partitionId()
+    hosts = [info.address.rsplit(":", 1)[0].strip("[]") for info in ctx.getTaskInfos()]
+    my_ip = resolve(hosts[rank])
+    driver = _connect_driver(spec)
+    if driver is not None:
+        driver.send({"t": "arrived", "rank": rank})
+    port = free_port(my_ip) if rank == 0 else None
+    gathered = _all_gather(ctx, {"port": port, "tid": ctx.taskAttemptId(), "live": driver is not None},
+                           spec.start_timeout, spec.num_proc)
+    port = gathered[0]["port"]
+    # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
+    attempt = min(g["tid"] for g in gathered)
+    live = all(g["live"] for g in gathered)
+    relay = control = None
+    if not live:
+        if driver is not None:  # this task got through, another did not: tell the driver why it goes quiet
+            driver.send({"t": "detached", "rank": rank, "attempt": attempt})
+            driver.close()
+            driver = None
+        relay = _Relay(my_ip, spec.secret) if rank == 0 else None
+        relay_port = _all_gather(ctx, {"relay": relay.server.address[1] if relay else None},
+                                 spec.start_timeout, spec.num_proc)[0]["relay"]
+        control = channel.connect(resolve(hosts[0]), relay_port, spec.secret, timeout=spec.start_timeout)
+        control.send({"t": "hello", "rank": rank})
+    outbox = _Outbox(driver, control)
+    outbox.send({"t": "hello", "rank": rank, "attempt": attempt, "host": hosts[rank]})
     workdir = tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-")
+    env = _rank_env(spec, ctx, rank, hosts, my_ip, port, attempt, live, workdir)
     aborted: Dict[str, str] = {}
     proc = None
     try:
         with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
             f.write(spec.payload)
         proc = start_worker(workdir, env)
-        conn.send({"t": "started", "rank": rank, "attempt": attempt, "pid": proc.pid})
+        outbox.send({"t": "started", "rank": rank, "attempt": attempt, "pid": proc.pid})
         tail: collections.deque = collections.deque(maxlen=40)
-        pumps = [threading.Thread(target=_pump, args=(s, conn, rank, attempt, n, tail), daemon=True)
+        pumps = [threading.Thread(target=_pump, args=(s, outbox, rank, attempt, n, tail), daemon=True)
                  for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for p in pumps:
             p.start()
 
-        def listen():
+        def listen(conn: channel.Connection) -> None:
             try:
                 while True:
                     msg = channel.recv_frame(conn.sock, spec.secret)
                     if msg is None:
+                        if conn is control and proc.poll() is None:  # task 0 is gone: so is the stage
+                            aborted.setdefault("reason", "task 0 of the stage is gone")
+                            kill_tree(proc)
                         return
                     if msg.get("t") == "abort":
                         aborted["reason"] = msg.get("reason", "the run was aborted")
                         if msg.get("dump"):
-                            conn.send({"t": "stacks", "rank": rank, "attempt": attempt,
-                                       "stacks": _dump_stacks(proc, workdir)})
+                            outbox.send({"t": "stacks", "rank": rank, "attempt": attempt,
+                                         "stacks": dump_stacks(proc, workdir)})
                         kill_tree(proc)
                         return
             except (OSError, channel.ChannelError, ValueError):
                 return
 
-        threading.Thread(target=listen, daemon=True).start()
+        for conn in (driver, control):
+            if conn is not None:
+                threading.Thread(target=listen, args=(conn,), daemon=True).start()
         started = time.monotonic()
         timed_out = False
+        stacks = ""
         while proc.poll() is None:
             if spec.timeout is not None and time.monotonic() - started > spec.timeout:
                 timed_out = True
-                stacks = _dump_stacks(proc, workdir)
+                stacks = dump_stacks(proc, workdir)
                 kill_tree(proc)
                 break
             time.sleep(0.05)
         for p in pumps:
             p.join(timeout=5)
+        _forward_events(workdir, outbox)
+        error: Optional[Dict[str, Any]] = None
         if timed_out:
-            message = (f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
-                       f"where its threads were:\n{stacks}")
-            conn.send({"t": "error", "rank": rank, "attempt": attempt, "kind": "timeout",
-                       "traceback": message})
-            raise TimeoutError(message)
-        if aborted:
-            raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
-        if proc.returncode != 0:
+            error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "timeout",
+                     "traceback": (f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
+                                   f"where its threads were:\n{stacks}")}
+        elif aborted:
+            if spec.attempts > 1:
+                raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
+            yield from _records(rank, outbox, None, spec.chunk_bytes)
+            return
+        elif proc.returncode != 0:
             err_path = os.path.join(workdir, "error.txt")
             if os.path.exists(err_path):
                 with open(err_path) as f:
                     tb = f.read()
             else:
-                tb = (f"worker process exited with code {proc.returncode}; last output:\n"
-                      + "\n".join(tail))
-            conn.send({"t": "error", "rank": rank, "attempt": attempt, "kind": "exit",
-                       "exit_code": proc.returncode, "traceback": tb})
-            raise RuntimeError(f"rank {rank} failed:\n{tb}")
+                tb = (f"worker process exited with code {proc.returncode}; last output:\n" + "\n".join(tail))
+            error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit",
+                     "exit_code": proc.returncode, "traceback": tb}
+        if error is not None:
+            outbox.send(error)
+            if spec.attempts > 1:  # fail the task: Spark reruns the whole barrier stage
+                raise RuntimeError(f"rank {rank} failed {encode_error(error)}:\n{error['traceback']}")
+            yield from _records(rank, outbox, None, spec.chunk_bytes)
+            return
         with open(os.path.join(workdir, "result.pkl"), "rb") as f:
             result = f.read()
-        conn.send({"t": "done", "rank": rank, "attempt": attempt})
-        total = max(1, -(-len(result) // spec.chunk_bytes))
-        for i in range(total):
-            yield (rank, i, total, result[i * spec.chunk_bytes:(i + 1) * spec.chunk_bytes])
+        outbox.send({"t": "done", "rank": rank, "attempt": attempt})
+        yield from _records(rank, outbox, result, spec.chunk_bytes)
     finally:
         if proc is not None and proc.poll() is None:
             kill_tree(proc)
@@ -368,5 +348,39 @@ def run_task(spec: TaskSpec, _rows) -> Iterator:
                 os.killpg(proc.pid, signal.SIGKILL)  # anything the worker left behind
             except (ProcessLookupError, PermissionError):
                 pass
-        conn.close()
+        for conn in (driver, control):
+            if conn is not None:
+                conn.close()
+        if relay is not None:
+            relay.server.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _forward_events(workdir: str, outbox: _Outbox) -> None:
+    """Events a detached rank reported (written to a file by its worker) go out as records."""
+    path = os.path.join(workdir, "events.jsonl")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for line in f:
+            message = json.loads(line)
+            if message.get("t") == "event":
+                outbox.send(message)
+
+
+def stage_function(spec: TaskSpec):
+    """The function ``mapInArrow(..., barrier=True)`` runs: one task, one rank."""
+
+    def task(batches):
+        import pyarrow as pa
+
+        for _ in batches:  # the input is spark.range: nothing to read
+            pass
+        schema = pa.schema([("rank", pa.int32()), ("kind", pa.string()), ("part", pa.int32()),
+                            ("parts", pa.int32()), ("data", pa.binary())])
+        for rank, kind, part, parts, data in run_task(spec):
+            yield pa.RecordBatch.from_arrays(
+                [pa.array([rank], pa.int32()), pa.array([kind]), pa.array([part], pa.int32()),
+                 pa.array([parts], pa.int32()), pa.array([data], pa.binary())], schema=schema)
+
+    return task

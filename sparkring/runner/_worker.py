@@ -9,11 +9,13 @@ import threading
 import time
 import traceback
 
+from ..collective import _env
+
 
 def _die_with_parent() -> None:
     """Exit when the task process that owns this rank is gone (it is the parent of a forked
     worker, the grandparent under mpiexec)."""
-    task = int(os.environ.get("SPARKRING_PARENT_PID", "0"))
+    task = int(os.environ.get(_env.PARENT_PID, "0"))
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with our parent
@@ -57,7 +59,7 @@ def _name_process() -> None:
     """Show up as sparkring-rank<N> in ps/top (a forked worker keeps its parent's cmdline)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.prctl(15, f"sparkring-r{os.environ.get('SPARKRING_RANK', '?')}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(15, f"sparkring-r{os.environ.get(_env.RANK, '?')}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except OSError:
         pass
 

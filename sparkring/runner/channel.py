@@ -15,6 +15,8 @@ import struct
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..collective import _env
+
 _HEADER = struct.Struct(">I")
 _MAC_LEN = 32
 MAX_FRAME = 64 * 1024 * 1024
@@ -177,17 +179,23 @@ _worker_lock = threading.Lock()
 
 
 def report_raw(message: Dict[str, Any]) -> bool:
-    """Send a message from a worker process to the driver; False outside a run."""
+    """Send a message from a worker process to the driver (or, when the driver is out of the
+    tasks' reach, to the file its task returns with the results); False outside a run."""
     global _worker_conn
-    address = os.environ.get("SPARKRING_DRIVER")
-    if not address:
+    address = os.environ.get(_env.DRIVER)
+    event_file = os.environ.get(_env.EVENT_FILE)
+    if not address and not event_file:
         return False
-    message = dict(message, rank=int(os.environ.get("SPARKRING_RANK", "0")),
-                   attempt=int(os.environ.get("SPARKRING_ATTEMPT", "0")))
+    message = dict(message, rank=int(os.environ.get(_env.RANK, "0")),
+                   attempt=int(os.environ.get(_env.ATTEMPT, "0")))
     with _worker_lock:
+        if not address:
+            with open(event_file, "a") as f:
+                f.write(json.dumps(message, separators=(",", ":")) + "\n")
+            return True
         if _worker_conn is None:
             host, port = address.rsplit(":", 1)
-            _worker_conn = connect(host.strip("[]"), int(port), bytes.fromhex(os.environ["SPARKRING_SECRET"]))
+            _worker_conn = connect(host.strip("[]"), int(port), bytes.fromhex(os.environ[_env.SECRET]))
         return _worker_conn.send(message)
 
 

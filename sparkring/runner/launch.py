@@ -1,10 +1,13 @@
-"""``run()``: execute a function (or script) once per rank in a Spark barrier stage."""
+"""``run()``: execute a function (or script) once per rank in one Spark barrier stage,
+``spark.range(n, numPartitions=n).mapInArrow(task, schema, barrier=True)``, the same on classic
+and Spark Connect sessions; the driver follows the ranks over the live channel where the tasks
+can reach it and reads everything else from the stage's output records."""
 from __future__ import annotations
 
-import importlib.util
+import json
+import logging
 import os
 import runpy
-import socket
 import sys
 import threading
 import time
@@ -13,12 +16,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import cloudpickle
 
-from . import cluster
-from ._task import TaskSpec, run_task
+from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import DriverChannel
 from .errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from .plan import RUN_NAMES, LaunchPlan, plan
+from .session import JobTag
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
+log = logging.getLogger(__name__)
+_SLOTS_CHECK = "BarrierJobSlotsNumberCheckFailed"
 
 
 class ScriptExit(SystemExit):
@@ -74,16 +79,22 @@ class _RunState:
         self.errors: Dict[int, dict] = {}
         self.pids: List[int] = []
         self.channel: Optional[DriverChannel] = None
+        self.detached = False
 
-    def handle(self, msg: Dict[str, Any], conn) -> None:
+    def handle(self, msg: Dict[str, Any], conn=None) -> None:
+        """One message from a rank: live from the channel (``conn``), or replayed from the
+        stage's output records after it ended (``conn`` None)."""
         kind = msg.get("t")
         attempt = int(msg.get("attempt", 0))
         rank = int(msg.get("rank", -1))
         if kind == "arrived":
             with self.lock:
                 self.arrived.add(rank)
+        elif kind == "detached":
+            self.detached = True
         elif kind == "hello":
-            conn.info.update(rank=rank, attempt=attempt, task=True)
+            if conn is not None:
+                conn.info.update(rank=rank, attempt=attempt, task=True)
             with self.lock:
                 if attempt > self.attempt or not self.hello:
                     if attempt > self.attempt:
@@ -114,7 +125,7 @@ class _RunState:
                 first = attempt not in self.errors
                 if first:
                     self.errors[attempt] = msg
-            if first and self.channel is not None:
+            if first and self.channel is not None and conn is not None:
                 timed_out = msg.get("kind") == "timeout"
                 reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
                 self.channel.broadcast({"t": "abort", "reason": reason, "dump": timed_out},
@@ -130,13 +141,23 @@ class _RunState:
             print(text, file=target, flush=True)
 
     def first_error(self) -> Optional[dict]:
+        """The latest attempt's error: a timeout where a rank ran out of time (the others'
+        errors then only say that it was killed), else the first error."""
         with self.lock:
             if not self.errors:
                 return None
-            return self.errors[max(self.errors)]
+            attempt = max(self.errors)
+            timed_out = self.timeouts.get(attempt)
+            if timed_out:
+                rank = min(timed_out)
+                return {"t": "error", "kind": "timeout", "rank": rank, "attempt": attempt,
+                        "traceback": timed_out[rank]}
+            return self.errors[attempt]
 
 
 def _active_spark():
+    """The caller's session: the active one (classic or Connect), else a new one from the
+    builder (which honours SPARK_REMOTE)."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession()
@@ -145,34 +166,18 @@ def _active_spark():
     return spark
 
 
-def _driver_ip(sc) -> str:
-    host = sc.getConf().get("spark.driver.host") or socket.gethostname()
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
-def _check_mpi_installed() -> None:
-    from ._task import find_mpiexec
-
-    missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
-                                     ("mpiexec", find_mpiexec() is not None)) if not ok]
-    if missing:
-        raise ConfigurationError(
-            f"backend='mpi' needs {' and '.join(missing)} on the driver and every executor: "
-            "pip install 'sparkring[mpi]' (mpi4py and the mpich wheel), or use backend='gloo'")
-
-
 def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None,
         num_proc: Optional[int] = None, backend: str = "auto", use_gpu: Optional[bool] = None,
         start_timeout: float = 120, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
-        verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None) -> List[Any]:
+        verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
+        spark=None) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
-    results ordered by rank.
+    results ordered by rank. Works on classic and Spark Connect sessions.
 
     ``fn`` may also be the path of a Python script, run as ``__main__`` with ``args`` as
     its command line (the Horovod ``horovodrun`` habit); each rank then returns 0.
+    ``stream=False`` (or executors that cannot reach this process) turns live output off:
+    logs, events and errors then arrive when the stage ends.
 
     >>> import sparkring.collective as sr
     >>> def fn():
@@ -180,58 +185,72 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     >>> run(fn, num_proc=2)  # doctest: +SKIP
     [0.5, 0.5]
     """
-    if backend == "mpi":
-        _check_mpi_installed()
-    if backend not in BACKENDS:
-        raise ConfigurationError(f"backend={backend!r} is not known; use one of {', '.join(BACKENDS)}")
     if timeout is not None and timeout <= 0:
         raise ConfigurationError(f"timeout={timeout}: it must be positive (seconds) or None")
     if isinstance(fn, (str, os.PathLike)):
         fn, args, kwargs = ScriptMain(str(fn), list(args)), (), None
     elif not callable(fn):
         raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
-    spark = _active_spark()
-    sc = spark.sparkContext
-    if use_gpu is None:
-        use_gpu = cluster.default_use_gpu(sc)
-    if backend == "nccl" and not use_gpu:
-        raise ConfigurationError("backend='nccl' needs GPUs: pass use_gpu=True (and schedule GPUs "
-                                 "with spark.task.resource.gpu.amount), or use backend='gloo'")
-    if num_proc is None:
-        num_proc = cluster.task_slots(sc, use_gpu)
-    cluster.check_session(sc, num_proc, use_gpu)
+    spark = spark or _active_spark()
+    launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
+                       names=RUN_NAMES)
+    return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
+                  env=env, verbose=verbose, on_event=on_event)
 
+
+def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequence[Any] = (),
+           kwargs: Optional[Dict[str, Any]] = None, start_timeout: float = 120, timeout: Optional[float] = None,
+           env: Optional[Dict[str, str]] = None, verbose: int = 1,
+           on_event: Optional[Callable[[int, Any], None]] = None) -> List[Any]:
+    """Launch ``fn`` on the ranks of a plan made by :func:`plan` (what ``run()`` does after
+    planning; the estimator plans before its data jobs and launches here).
+
+    >>> results = launch(spark, plan(spark, num_proc=2), fn)  # doctest: +SKIP
+    """
+    num_proc = launch_plan.num_proc
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
     secret = os.urandom(32)
     state = _RunState(num_proc, verbose, on_event)
-    driver_ip = _driver_ip(sc)
-    channel = DriverChannel(driver_ip, secret, state.handle)
+    channel = DriverChannel(launch_plan.driver_host, secret, state.handle)
     state.channel = channel
-    spec = TaskSpec(payload=payload, driver_host=driver_ip, driver_port=channel.address[1],
-                    secret=secret, num_proc=num_proc, backend=backend, use_gpu=bool(use_gpu),
-                    driver_gpus=cluster.driver_gpus(sc) if cluster.is_local(sc) else [],
-                    start_timeout=float(start_timeout), timeout=timeout, env=dict(env or {}),
-                    task_cpus=cluster.task_cpus(sc))
-    group = f"sparkring-{uuid.uuid4().hex[:12]}"
-    max_failures = cluster.task_max_failures(sc)
+    spec = TaskSpec(payload=payload, driver_host=launch_plan.driver_host, driver_port=channel.address[1],
+                    secret=secret, num_proc=num_proc, backend=launch_plan.backend, use_gpu=launch_plan.use_gpu,
+                    driver_gpus=list(launch_plan.driver_gpus), driver_gpu_script=launch_plan.driver_gpu_script,
+                    start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
+                    stream=launch_plan.stream, env=dict(env or {}), task_cpus=launch_plan.task_cpus)
+    tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
+    # Without a live channel expected from the start (a Connect client may be out of the
+    # executors' reach), a missing hello is no sign of missing slots: the tasks' own
+    # rendezvous timeout then decides.
+    driver_watches_start = launch_plan.stream and not launch_plan.facts.connect
     outcome: Dict[str, Any] = {}
 
     def collect():
-        try:
-            sc.setJobGroup(group, f"sparkring.run: {num_proc} ranks", interruptOnCancel=True)
-            rdd = sc.parallelize(range(num_proc), num_proc).barrier().mapPartitions(
-                lambda rows: run_task(spec, rows))
-            if max_failures > 1:
-                # Spark never retries a failed barrier *result* stage, only a barrier map
-                # stage: a shuffle after the ranks lets it rerun them (the driver caps the
-                # attempts at spark.task.maxFailures).
-                rdd = rdd.map(lambda chunk: (chunk[0], chunk)).partitionBy(1).values()
-            outcome["chunks"] = rdd.collect()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
-            outcome["error"] = exc
+        df = spark.range(0, num_proc, 1, num_proc).mapInArrow(stage_function(spec), RECORD_SCHEMA, barrier=True)
+        if launch_plan.attempts > 1:
+            # Spark never retries a failed barrier *result* stage, only a barrier map stage: a
+            # shuffle after the ranks lets it rerun them.
+            df = df.repartition(1)
+        while True:
+            try:
+                with tag:
+                    outcome["rows"] = df.collect()
+                return
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                # Spark refuses a barrier stage larger than the slots it has *now*; with adaptive
+                # execution (a map stage submitted alone) it does not wait for executors that are
+                # still registering, so the launch is retried until start_timeout.
+                if _SLOTS_CHECK in str(exc) and time.monotonic() - started < start_timeout:
+                    log.info("barrier stage refused for lack of slots; retrying while executors register")
+                    time.sleep(1.0)
+                    continue
+                outcome["error"] = exc
+                return
 
     worker = threading.Thread(target=collect, name="sparkring-collect", daemon=True)
     started = time.monotonic()
+    warned = False
+    log.info("launching %d ranks (driver channel %s:%d)", num_proc, *channel.address)
     worker.start()
     try:
         failure: Optional[BaseException] = None
@@ -242,48 +261,72 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
                 attempt = state.attempt
                 greeted = state.hello.get(attempt, set())
                 since = state.attempt_started if state.hello else started
-            if len(greeted) < num_proc and now - since > start_timeout:
+                arrived = len(state.arrived)
+            late = len(greeted) < num_proc and now - since > start_timeout
+            if late and driver_watches_start and not state.detached:
                 missing = sorted(set(range(num_proc)) - (state.arrived if len(state.arrived) < num_proc
                                                           else greeted))
                 failure = RankTimeoutError(
                     f"ranks {missing} did not start within start_timeout={start_timeout:g}s; the "
                     "cluster may lack free slots (other jobs running?) or executors are still starting",
                     missing)
-            elif timeout is not None and now - since > start_timeout + timeout + 30:
+            elif late and not arrived and not warned:
+                warned = True
+                log.warning("no rank has reached this process (%s) within %gs: the cluster may lack free "
+                            "slots, or the executors cannot reach it (the run then reports at its end)",
+                            launch_plan.driver_host, start_timeout)
+            if timeout is not None and now - since > start_timeout + timeout + 30:
                 running = sorted(set(range(num_proc)) - state.done.get(attempt, set()))
                 failure = RankTimeoutError(f"ranks {running} exceeded timeout={timeout:g}s", running)
             with state.lock:
                 failed_attempts = len(state.errors)
-            if failure is None and max_failures > 1 and failed_attempts >= max_failures:
+            if failure is None and launch_plan.attempts > 1 and failed_attempts >= launch_plan.attempts:
                 err = state.first_error()
-                failure = _rank_failed(err)
+                failure = (_timeout_error(state, num_proc, timeout) if err.get("kind") == "timeout"
+                           else _rank_failed(err))
             if failure is not None:
                 channel.broadcast({"t": "abort", "reason": str(failure)})
-                sc.cancelJobGroup(group)
+                tag.cancel()
                 worker.join(30)
                 raise failure
+        rows = outcome.get("rows") or []
         if "error" in outcome:
-            err = state.first_error()
-            if err is not None:
-                if err.get("kind") == "timeout":
-                    raise _timeout_error(state, num_proc, timeout) from None
-                raise _rank_failed(err) from None
+            log.debug("the barrier stage failed: %s", outcome["error"])
+        else:  # the stage ended: what failed in attempts Spark retried is history
+            with state.lock:
+                state.errors.clear()
+                state.timeouts.clear()
+        for row in sorted((r for r in rows if r["kind"] == "message"), key=lambda r: r["rank"]):
+            state.handle(json.loads(bytes(row["data"])))
+        err = state.first_error()
+        if err is None and "error" in outcome:
+            err = decode_error(str(outcome["error"]))
+        if err is not None:
+            if err.get("kind") == "timeout":
+                state.timeouts.setdefault(int(err.get("attempt", 0)), {})[int(err["rank"])] = err["traceback"]
+                raise _timeout_error(state, num_proc, timeout, wait=not rows) from None
+            raise _rank_failed(err) from None
+        if "error" in outcome and _SLOTS_CHECK in str(outcome["error"]):
+            raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
+                                   f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
+                                   "number of ranks", list(range(num_proc))) from None
+        if "error" in outcome:
             raise SparkRingError(f"the barrier stage failed before any rank reported: {outcome['error']}") \
                 from outcome["error"]
     finally:
         channel.close()
         _last_worker_pids[:] = state.pids
-    return _assemble(outcome["chunks"], num_proc)
+    return _assemble([r for r in rows if r["kind"] == "result"], num_proc)
 
 
 def _rank_failed(err: Dict[str, Any]) -> RankFailedError:
     return RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""), err.get("exit_code"))
 
 
-def _timeout_error(state: _RunState, num_proc: int, timeout: float) -> RankTimeoutError:
+def _timeout_error(state: _RunState, num_proc: int, timeout: float, wait: bool = True) -> RankTimeoutError:
     """Name the ranks that ran out of time, with where every rank's threads were."""
     attempt = max(state.timeouts)
-    deadline = time.monotonic() + 3  # the other ranks' stack dumps are on their way
+    deadline = time.monotonic() + (3 if wait else 0)  # live: the other ranks' stack dumps are on their way
     while time.monotonic() < deadline:
         with state.lock:
             have = set(state.timeouts.get(attempt, {})) | set(state.stacks.get(attempt, {}))
@@ -310,12 +353,12 @@ def last_worker_pids() -> List[int]:
     return list(_last_worker_pids)
 
 
-def _assemble(chunks, num_proc: int) -> List[Any]:
+def _assemble(rows, num_proc: int) -> List[Any]:
     parts: Dict[int, Dict[int, bytes]] = {}
     totals: Dict[int, int] = {}
-    for rank, index, total, data in chunks:
-        parts.setdefault(rank, {})[index] = data
-        totals[rank] = total
+    for row in rows:
+        parts.setdefault(row["rank"], {})[row["part"]] = bytes(row["data"])
+        totals[row["rank"]] = row["parts"]
     results = []
     for rank in range(num_proc):
         got = parts.get(rank, {})

@@ -1,0 +1,200 @@
+"""A rank's worker process as its task sees it: start it (forked with torch preloaded, or
+under mpiexec), dump its Python stacks, kill it with everything it started."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, Optional
+
+from ..collective import _env
+
+WORKER_MODULE = "sparkring.runner._worker"
+
+
+def resolve(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def interface_of(ip: str) -> Optional[str]:
+    """Name of the network interface that holds ``ip`` (gloo/nccl bind to it)."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == ip for a in addrs):
+                return name
+    except Exception:  # noqa: BLE001 - best effort; the library default applies
+        pass
+    return None
+
+
+def free_port(ip: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc) -> None:
+    """Kill the worker and everything it started (it leads its own process group)."""
+    try:
+        import psutil
+
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001
+        children = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for child in children:
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def dump_stacks(proc, workdir: str) -> str:
+    """Ask the worker for its Python stacks (faulthandler on SIGUSR1) before killing it."""
+    path = os.path.join(workdir, "stacks.txt")
+    try:
+        with open(os.path.join(workdir, "pid")) as f:
+            pid = int(f.read())
+    except (OSError, ValueError):
+        pid = proc.pid
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return "(process already gone)"
+    deadline = time.monotonic() + 2
+    size = -1
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        current = os.path.getsize(path) if os.path.exists(path) else 0
+        if current and current == size:
+            break
+        size = current
+    try:
+        with open(path) as f:
+            return f.read().strip() or "(no stack dump)"
+    except OSError:
+        return "(no stack dump)"
+
+
+class ForkedWorker:
+    """A rank's worker forked from the task process, which has imported torch already:
+    starts in milliseconds instead of paying the torch import (seconds) on every run. The
+    child leads its own session, keeps only stdin/stdout/stderr, and dies with its parent."""
+
+    def __init__(self, workdir: str, env: Dict[str, str]):
+        import cloudpickle  # noqa: F401 - warm imports the child reuses
+        import torch  # noqa: F401
+
+        import sparkring.collective  # noqa: F401
+
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                os.setsid()
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                null = os.open(os.devnull, os.O_RDONLY)
+                os.dup2(null, 0)
+                keep = {0, 1, 2}
+                for name in os.listdir("/proc/self/fd"):
+                    fd = int(name)
+                    if fd not in keep:
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
+                    signal.signal(sig, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                os.environ.clear()
+                os.environ.update(env)
+                import io
+
+                sys.stdin = open(0, "r", closefd=False)
+                sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+                sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+                from ._worker import main
+
+                main(workdir)
+            finally:
+                os._exit(1)
+        os.close(out_w)
+        os.close(err_w)
+        self.pid = pid
+        self.stdout = os.fdopen(out_r, "rb")
+        self.stderr = os.fdopen(err_r, "rb")
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -1
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+def find_mpiexec() -> Optional[str]:
+    """MPICH's fork-only launcher next to this interpreter (the mpich wheel puts it there):
+    it talks to its one process over a socketpair, where hydra's mpiexec listens on every
+    interface. Any ``mpiexec`` on PATH otherwise."""
+    here = os.path.dirname(sys.executable)
+    for name in ("mpiexec.gforker", "mpiexec"):
+        found = shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
+        if found:
+            return found
+    return None
+
+
+def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
+    """Keep MPI's own listeners on the task's interface (loopback in local mode)."""
+    env = {"MPIR_CVAR_CH3_INTERFACE_HOSTNAME": ip}
+    if iface:
+        env.update({"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface})
+    return env
+
+
+def start_worker(workdir: str, env: Dict[str, str]):
+    """Fork (Linux, default) or spawn a fresh interpreter (SPARKRING_WORKER_START=spawn);
+    MPI ranks always start fresh under ``mpiexec -n 1``, which MPI_Init needs."""
+    command = [sys.executable, "-m", WORKER_MODULE, workdir]
+    if env.get(_env.BACKEND) == "mpi":
+        mpiexec = find_mpiexec()
+        if mpiexec is None:
+            raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
+        command = [mpiexec, "-n", "1"] + command
+    else:
+        mode = env.get(_env.WORKER_START, "fork" if sys.platform.startswith("linux") else "spawn")
+        if mode == "fork":
+            return ForkedWorker(workdir, env)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, start_new_session=True)

@@ -1,0 +1,129 @@
+"""The launch plan: how many ranks, GPUs or not, which backend, how many stage attempts, where
+the driver channel listens; decided and validated once, before any Spark job, for run(), the
+CLI and the estimator alike."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .errors import ConfigurationError
+from .session import SessionFacts, session_facts
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+
+@dataclass(frozen=True)
+class ParamNames:
+    """How the caller spells the parameters, so messages name the user's own argument."""
+
+    num_proc: str = "num_proc"
+    use_gpu: str = "use_gpu"
+    backend: str = "backend"
+    stream: str = "stream"
+
+
+RUN_NAMES = ParamNames()
+ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend", stream="streamLogs")
+CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", stream="--no-stream")
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One barrier stage, decided once: ``run()``, the CLI and the estimator launch from it.
+
+    >>> p = plan(spark, num_proc=2)  # doctest: +SKIP
+    >>> p.num_proc, p.backend, p.attempts  # doctest: +SKIP
+    (2, 'auto', 1)
+    """
+
+    num_proc: int
+    use_gpu: bool
+    backend: str
+    attempts: int                   # times Spark may run the stage (a shuffle after it when > 1)
+    stream: bool                    # try the live channel to the driver
+    driver_host: str
+    driver_gpus: Tuple[str, ...]
+    driver_gpu_script: Optional[str]
+    task_cpus: int
+    facts: SessionFacts
+
+
+def _check_mpi_installed() -> None:
+    from ._process import find_mpiexec
+
+    missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
+                                     ("mpiexec", find_mpiexec() is not None)) if not ok]
+    if missing:
+        raise ConfigurationError(
+            f"backend='mpi' needs {' and '.join(missing)} on the driver and every executor: "
+            "pip install 'sparkring[mpi]' (mpi4py and the mpich wheel), or use backend='gloo'")
+
+
+def _check_gpus(facts: SessionFacts, names: ParamNames) -> None:
+    if facts.local:
+        if not (facts.driver_gpus or (facts.connect and facts.driver_gpu_amount > 0)):
+            raise ConfigurationError(
+                f"{names.use_gpu}=True in local mode but the driver has no GPUs: set "
+                "spark.driver.resource.gpu.amount and spark.driver.resource.gpu.discoveryScript")
+    elif facts.task_gpus <= 0:
+        raise ConfigurationError(
+            f"{names.use_gpu}=True but spark.task.resource.gpu.amount is not set: set it (usually 1) "
+            "with spark.executor.resource.gpu.amount so Spark schedules one GPU per task")
+
+
+def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
+         stream: bool = True, names: ParamNames = RUN_NAMES) -> LaunchPlan:
+    """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
+    raises ConfigurationError naming the caller's parameter before any Spark job.
+
+    >>> p = plan(spark, num_proc=2, backend="gloo")  # doctest: +SKIP
+    """
+    if backend not in BACKENDS:
+        raise ConfigurationError(f"{names.backend}={backend!r} is not known; use one of {', '.join(BACKENDS)}")
+    if backend == "mpi":
+        _check_mpi_installed()
+    if num_proc is not None and num_proc < 1:
+        raise ConfigurationError(f"{names.num_proc}={num_proc}: it must be at least 1")
+    facts = session_facts(spark)
+    if use_gpu is None:
+        use_gpu = facts.task_gpus > 0
+    if backend == "nccl" and not use_gpu:
+        raise ConfigurationError(f"{names.backend}='nccl' needs GPUs: pass {names.use_gpu}=True (and schedule "
+                                 "GPUs with spark.task.resource.gpu.amount), or use backend='gloo'")
+    if facts.dynamic_allocation and not facts.local:
+        raise ConfigurationError(
+            "spark.dynamicAllocation.enabled=true: Spark's barrier mode does not support dynamic "
+            "allocation; set spark.dynamicAllocation.enabled=false for this application")
+    if use_gpu:
+        _check_gpus(facts, names)
+    slots = facts.gpu_slots if use_gpu else facts.slots
+    if num_proc is None:
+        if slots is None:
+            raise ConfigurationError(
+                f"this session does not say how many task slots it has (master {facts.master!r}, no "
+                f"spark.executor.instances/spark.executor.cores): pass {names.num_proc}=<number of ranks>")
+        num_proc = slots
+    if slots is not None and num_proc > slots:
+        what = "GPU task slots" if use_gpu else "task slots"
+        raise ConfigurationError(
+            f"{names.num_proc}={num_proc} is larger than the {slots} concurrent {what} of this session "
+            f"(master {facts.master}, spark.task.cpus={facts.task_cpus}); a barrier stage needs all its "
+            f"tasks running at once: lower {names.num_proc} to at most {slots} or add executors/cores")
+    if slots is None:
+        log.info("session %s does not report its slots; Spark itself refuses a barrier stage larger than "
+                 "the cluster", facts.master)
+    if facts.encrypted or facts.authenticated:
+        log.warning("Spark encrypts/authenticates its own traffic here; sparkring's driver channel signs "
+                    "every frame (HMAC-SHA256) but does not encrypt it")
+    attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
+    result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=backend, attempts=attempts,
+                        stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
+                        driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts)
+    log.info("launch plan: %d ranks, backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
+             result.num_proc, backend, result.use_gpu, attempts, result.driver_host,
+             "Connect" if facts.connect else "classic", facts.master)
+    return result

@@ -1,0 +1,222 @@
+"""What a Spark session offers a barrier stage, read the same way on classic and Spark Connect
+sessions (``spark.conf`` only; the scheduler is asked directly only where a SparkContext exists),
+and how jobs of a run are tagged and cancelled on either kind of session."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+log = logging.getLogger(__name__)
+
+
+def is_connect(spark) -> bool:
+    """True for a Spark Connect session (no SparkContext, no RDDs)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
+
+
+def _conf(spark, key: str, default: Optional[str] = None) -> Optional[str]:
+    try:
+        value = spark.conf.get(key, default)
+    except Exception:  # noqa: BLE001 - a Connect server may refuse to read some keys
+        return default
+    return default if value is None else value
+
+
+def _flag(spark, key: str) -> bool:
+    return (_conf(spark, key, "false") or "false").strip().lower() == "true"
+
+
+@dataclass(frozen=True)
+class SessionFacts:
+    """Everything the launch plan needs to know about the session, read once.
+
+    >>> facts = session_facts(spark)  # doctest: +SKIP
+    >>> facts.master, facts.slots  # doctest: +SKIP
+    ('local[2]', 2)
+    """
+
+    master: str
+    connect: bool
+    task_cpus: int
+    task_gpus: float
+    executor_gpus: float
+    driver_gpu_amount: float
+    dynamic_allocation: bool
+    max_failures: int
+    max_stage_attempts: int
+    slots: Optional[int]            # None where the session cannot tell (a Connect cluster)
+    gpu_slots: Optional[int]
+    driver_gpus: Tuple[str, ...]    # local mode, classic session: what the driver discovered
+    driver_gpu_script: Optional[str]  # local mode, Connect: the tasks run it themselves
+    driver_host: str                # where tasks reach the process that called run()
+    encrypted: bool                 # spark.ssl.enabled / spark.network.crypto.enabled
+    authenticated: bool             # spark.authenticate
+
+    @property
+    def local(self) -> bool:
+        """local[N] (tasks in the driver's JVM), not local-cluster."""
+        return bool(re.fullmatch(r"local(\[.*\])?", self.master))
+
+    @property
+    def single_host(self) -> bool:
+        """Every task runs on this machine (local or local-cluster)."""
+        return self.local or self.master.startswith("local-cluster")
+
+
+def _local_cores(master: str) -> Optional[int]:
+    m = re.fullmatch(r"local(?:\[(\*|\d+)(?:\s*,\s*\d+)?\])?", master)
+    if not m:
+        return None
+    if m.group(1) is None:
+        return 1
+    return (os.cpu_count() or 1) if m.group(1) == "*" else int(m.group(1))
+
+
+def _max_failures(spark, master: str) -> int:
+    """How many times Spark may run a task: local[N,F] says F, local[N] means 1, clusters read
+    spark.task.maxFailures (default 4)."""
+    m = re.fullmatch(r"local\[(?:\*|\d+)\s*,\s*(\d+)\]", master)
+    if m:
+        return int(m.group(1))
+    if re.fullmatch(r"local(\[.*\])?", master):
+        return 1
+    return int(_conf(spark, "spark.task.maxFailures", "4") or 4)
+
+
+def _classic_driver_gpus(spark) -> Tuple[str, ...]:
+    try:
+        info = spark.sparkContext.resources.get("gpu")
+    except Exception:  # noqa: BLE001 - older contexts have no resources
+        info = None
+    return tuple(info.addresses) if info is not None else ()
+
+
+def _scheduler_slots(spark) -> Optional[int]:
+    """Concurrent task slots from the scheduler of a classic session (exact once executors
+    registered); Spark's internal API can change between versions, so fall back to the
+    default parallelism."""
+    sc = spark.sparkContext
+    try:
+        jsc = sc._jsc.sc()
+        profile = sc._jvm.org.apache.spark.resource.ResourceProfile.getOrCreateDefaultProfile(jsc.conf())
+        slots = int(jsc.maxNumConcurrentTasks(profile))
+        if slots > 0:
+            return slots
+    except Exception:  # noqa: BLE001
+        pass
+    return int(sc.defaultParallelism)
+
+
+def _conf_slots(spark, task_cpus: int) -> Optional[int]:
+    """Slots of a cluster from its static configuration (Connect has no scheduler handle)."""
+    instances, cores = _conf(spark, "spark.executor.instances"), _conf(spark, "spark.executor.cores")
+    if instances and cores and instances.isdigit() and cores.isdigit():
+        return int(instances) * (int(cores) // task_cpus)
+    return None
+
+
+def _driver_host(spark, connect: bool) -> str:
+    """The address tasks use to reach this process: spark.driver.host on a classic session
+    (the driver JVM lives in this process), SPARK_LOCAL_IP or this host's name on a Connect
+    client."""
+    host = None if connect else _conf(spark, "spark.driver.host")
+    host = host or os.environ.get("SPARK_LOCAL_IP") or socket.gethostname()
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return host
+
+
+def session_facts(spark) -> SessionFacts:
+    """Read the facts of ``spark`` (classic or Connect) without starting a job."""
+    connect = is_connect(spark)
+    master = _conf(spark, "spark.master", "") or ""
+    task_cpus = int(_conf(spark, "spark.task.cpus", "1") or 1)
+    task_gpus = float(_conf(spark, "spark.task.resource.gpu.amount", "0") or 0)
+    executor_gpus = float(_conf(spark, "spark.executor.resource.gpu.amount", "0") or 0)
+    driver_gpu_amount = float(_conf(spark, "spark.driver.resource.gpu.amount", "0") or 0)
+    local = bool(re.fullmatch(r"local(\[.*\])?", master))
+    driver_gpus = _classic_driver_gpus(spark) if local and not connect else ()
+    script = _conf(spark, "spark.driver.resource.gpu.discoveryScript") if local and connect else None
+
+    cores = _local_cores(master)
+    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    if cores is not None:
+        slots: Optional[int] = cores // task_cpus
+        known_gpus = len(driver_gpus) if not connect else int(driver_gpu_amount)
+        gpu_slots: Optional[int] = min(slots, int(known_gpus // (task_gpus or 1)))
+    elif cluster:
+        executors, per_exec = int(cluster.group(1)), int(cluster.group(2))
+        slots = executors * (per_exec // task_cpus)
+        gpu_slots = min(slots, executors * int(executor_gpus // task_gpus)) if task_gpus > 0 else 0
+    else:
+        slots = _conf_slots(spark, task_cpus) if connect else _scheduler_slots(spark)
+        gpu_slots = slots
+    return SessionFacts(
+        master=master, connect=connect, task_cpus=task_cpus, task_gpus=task_gpus,
+        executor_gpus=executor_gpus, driver_gpu_amount=driver_gpu_amount,
+        dynamic_allocation=_flag(spark, "spark.dynamicAllocation.enabled"),
+        max_failures=_max_failures(spark, master),
+        max_stage_attempts=int(_conf(spark, "spark.stage.maxConsecutiveAttempts", "4") or 4),
+        slots=slots, gpu_slots=gpu_slots, driver_gpus=driver_gpus, driver_gpu_script=script,
+        driver_host=_driver_host(spark, connect),
+        encrypted=_flag(spark, "spark.ssl.enabled") or _flag(spark, "spark.network.crypto.enabled"),
+        authenticated=_flag(spark, "spark.authenticate"))
+
+
+def discover_gpus(script: Optional[str]) -> Tuple[str, ...]:
+    """Run a Spark GPU discovery script (prints ``{"name": "gpu", "addresses": [...]}``)."""
+    if not script:
+        return ()
+    try:
+        out = subprocess.run([script], capture_output=True, text=True, timeout=60, check=True).stdout
+        return tuple(str(a) for a in json.loads(out).get("addresses", []))
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        log.warning("GPU discovery script %s failed: %s", script, exc)
+        return ()
+
+
+class JobTag:
+    """Tags the Spark jobs started by the calling thread so that another thread can cancel
+    them: session tags on Spark Connect (thread-local in its client), a job group that
+    interrupts its tasks on classic sessions.
+
+    >>> tag = JobTag(spark, "sparkring-1234")  # doctest: +SKIP
+    >>> with tag: df.collect()  # doctest: +SKIP
+    >>> tag.cancel()  # doctest: +SKIP
+    """
+
+    def __init__(self, spark, name: str, description: str = ""):
+        self.spark = spark
+        self.name = name
+        self.description = description
+        self.tags = is_connect(spark)
+
+    def __enter__(self) -> "JobTag":
+        if self.tags:
+            self.spark.addTag(self.name)
+        else:
+            self.spark.sparkContext.setJobGroup(self.name, self.description, interruptOnCancel=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tags:
+            try:
+                self.spark.removeTag(self.name)
+            except Exception:  # noqa: BLE001 - a stopped session has nothing left to untag
+                pass
+
+    def cancel(self) -> None:
+        try:
+            if self.tags:
+                self.spark.interruptTag(self.name)
+            else:
+                self.spark.sparkContext.cancelJobGroup(self.name)
+        except Exception as exc:  # noqa: BLE001 - the job may be over already
+            log.debug("cancelling jobs tagged %s: %s", self.name, exc)
