@@ -14,6 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from common import Row, alternate, spark_session, timed, write_table  # noqa: E402
 
@@ -33,6 +34,62 @@ def bench_launch(spark, rows, reps):
                          .run(bench_fns.torch_distributor_trivial), reps)
     rows.append(Row("runner", "launch: run() of one allreduce on local[2], wall time", f"{ours:.2f} s",
                     f"TorchDistributor {td:.2f} s", ours / td, "<= 0.5x", higher_is_better=False, goal_value=0.5))
+
+
+# run() on local[2] with the RDD barrier launch (before the DataFrame launch path), from the
+# BENCHMARKS.md of 2026-11-29: a figure from another run, kept as the reference the issue names.
+PREVIOUS_CLASSIC_LAUNCH_S = 1.35
+
+
+def bench_connect(spark, rows, reps, tmp, n=200_000):
+    """Spark Connect against the same work on a classic session, and against Spark's
+    TorchDistributor on the same Connect session."""
+    import torch
+    from pyspark.ml.torch.distributor import TorchDistributor
+    from pyspark.sql import SparkSession
+
+    from connect_server import ConnectServer
+    from sparkring import SparkRingEstimator, Store, run
+
+    src = os.path.join(tmp, "connect_source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+
+    def fit(session):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+        SparkRingEstimator(model=net, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3), loss="cross_entropy",
+                           batchSize=256, epochs=2, numProc=2, verbose=0,
+                           store=Store(os.path.join(tmp, "connect_store"))).fit(session.read.parquet(src))
+
+    run(bench_fns.trivial_allreduce, num_proc=2, verbose=0, spark=spark)
+    classic_launch = sorted(timed(lambda: run(bench_fns.trivial_allreduce, num_proc=2, verbose=0, spark=spark))
+                            for _ in range(reps + 2))[(reps + 2) // 2]
+    rows.append(Row("runner", "launch: run() on local[2] after the DataFrame launch path vs before (RDD "
+                    "barrier stage, figure of 2026-11-29)", f"{classic_launch:.2f} s",
+                    f"before {PREVIOUS_CLASSIC_LAUNCH_S:.2f} s", classic_launch / PREVIOUS_CLASSIC_LAUNCH_S,
+                    "<= 1.1x", higher_is_better=False, goal_value=1.1))
+    classic_fit = [timed(lambda: fit(spark)) for _ in range(reps)]
+
+    server = ConnectServer(tmp, "local[2]")
+    remote = SparkSession.builder.remote(server.url).getOrCreate()
+    try:
+        run(bench_fns.trivial_allreduce, num_proc=2, verbose=0, spark=remote)  # warm the server's workers
+        ours, td = alternate(lambda: run(bench_fns.trivial_allreduce, num_proc=2, verbose=0, spark=remote),
+                             lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+                             .run(bench_fns.torch_distributor_trivial), reps)
+        rows.append(Row("runner", "launch on Spark Connect: run() of one allreduce, wall time", f"{ours:.2f} s",
+                        f"TorchDistributor on the same session {td:.2f} s", ours / td, "<= 0.5x",
+                        higher_is_better=False, goal_value=0.5))
+        connect_fit = [timed(lambda: fit(remote)) for _ in range(reps)]
+    finally:
+        remote.stop()
+        os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
+        server.stop()
+    t_classic, t_connect = sorted(classic_fit)[reps // 2], sorted(connect_fit)[reps // 2]
+    sps = lambda t: n * 2 / t  # noqa: E731
+    rows.append(Row("estimator", f"fit() throughput on Spark Connect, {n // 1000}k rows x 64, MLP, 2 ranks, 2 epochs "
+                    "(whole fit)", f"{sps(t_connect):,.0f} samples/s", f"classic session {sps(t_classic):,.0f} "
+                    "samples/s", t_classic / t_connect, ">= 0.9x", goal_value=0.9))
 
 
 def bench_allreduce(spark, rows, reps):
@@ -271,7 +328,7 @@ def bench_transform(spark, rows, reps, tmp):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,allreduce,mpi,optimizer,data,training,transform")
+    parser.add_argument("--only", default="launch,allreduce,mpi,optimizer,data,training,transform,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -290,7 +347,7 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "allreduce", "mpi", "optimizer", "data", "training", "transform"):
+        for name in ("launch", "connect", "allreduce", "mpi", "optimizer", "data", "training", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -331,6 +388,11 @@ def main():
             rows = []
             bench_transform(spark, rows, args.reps, tmp)
             done("transform", rows)
+        if "connect" in only:  # last: pyspark stays in "Connect mode" once a remote session existed
+            print("== connect", flush=True)
+            rows = []
+            bench_connect(spark, rows, args.reps, tmp)
+            done("connect", rows)
     finally:
         spark.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,8 +5,8 @@
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "ConfigurationError", "RankFailedError",
-           "RankTimeoutError"]
+__all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "TorchDistributor", "ConfigurationError",
+           "RankFailedError", "RankTimeoutError"]
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should
 # not pay for pyspark.ml, pandas and pyarrow it never touches.
@@ -15,6 +15,7 @@ _LAZY = {
     "SparkRingModel": "sparkring.estimator",
     "Store": "sparkring.data",
     "run": "sparkring.runner",
+    "TorchDistributor": "sparkring.runner.distributor",
     "ConfigurationError": "sparkring.runner",
     "RankFailedError": "sparkring.runner",
     "RankTimeoutError": "sparkring.runner",

@@ -12,12 +12,11 @@ whole process as "Connect mode" once a remote session exists."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
 import sys
-import time
 
 import pytest
+
+from connect_server import ConnectServer
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -39,68 +38,6 @@ ORDER = ["local", "retry", "cluster", "connect"]
 CONNECT_MASTER = "local[2,3]"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ConnectServer:
-    """A Spark Connect server process on 127.0.0.1 (started on first use, killed at the end)."""
-
-    def __init__(self, log_dir: str):
-        import pyspark
-
-        self.port = _free_port()
-        self.log_path = os.path.join(log_dir, "connect-server.log")
-        submit = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-submit")
-        env = dict(os.environ, SPARK_CONNECT_MODE="0")
-        env.pop("SPARK_CONNECT_MODE_ENABLED", None)
-        env.pop("SPARK_REMOTE", None)
-        confs = {
-            "spark.connect.grpc.binding.address": "127.0.0.1",
-            "spark.connect.grpc.binding.port": str(self.port),
-            "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
-            "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
-            "spark.python.worker.reuse": "true",
-        }
-        command = [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-                   "--master", CONNECT_MASTER, "--name", "sparkring-tests-connect"]
-        for key, value in confs.items():
-            command += ["--conf", f"{key}={value}"]
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the Spark Connect server exited; see {self.log_path}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"the Spark Connect server did not listen within 120 s; see {self.log_path}")
-
-    @property
-    def url(self) -> str:
-        return f"sc://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.log.close()
-
-
 class _Sessions:
     def __init__(self):
         self.kind = None
@@ -115,7 +52,7 @@ class _Sessions:
 
         if kind == "connect":
             if self.server is None:
-                self.server = ConnectServer(log_dir)
+                self.server = ConnectServer(log_dir, CONNECT_MASTER)
             self.spark = SparkSession.builder.remote(self.server.url).getOrCreate()
             self.kind = kind
             return self.spark

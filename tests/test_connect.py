@@ -140,3 +140,26 @@ def test_cli_runs_a_script_over_spark_connect(connect_url):
                             "--steps", "2"], capture_output=True, text=True, env=env, timeout=180)
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     assert "weights identical on all ranks: True" in quiet.stdout
+
+
+def test_cross_validator_on_connect_and_the_best_model_saves_over_an_existing_path(spark_connect, tmp_path):
+    from pyspark.ml.evaluation import MulticlassClassificationEvaluator
+    from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+
+    from sparkring import SparkRingModel
+
+    df = H.classification_df(spark_connect, n=240)
+    est = SparkRingEstimator(model=H.mlp(), optimizer=H.adam, loss="cross_entropy", batchSize=16, epochs=1,
+                             numProc=2, store=Store(str(tmp_path / "store")), verbose=0)
+    grid = ParamGridBuilder().addGrid(est.batchSize, [8, 16]).build()
+    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
+                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+    cv_model = cv.fit(df)
+    assert len(cv_model.avgMetrics) == 2 and max(cv_model.avgMetrics) > 0.5
+    path = str(tmp_path / "best")
+    os.makedirs(path)
+    (tmp_path / "best" / "stale").write_text("left from an earlier save")
+    cv_model.bestModel.write().overwrite().save(path)
+    assert not (tmp_path / "best" / "stale").exists()
+    loaded = SparkRingModel.load(path)
+    assert loaded.history == cv_model.bestModel.history

@@ -111,11 +111,19 @@ def is_initialized() -> bool:
     return _state.backend is not None
 
 
+def _in_a_run() -> bool:
+    return _env.RANK in os.environ
+
+
 def _b() -> Backend:
+    """The backend; inside a sparkring run the first call joins the ring (lazy init, so code
+    that sets up torch.distributed itself, the torchrun way, runs first and is reused)."""
+    if _state.backend is None and _in_a_run():
+        init()
     if _state.backend is None:
         raise NotInitializedError(
             "sparkring.collective is not initialized: call sparkring.collective.init() first "
-            "(sparkring.run() does this for you before calling your function)")
+            "(inside sparkring.run() the first collective call does it)")
     return _state.backend
 
 
@@ -156,6 +164,7 @@ def local_rank() -> int:
     0
     """
     _b()
+    _b()
     return _state.local_rank
 
 
@@ -165,6 +174,7 @@ def local_size() -> int:
     >>> sr.local_size()  # doctest: +SKIP
     2
     """
+    _b()
     _b()
     return _state.local_size
 
@@ -176,6 +186,7 @@ def cross_rank() -> int:
     0
     """
     _b()
+    _b()
     return _state.cross_rank
 
 
@@ -185,6 +196,7 @@ def cross_size() -> int:
     >>> sr.cross_size()  # doctest: +SKIP
     1
     """
+    _b()
     _b()
     return _state.cross_size
 

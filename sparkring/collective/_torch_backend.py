@@ -52,11 +52,15 @@ class TorchBackend(Backend):
 
     def __init__(self, name: str, rank: int, size: int, master_addr: Optional[str],
                  master_port: Optional[int], timeout_s: float, start_timeout_s: float):
+        self._owns_group = not dist.is_initialized()
+        if not self._owns_group:  # the user's own init_process_group came first: use its group
+            name = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
+            rank, size = dist.get_rank(), dist.get_world_size()
         self.name = name
         self.rank = rank
         self.size = size
         timeout = datetime.timedelta(seconds=timeout_s)
-        if name == "nccl":
+        if name == "nccl" and self._owns_group:
             torch.cuda.set_device(0)  # the runner narrows CUDA_VISIBLE_DEVICES to this rank's GPU
         self._start_timeout = datetime.timedelta(seconds=start_timeout_s)
         self._master = (master_addr, int(master_port)) if master_addr else None
@@ -67,7 +71,6 @@ class TorchBackend(Backend):
         self._store = store
         self._results = ResultBuffers()
         self._scratch_bytes: Optional[torch.Tensor] = None
-        self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout)
         self._group = None

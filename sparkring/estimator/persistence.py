@@ -20,6 +20,17 @@ class SparkRingWriter(MLWriter):
         self.extra = extra or {}
         self.blobs = blobs or {}
 
+    def _handleOverwrite(self, path: str) -> None:
+        """Delete what is at ``path`` through the Store (pyarrow/fsspec), as Spark's own
+        handler would through Hadoop's FileSystem, which a Spark Connect client cannot reach."""
+        from ..runner.session import is_connect
+
+        if not is_connect(self.sparkSession):
+            return super()._handleOverwrite(path)
+        store = Store(path)
+        if store.exists(store.root):
+            store.delete(store.root)
+
     def saveImpl(self, path: str) -> None:
         inst = self.instance
         json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from ..collective import _env
 
@@ -36,10 +36,17 @@ def interface_of(ip: str) -> Optional[str]:
     return None
 
 
-def free_port(ip: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
+def free_ports(ip: str, count: int = 1) -> List[int]:
+    """``count`` distinct ports free on ``ip`` (held open together while they are chosen)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    socks = [socket.socket(family) for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind((ip, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def kill_tree(proc) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..collective import _env
 from . import channel
-from ._process import (dump_stacks, free_port, interface_of, kill_tree, mpi_network_env, resolve,
+from ._process import (dump_stacks, free_ports, interface_of, kill_tree, mpi_network_env, resolve,
                        start_worker)
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
@@ -181,7 +181,7 @@ def _gpus(spec: TaskSpec, ctx, local_rank: int) -> List[str]:
     return [driver_gpus[local_rank % len(driver_gpus)]] if driver_gpus else []
 
 
-def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, port: int, attempt: int,
+def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, ports: List[int], attempt: int,
               live: bool, workdir: str) -> Dict[str, str]:
     local_rank, local_size, cross_rank, cross_size = _rank_layout(hosts, rank)
     env = dict(os.environ)
@@ -191,16 +191,16 @@ def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, port
         _env.RANK: str(rank), _env.SIZE: str(spec.num_proc),
         _env.LOCAL_RANK: str(local_rank), _env.LOCAL_SIZE: str(local_size),
         _env.CROSS_RANK: str(cross_rank), _env.CROSS_SIZE: str(cross_size),
-        _env.MASTER_ADDR: master_ip, _env.MASTER_PORT: str(port), _env.BACKEND: spec.backend,
-        # torch.distributed's own names, for code that reads them directly
-        "RANK": str(rank), "WORLD_SIZE": str(spec.num_proc), "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_size), "MASTER_ADDR": master_ip, "MASTER_PORT": str(port),
+        _env.MASTER_ADDR: master_ip, _env.MASTER_PORT: str(ports[0]), _env.BACKEND: spec.backend,
         _env.SECRET: spec.secret.hex(), _env.ATTEMPT: str(attempt),
         _env.START_TIMEOUT: str(spec.start_timeout), _env.PARENT_PID: str(os.getpid()),
         # Everything this task can import, the worker can import (py-files, zips, tests).
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         "PYTHONUNBUFFERED": "1",
     })
+    env.update(_env.torchrun_env(rank=rank, size=spec.num_proc, local_rank=local_rank, local_size=local_size,
+                                 node_rank=cross_rank, nodes=cross_size, master_addr=master_ip,
+                                 master_port=ports[1], run_id=str(attempt)))
     if live:
         env[_env.DRIVER] = f"{spec.driver_host}:{spec.driver_port}"
     else:
@@ -241,10 +241,12 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     driver = _connect_driver(spec)
     if driver is not None:
         driver.send({"t": "arrived", "rank": rank})
-    port = free_port(my_ip) if rank == 0 else None
-    gathered = _all_gather(ctx, {"port": port, "tid": ctx.taskAttemptId(), "live": driver is not None},
+    # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
+    # user code that calls init_process_group itself (env://, the torchrun way)
+    ports = free_ports(my_ip, 2) if rank == 0 else None
+    gathered = _all_gather(ctx, {"ports": ports, "tid": ctx.taskAttemptId(), "live": driver is not None},
                            spec.start_timeout, spec.num_proc)
-    port = gathered[0]["port"]
+    ports = gathered[0]["ports"]
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
     attempt = min(g["tid"] for g in gathered)
     live = all(g["live"] for g in gathered)
@@ -262,7 +264,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     outbox = _Outbox(driver, control)
     outbox.send({"t": "hello", "rank": rank, "attempt": attempt, "host": hosts[rank]})
     workdir = tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-")
-    env = _rank_env(spec, ctx, rank, hosts, my_ip, port, attempt, live, workdir)
+    env = _rank_env(spec, ctx, rank, hosts, my_ip, ports, attempt, live, workdir)
     aborted: Dict[str, str] = {}
     proc = None
     try:

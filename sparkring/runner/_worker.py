@@ -64,6 +64,15 @@ def _name_process() -> None:
         pass
 
 
+def _release_users_group() -> None:
+    """A group the user's code made and left open is closed with the rank (torch warns about
+    process groups never destroyed, and NCCL may hang at exit)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def main(workdir: str) -> None:
     _die_with_parent()
     _name_process()
@@ -85,13 +94,18 @@ def main(workdir: str) -> None:
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():
             torch.set_num_threads(int(threads))  # the env var alone is too late after a fork
-        sr.init()
+        from ..collective import _torchrun
+
+        _torchrun.install()
+        # No sr.init() here: sparkring.collective joins the ring on first use, so code that
+        # sets up torch.distributed itself (torchrun-style scripts) comes first.
         result = fn(*args, **(kwargs or {}))
         tmp = os.path.join(workdir, "result.pkl.tmp")
         with open(tmp, "wb") as f:
             cloudpickle.dump(result, f)
         os.replace(tmp, os.path.join(workdir, "result.pkl"))
         sr.shutdown()
+        _release_users_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the driver
         exit_code = getattr(exc, "exit_code", None)
         tb = traceback.format_exc()
