@@ -92,6 +92,33 @@ def bench_connect(spark, rows, reps, tmp, n=200_000):
                     "samples/s", t_classic / t_connect, ">= 0.9x", goal_value=0.9))
 
 
+def bench_distributor(spark, rows, reps):
+    """sparkring.TorchDistributor against Spark's on the same functions, same session."""
+    from pyspark.ml.torch.distributor import TorchDistributor as SparkTorchDistributor
+
+    from sparkring import TorchDistributor
+
+    def ours(fn):
+        return TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, verbose=0).run(fn)
+
+    def theirs(fn):
+        return SparkTorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)
+
+    ours(bench_fns.torch_distributor_trivial)
+    t_ours, t_theirs = alternate(lambda: ours(bench_fns.torch_distributor_trivial), lambda: theirs(bench_fns.torch_distributor_trivial), reps)
+    rows.append(Row("runner", "TorchDistributor(num_processes=2, local_mode=False).run(trivial DDP fn), wall time",
+                    f"sparkring {t_ours:.2f} s", f"Spark's {t_theirs:.2f} s", t_ours / t_theirs, "<= 0.5x",
+                    higher_is_better=False, goal_value=0.5))
+    rates_ours, rates_theirs = [], []
+    for _ in range(reps):
+        rates_ours.append(ours(bench_fns.ddp_training_loop))
+        rates_theirs.append(theirs(bench_fns.ddp_training_loop))
+    r_ours, r_theirs = sorted(rates_ours)[reps // 2], sorted(rates_theirs)[reps // 2]
+    rows.append(Row("runner", "DDP training loop (1.3M-param MLP, gloo, 2 ranks) under each TorchDistributor",
+                    f"{r_ours:,.0f} samples/s", f"Spark's {r_theirs:,.0f} samples/s", r_ours / r_theirs,
+                    ">= 1.0x", goal_value=1.0))
+
+
 def bench_allreduce(spark, rows, reps):
     from sparkring import run
 
@@ -328,7 +355,7 @@ def bench_transform(spark, rows, reps, tmp):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,allreduce,mpi,optimizer,data,training,transform,connect")
+    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,training,transform,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -347,7 +374,7 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "connect", "allreduce", "mpi", "optimizer", "data", "training", "transform"):
+        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "training", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -366,7 +393,7 @@ def main():
               "row, which is a ratio of wall times (lower is better). `results.json` in benchmarks/ keeps "
               "the raw rows; `--only SECTION` reruns one section.")
     try:
-        for name, fn in (("launch", bench_launch), ("allreduce", bench_allreduce), ("mpi", bench_mpi),
+        for name, fn in (("launch", bench_launch), ("distributor", bench_distributor), ("allreduce", bench_allreduce), ("mpi", bench_mpi),
                          ("optimizer", bench_optimizer)):
             if name in only:
                 print(f"== {name}", flush=True)

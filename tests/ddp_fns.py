@@ -93,3 +93,44 @@ def spark_style_train(lr):
     result = round(float(model.module.weight.sum()), 6) if dist.get_rank() == 0 else None
     dist.destroy_process_group()
     return result
+
+
+class _Branchy(torch.nn.Module):
+    """A model with a branch the loss never uses (DDP needs find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(IN, OUT)
+        self.unused = torch.nn.Linear(IN, OUT)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def torchrun_habits(checkpoint_dir):
+    """DistributedSampler shards, find_unused_parameters, torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.utils.data import DistributedSampler
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler = DistributedSampler(list(range(10)), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    shards = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    torch.manual_seed(0)
+    model = DDP(_Branchy(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    state = {"model": model.module.state_dict()}
+    dcp.save(state, checkpoint_id=checkpoint_dir)
+    restored = {"model": _Branchy().state_dict()}
+    dcp.load(restored, checkpoint_id=checkpoint_dir)
+    same = all(torch.equal(restored["model"][k], v) for k, v in state["model"].items())
+    dist.destroy_process_group()
+    return {"shards": shards, "restored_equal": same}

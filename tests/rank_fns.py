@@ -250,3 +250,10 @@ def sleep_on_rank(bad_rank):
     if sr.rank() == bad_rank:
         time.sleep(600)
     return "done"
+
+
+def rank_one_finishes_later(delay):
+    """Rank 0 returns at once, rank 1 only after ``delay`` seconds (no collective between)."""
+    if sr.rank() == 1:
+        time.sleep(delay)
+    return sr.rank()

@@ -76,6 +76,8 @@ def test_detached_run_returns_results_and_replays_output_and_events_at_the_end(s
                   on_event=lambda rank, payload: got.append((rank, payload["i"])))
     assert results == [3, 3]
     assert sorted(got) == [(r, i) for r in (0, 1) for i in range(3)]
+    # task 0 hosts the relay: it must stay until the slower rank is done
+    assert run(rank_fns.rank_one_finishes_later, args=(3,), num_proc=2, stream=False, spark=spark_connect) == [0, 1]
     flag = tmp_path / "flag"
     flag.write_text("go")
     assert run(rank_fns.print_and_wait, args=(str(flag), 5), num_proc=2, stream=False, verbose=2,
@@ -163,3 +165,33 @@ def test_cross_validator_on_connect_and_the_best_model_saves_over_an_existing_pa
     assert not (tmp_path / "best" / "stale").exists()
     loaded = SparkRingModel.load(path)
     assert loaded.history == cv_model.bestModel.history
+
+
+def test_unreachable_client_is_detected_and_the_run_completes_detached(spark_connect, monkeypatch, capsys):
+    import sparkring.runner.launch as launch_module
+    from sparkring.runner.channel import DriverChannel
+
+    class Unreachable(DriverChannel):
+        """Listens nowhere: every task's connection attempt is refused, as behind NAT."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._sock.close()
+
+    monkeypatch.setattr(launch_module, "DriverChannel", Unreachable)
+    started = time.monotonic()
+    assert run(rank_fns.whoami, num_proc=2, spark=spark_connect, verbose=2)[1]["rank"] == 1
+    with pytest.raises(RankFailedError) as info:
+        run(rank_fns.fail_on_rank, args=(0,), num_proc=2, spark=spark_connect, verbose=0)
+    assert info.value.rank == 0 and "boom on purpose in rank 0" in info.value.remote_traceback
+    assert time.monotonic() - started < 90
+    assert _no_rank_processes() == []
+
+
+def test_connect_session_refuses_more_ranks_than_slots_and_unscheduled_gpus_before_any_job(spark_connect):
+    from sparkring import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="num_proc=3 is larger than the 2 concurrent task slots"):
+        run(rank_fns.whoami, num_proc=3, spark=spark_connect)
+    with pytest.raises(ConfigurationError, match="use_gpu=True in local mode but the driver has no GPUs"):
+        run(rank_fns.whoami, num_proc=2, use_gpu=True, spark=spark_connect)

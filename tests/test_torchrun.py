@@ -104,3 +104,12 @@ def test_fifteen_line_ddp_script_and_the_example_run_unchanged_through_the_cli(m
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 2/2 loss" in proc.stdout and "weights identical on all ranks: True" in proc.stdout
     assert checkpoint.exists()
+
+
+def test_distributed_sampler_unused_parameters_and_distributed_checkpoint_work(spark, tmp_path):
+    results = run(ddp_fns.torchrun_habits, args=(str(tmp_path / "dcp"),), num_proc=2)
+    for epoch in range(2):
+        a, b = results[0]["shards"][epoch], results[1]["shards"][epoch]
+        assert sorted(a + b) == list(range(10)) and not set(a) & set(b)  # disjoint shards, all rows
+    assert results[0]["shards"][0] != results[0]["shards"][1]  # set_epoch reshuffles
+    assert all(r["restored_equal"] for r in results)

@@ -164,7 +164,6 @@ def local_rank() -> int:
     0
     """
     _b()
-    _b()
     return _state.local_rank
 
 
@@ -174,7 +173,6 @@ def local_size() -> int:
     >>> sr.local_size()  # doctest: +SKIP
     2
     """
-    _b()
     _b()
     return _state.local_size
 
@@ -186,7 +184,6 @@ def cross_rank() -> int:
     0
     """
     _b()
-    _b()
     return _state.cross_rank
 
 
@@ -196,7 +193,6 @@ def cross_size() -> int:
     >>> sr.cross_size()  # doctest: +SKIP
     1
     """
-    _b()
     _b()
     return _state.cross_size
 

@@ -318,12 +318,9 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
             error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "timeout",
                      "traceback": (f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
                                    f"where its threads were:\n{stacks}")}
-        elif aborted:
-            if spec.attempts > 1:
-                raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
-            yield from _records(rank, outbox, None, spec.chunk_bytes)
-            return
-        elif proc.returncode != 0:
+        elif aborted and spec.attempts > 1:
+            raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
+        elif not aborted and proc.returncode != 0:
             err_path = os.path.join(workdir, "error.txt")
             if os.path.exists(err_path):
                 with open(err_path) as f:
@@ -336,11 +333,14 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
             outbox.send(error)
             if spec.attempts > 1:  # fail the task: Spark reruns the whole barrier stage
                 raise RuntimeError(f"rank {rank} failed {encode_error(error)}:\n{error['traceback']}")
-            yield from _records(rank, outbox, None, spec.chunk_bytes)
-            return
-        with open(os.path.join(workdir, "result.pkl"), "rb") as f:
-            result = f.read()
-        outbox.send({"t": "done", "rank": rank, "attempt": attempt})
+        result = None
+        if error is None and not aborted:
+            with open(os.path.join(workdir, "result.pkl"), "rb") as f:
+                result = f.read()
+            outbox.send({"t": "done", "rank": rank, "attempt": attempt})
+        if control is not None:
+            # Detached: task 0's relay must outlive every rank, so the tasks leave together.
+            ctx.barrier()
         yield from _records(rank, outbox, result, spec.chunk_bytes)
     finally:
         if proc is not None and proc.poll() is None:

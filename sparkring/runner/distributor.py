@@ -132,18 +132,20 @@ def run_local(fn: Callable[..., Any], args, kwargs, num_proc: int, use_gpu: bool
                 threading.Thread(target=pump, args=(stream, rank, target), daemon=True).start()
         started = time.monotonic()
         while any(p.poll() is None for p in procs):
-            for rank, proc in enumerate(procs):
-                if proc.poll() not in (None, 0):
-                    raise _local_failure(rank, proc.returncode, workdirs[rank], tails[rank])
+            failed = [rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+            if failed:
+                rank = _first_to_fail(failed, workdirs)
+                raise _local_failure(rank, procs[rank].returncode, workdirs[rank], tails[rank])
             if timeout is not None and time.monotonic() - started > timeout:
                 late = [r for r, p in enumerate(procs) if p.poll() is None]
                 stacks = "\n\n".join(f"rank {r}:\n{dump_stacks(procs[r], workdirs[r])}" for r in late)
                 raise RankTimeoutError(f"ranks {late} exceeded timeout={timeout:g}s and were killed; where "
                                        f"their threads were:\n{stacks}", late)
             time.sleep(0.05)
-        for rank, proc in enumerate(procs):
-            if proc.returncode != 0:
-                raise _local_failure(rank, proc.returncode, workdirs[rank], tails[rank])
+        failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+        if failed:
+            rank = _first_to_fail(failed, workdirs)
+            raise _local_failure(rank, procs[rank].returncode, workdirs[rank], tails[rank])
         results = []
         for workdir in workdirs:
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
@@ -155,6 +157,18 @@ def run_local(fn: Callable[..., Any], args, kwargs, num_proc: int, use_gpu: bool
                 kill_tree(proc)
         for workdir in workdirs:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _first_to_fail(ranks: List[int], workdirs: List[str]) -> int:
+    """The rank that failed first (its error file is the oldest): the others usually fail
+    because it went away."""
+    def written(rank: int) -> float:
+        try:
+            return os.stat(os.path.join(workdirs[rank], "error.txt")).st_mtime_ns
+        except OSError:
+            return float("inf")
+
+    return min(ranks, key=written)
 
 
 def _local_failure(rank: int, code: int, workdir: str, tail) -> RankFailedError:

@@ -20,7 +20,7 @@ from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import DriverChannel
 from .errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .plan import RUN_NAMES, LaunchPlan, plan
-from .session import JobTag
+from .session import JobTag, wait_for_slots
 
 log = logging.getLogger(__name__)
 _SLOTS_CHECK = "BarrierJobSlotsNumberCheckFailed"
@@ -208,6 +208,11 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     >>> results = launch(spark, plan(spark, num_proc=2), fn)  # doctest: +SKIP
     """
     num_proc = launch_plan.num_proc
+    facts = launch_plan.facts
+    if not facts.connect and not facts.local and not wait_for_slots(spark, num_proc, start_timeout):
+        raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
+                               f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
+                               "number of ranks", list(range(num_proc)))
     payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
     secret = os.urandom(32)
     state = _RunState(num_proc, verbose, on_event)
@@ -225,16 +230,19 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     driver_watches_start = launch_plan.stream and not launch_plan.facts.connect
     outcome: Dict[str, Any] = {}
 
-    def collect():
+    def stage():
         df = spark.range(0, num_proc, 1, num_proc).mapInArrow(stage_function(spec), RECORD_SCHEMA, barrier=True)
         if launch_plan.attempts > 1:
             # Spark never retries a failed barrier *result* stage, only a barrier map stage: a
             # shuffle after the ranks lets it rerun them.
             df = df.repartition(1)
+        return df
+
+    def collect():
         while True:
             try:
                 with tag:
-                    outcome["rows"] = df.collect()
+                    outcome["rows"] = stage().collect()
                 return
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
                 # Spark refuses a barrier stage larger than the slots it has *now*; with adaptive

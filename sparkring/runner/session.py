@@ -97,20 +97,38 @@ def _classic_driver_gpus(spark) -> Tuple[str, ...]:
     return tuple(info.addresses) if info is not None else ()
 
 
-def _scheduler_slots(spark) -> Optional[int]:
-    """Concurrent task slots from the scheduler of a classic session (exact once executors
-    registered); Spark's internal API can change between versions, so fall back to the
-    default parallelism."""
+def _registered_slots(spark) -> Optional[int]:
+    """Concurrent task slots the scheduler of a classic session has now (executors that
+    registered); None where Spark's internal API is not there (it can change between versions)."""
     sc = spark.sparkContext
     try:
         jsc = sc._jsc.sc()
         profile = sc._jvm.org.apache.spark.resource.ResourceProfile.getOrCreateDefaultProfile(jsc.conf())
-        slots = int(jsc.maxNumConcurrentTasks(profile))
-        if slots > 0:
-            return slots
+        return int(jsc.maxNumConcurrentTasks(profile))
     except Exception:  # noqa: BLE001
-        pass
-    return int(sc.defaultParallelism)
+        return None
+
+
+def _scheduler_slots(spark) -> Optional[int]:
+    """Slots of a classic cluster session: the scheduler's count once executors registered,
+    else the default parallelism."""
+    slots = _registered_slots(spark)
+    return slots if slots else int(spark.sparkContext.defaultParallelism)
+
+
+def wait_for_slots(spark, wanted: int, timeout: float) -> bool:
+    """On a classic cluster session, wait until the scheduler offers ``wanted`` concurrent
+    slots (executors still registering after the session started); True once it does."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        slots = _registered_slots(spark)
+        if slots is None or slots >= wanted:  # None: no way to ask; the launch finds out
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _conf_slots(spark, task_cpus: int) -> Optional[int]:
