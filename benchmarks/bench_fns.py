@@ -78,7 +78,9 @@ def mpi_allreduce_overhead(sizes, block_seconds=0.1, rounds=15):
 
     from mpi4py import MPI
 
-    comm = sr._api._b()._comm
+    from sparkring.collective import _runtime
+
+    comm = _runtime.current()._comm
     out = []
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)

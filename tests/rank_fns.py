@@ -180,10 +180,10 @@ def report_events(n):
 def large_out_of_place_allreduce():
     """Tensors big enough for the direct out-of-place algorithms (two-rank swap up to 8 MB,
     ring above it or with more ranks), of sizes no rank count divides."""
-    from sparkring.collective import _api
+    from sparkring.collective import _runtime
 
     r = sr.rank()
-    b = _api._b()
+    b = _runtime.current()
     g = torch.Generator().manual_seed(r)
     x = torch.randn(600_007, generator=g, dtype=torch.float64)
     z = torch.randn(1_100_003, generator=g, dtype=torch.float64)

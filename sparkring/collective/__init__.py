@@ -4,14 +4,16 @@
 >>> sr.init()
 >>> sr.allreduce(torch.ones(2), op=sr.Sum)  # doctest: +SKIP
 """
-from ._api import (Adasum, Average, Max, Min, NotInitializedError, Product, Sum, allgather,
-                   allgather_object, allreduce, allreduce_, allreduce_async, allreduce_async_,
-                   alltoall, backend, barrier, broadcast, broadcast_, broadcast_async,
-                   broadcast_async_, broadcast_object, broadcast_optimizer_state,
-                   broadcast_parameters, check_same_shapes, cross_rank, cross_size, gloo_built,
-                   grouped_allreduce, grouped_allreduce_, init, is_initialized, join, local_rank, local_size,
-                   mpi_built, mpi_threads_supported, nccl_built, poll, rank, reducescatter, shutdown,
-                   size, synchronize)
+from ._checks import check_same_shapes
+from ._runtime import (NotInitializedError, backend, cross_rank, cross_size, gloo_built, init, is_initialized,
+                       local_rank, local_size, mpi_built, mpi_threads_supported, nccl_built, rank, shutdown,
+                       size)
+from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                        broadcast_parameters)
+from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, allreduce_,
+                  allreduce_async, allreduce_async_, alltoall, barrier, broadcast, broadcast_,
+                  broadcast_async, broadcast_async_, grouped_allreduce, grouped_allreduce_, join, poll,
+                  reducescatter, synchronize)
 from ._optimizer import DistributedOptimizer
 from .compression import Compression
 from .sync_batch_norm import SyncBatchNorm

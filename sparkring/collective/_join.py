@@ -22,21 +22,52 @@ the round number so a round's leftovers never confuse the next.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import json
 import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+import torch
+
 PREFIX = "sparkring/join/"
 _FOREVER = datetime.timedelta(days=30)
 _HISTORY_LIMIT = 100_000
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How to take part in one collective without data: what a joined rank replays.
+
+    >>> Recipe("allreduce", shape=(3,), dtype="torch.float32", op="Sum", path="blocking").to_json()  # doctest: +SKIP
+    """
+
+    kind: str
+    shape: Tuple[int, ...] = ()
+    tail: Tuple[int, ...] = ()      # allgather/alltoall: every dimension but the first
+    dtype: str = ""
+    op: str = ""
+    path: str = ""                  # allreduce: "new" | "blocking" | "async" | "adasum"
+    compression: str = ""           # allreduce: "module:qualname" of the Compression
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1                  # broadcast / broadcast_object
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "Recipe":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
+        return cls(**values)
+
+
 class Joiner:
     """Per-process join state; ``replay(recipe)`` runs one collective with neutral inputs."""
 
-    def __init__(self, rank: int, size: int, store, watch_store, replay: Callable[[Dict[str, Any]], None]):
+    def __init__(self, rank: int, size: int, store, watch_store, replay: Callable[[Recipe], None]):
         self.rank = rank
         self.size = size
         self._store = store
@@ -46,7 +77,7 @@ class Joiner:
         self._seq = 0
         self._round = 0
         self._joined = False
-        self._history: Deque[Tuple[int, str, Dict[str, Any]]] = collections.deque()
+        self._history: Deque[Tuple[int, Recipe]] = collections.deque()
         self._publish_from: Optional[int] = None  # first seq the current round's joiners need
         self._early: Dict[int, List[int]] = {}  # join seqs the watcher saw for later rounds
         self._stopping = False  # the watcher got its stop message (rank 0 may be gone soon)
@@ -55,14 +86,14 @@ class Joiner:
 
     # -- every collective ---------------------------------------------------------------
 
-    def enter(self, kind: str, meta: Dict[str, Any]) -> int:
+    def enter(self, recipe: Recipe) -> int:
         with self._lock:
             seq = self._seq
             self._seq += 1
             if self._publish_from is not None and not self._joined:
-                self._publish(seq, kind, meta)
+                self._publish(seq, recipe)
             else:
-                self._history.append((seq, kind, meta))
+                self._history.append((seq, recipe))
                 if len(self._history) > _HISTORY_LIMIT:
                     self._history.popleft()
             return seq
@@ -74,17 +105,17 @@ class Joiner:
             while self._history and self._history[0][0] <= seq:
                 self._history.popleft()
 
-    def _publish(self, seq: int, kind: str, meta: Dict[str, Any]) -> None:
-        self._store.set(f"{PREFIX}{self._round}/op/{seq}", json.dumps(dict(meta, kind=kind)))
+    def _publish(self, seq: int, recipe: Recipe) -> None:
+        self._store.set(f"{PREFIX}{self._round}/op/{seq}", recipe.to_json())
 
     def _someone_joined_at(self, seq: int) -> None:
         """Called with the lock held: publish what a rank that joined at ``seq`` needs."""
         if self._joined or (self._publish_from is not None and self._publish_from <= seq):
             return
         upto = self._publish_from
-        for s, kind, meta in self._history:
+        for s, recipe in self._history:
             if s >= seq and (upto is None or s < upto):
-                self._publish(s, kind, meta)
+                self._publish(s, recipe)
         self._publish_from = seq
 
     # -- join ---------------------------------------------------------------------------
@@ -125,10 +156,10 @@ class Joiner:
                 key = f"{base}op/{self._seq}"
             # no deadline here: the runner's timeout decides when a ring hangs
             self._store.wait([key], _FOREVER)
-            recipe = json.loads(self._store.get(key))
-            if recipe["kind"] == "done":
-                return int(recipe["last"])
-            self._replay(recipe)
+            message = json.loads(self._store.get(key))
+            if message["kind"] == "done":
+                return int(message["last"])
+            self._replay(Recipe.from_dict(message))
 
     # -- the watcher ----------------------------------------------------------------------
 
@@ -177,3 +208,66 @@ class Joiner:
         except Exception:  # noqa: BLE001 - shutting down after a failure: nothing to save
             pass
         self._thread.join(timeout=2.0)
+
+
+# -- replay on a joined rank ----------------------------------------------------------
+
+def _neutral(shape: Tuple[int, ...], dtype: torch.dtype, op: str) -> torch.Tensor:
+    """What a joined rank contributes to an allreduce: the identity of ``op``."""
+    from .ops import Max, Min, Product
+
+    if op in (Min, Max):
+        if dtype == torch.bool:
+            value: Any = op == Min
+        elif dtype.is_floating_point:
+            value = float("inf") if op == Min else float("-inf")
+        else:
+            info = torch.iinfo(dtype)
+            value = info.max if op == Min else info.min
+    else:
+        value = 1 if op == Product else 0
+    return torch.full(shape, value, dtype=dtype)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.split(".")[-1])
+
+
+def replay(recipe: Recipe) -> None:
+    """Run, on a joined rank, the collective the active ranks are running."""
+    import importlib
+
+    from . import _runtime, functions, ops
+
+    kind = recipe.kind
+    me = _runtime.current().rank
+    if kind == "allreduce":
+        module, _, qualname = recipe.compression.partition(":")
+        compression = importlib.import_module(module)
+        for part in qualname.split("."):
+            compression = getattr(compression, part)
+        tensor = _neutral(recipe.shape, _dtype(recipe.dtype), recipe.op)
+        # the path the active ranks took, so every rank runs matching transfers
+        ops.allreduce_start(tensor, None, recipe.op, compression, recipe.prescale, recipe.postscale,
+                            path=recipe.path).wait()
+    elif kind == "allgather":
+        ops.allgather(torch.empty((0,) + recipe.tail, dtype=_dtype(recipe.dtype)))
+    elif kind == "alltoall":
+        ops.alltoall(torch.empty((0,) + recipe.tail, dtype=_dtype(recipe.dtype)),
+                 splits=[0] * _runtime.current().size)
+    elif kind in ("broadcast", "broadcast_object"):
+        if recipe.root == me:
+            raise RuntimeError(
+                f"rank {me} called join() but the other ranks then started a {kind} from root "
+                f"rank {me}; a rank that has joined has no data to send. Broadcast from a rank "
+                "that has not joined, or before the first rank joins")
+        if kind == "broadcast":
+            ops.broadcast_async_(torch.empty(recipe.shape, dtype=_dtype(recipe.dtype)), recipe.root).wait()
+        else:
+            functions.broadcast_object(None, recipe.root)
+    elif kind == "allgather_object":
+        functions.allgather_object(None)
+    elif kind == "barrier":
+        ops.barrier()
+    else:  # a newer peer: fail loudly rather than hang
+        raise RuntimeError(f"join(): rank {me} cannot take part in a {kind!r} collective")

@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _api
+from . import _checks, _runtime, ops
 from .compression import Compression
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -61,18 +61,18 @@ class _DistributedOptimizerMixin:
                     "in named_parameters; pass model.named_parameters() of the model it optimizes")
         else:
             by_id = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
-        if op not in (_api.Average, _api.Sum, _api.Adasum):
+        if op not in (ops.Average, ops.Sum, ops.Adasum):
             raise ValueError(f"DistributedOptimizer: op={op!r}; use Average, Sum or Adasum")
         if backward_passes_per_step < 1:
             raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
         self._sr_names = by_id
-        _api.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
+        _checks.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
         self._sr_compression = compression
         self._sr_bpps = backward_passes_per_step
         self._sr_op = op
         self._sr_predivide = gradient_predivide_factor
         self._sr_should_sync = True
-        self._sr_size = _api.size()
+        self._sr_size = _runtime.size()
         trainable = [p for p in params if p.requires_grad]
         self._sr_params = trainable
         self._sr_passes: Dict[int, int] = {id(p): 0 for p in trainable}
@@ -136,12 +136,12 @@ class _DistributedOptimizerMixin:
             for g, offset, there in zip(grads, bucket.offsets(), placed):
                 if not there:
                     flat[offset:offset + g.numel()].copy_(g.reshape(-1))
-        if self._sr_op == _api.Adasum:
-            bucket.handle = _api._allreduce_async(flat, flat, _api.Adasum)
+        if self._sr_op == ops.Adasum:
+            bucket.handle = ops.allreduce_start(flat, flat, ops.Adasum)
             return
         prescale = 1.0 / self._sr_predivide if self._sr_predivide != 1.0 else 1.0
         postscale = self._sr_predivide if self._sr_predivide != 1.0 else 1.0
-        bucket.handle = _api._allreduce_async(flat, flat, self._sr_op, self._sr_compression,
+        bucket.handle = ops.allreduce_start(flat, flat, self._sr_op, self._sr_compression,
                                               prescale, postscale)
 
     def synchronize(self) -> None:
@@ -201,7 +201,7 @@ class _DistributedOptimizerMixin:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
-                         op: str = _api.Average, gradient_predivide_factor: float = 1.0,
+                         op: str = ops.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Optional[Sequence] = None,
                          sparse_as_dense: bool = False,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> torch.optim.Optimizer:

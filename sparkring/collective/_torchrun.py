@@ -30,9 +30,9 @@ def install() -> None:
 
     @functools.wraps(original)
     def init_process_group(*args, **kwargs):
-        from . import _api
+        from . import _runtime
 
-        owner = _api._state.backend
+        owner = _runtime.state.backend
         if not (dist.is_initialized() and owner is not None and getattr(owner, "_owns_group", False)):
             return original(*args, **kwargs)
         asked = signature.bind_partial(*args, **kwargs).arguments

@@ -9,17 +9,17 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _api
+from . import _runtime, ops
 
 
 class _AllreduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor):
-        return _api.allreduce(tensor, op=_api.Sum)
+        return ops.allreduce(tensor, op=ops.Sum)
 
     @staticmethod
     def backward(ctx, grad):
-        return _api.allreduce(grad.contiguous(), op=_api.Sum)
+        return ops.allreduce(grad.contiguous(), op=ops.Sum)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -35,7 +35,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not self.training or not _api.is_initialized() or _api.size() == 1:
+        if not self.training or not _runtime.is_initialized() or _runtime.size() == 1:
             return super().forward(input)
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))

@@ -8,12 +8,13 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from ..collective._runtime import BACKENDS as TRANSPORTS
 from .errors import ConfigurationError
 from .session import SessionFacts, session_facts
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
+BACKENDS = ("auto",) + tuple(TRANSPORTS)
 
 
 @dataclass(frozen=True)

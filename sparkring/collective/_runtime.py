@@ -1,0 +1,264 @@
+"""The ring's lifecycle and topology inside one rank: init (the backend chosen through one
+registry), shutdown, rank/size and host layout, and what this build offers."""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from typing import TYPE_CHECKING, Callable, Dict, Optional
+
+import torch
+
+from . import _env
+from ._backend import Backend
+
+if TYPE_CHECKING:
+    from ._join import Recipe
+
+
+class NotInitializedError(RuntimeError):
+    """A collective was called before ``init()`` (or after ``shutdown()``)."""
+
+
+class _State:
+    backend: Optional[Backend] = None
+    local_rank = 0
+    local_size = 1
+    cross_rank = 0
+    cross_size = 1
+    joiner = None  # _join.Joiner when the ring has more than one rank
+    lock = threading.Lock()
+
+
+state = _State()
+
+
+def _torch_distributed(name: str, rank: int, size: int, master_addr: Optional[str], master_port: Optional[str],
+                       timeout: float, start_timeout: float) -> Backend:
+    from ._torch_backend import TorchBackend
+
+    return TorchBackend(name, rank, size, master_addr, master_port, timeout, start_timeout)
+
+
+def _mpi(name: str, rank: int, size: int, master_addr: Optional[str], master_port: Optional[str],
+         timeout: float, start_timeout: float) -> Backend:
+    from ._mpi_backend import MPIBackend  # mpi4py loads only when asked for
+
+    return MPIBackend(rank, size, master_addr, master_port, start_timeout)
+
+
+# The one list of transports: name -> factory(name, rank, size, master_addr, master_port,
+# timeout, start_timeout). The runner's backend choices and init() both read it.
+BACKENDS: Dict[str, Callable[..., Backend]] = {"gloo": _torch_distributed, "nccl": _torch_distributed, "mpi": _mpi}
+
+
+def init(backend: Optional[str] = None) -> None:
+    """Join the ring described by the runner's environment; idempotent.
+
+    Without a runner (plain ``python train.py``) this forms a ring of one rank, so
+    the same script runs alone.
+
+    >>> import sparkring.collective as sr
+    >>> sr.init(); sr.rank(), sr.size()
+    (0, 1)
+    """
+    with state.lock:
+        if state.backend is not None:
+            return
+        env = os.environ
+        rank = int(env.get(_env.RANK, "0"))
+        size = int(env.get(_env.SIZE, "1"))
+        name = (backend or env.get(_env.BACKEND) or "auto").lower()
+        if name == "auto":
+            name = "nccl" if torch.cuda.is_available() and env.get("CUDA_VISIBLE_DEVICES") else "gloo"
+        timeout = float(env.get(_env.TIMEOUT, "1800"))
+        start_timeout = float(env.get(_env.START_TIMEOUT, timeout))  # rendezvous
+        factory = BACKENDS.get(name)
+        if factory is None:
+            raise ValueError(f"backend={name!r} is not known; use one of {', '.join(sorted(BACKENDS))} or 'auto'")
+        state.backend = factory(name, rank, size, env.get(_env.MASTER_ADDR), env.get(_env.MASTER_PORT),
+                                timeout, start_timeout)
+        state.local_rank = int(env.get(_env.LOCAL_RANK, str(state.backend.rank)))
+        state.local_size = int(env.get(_env.LOCAL_SIZE, str(state.backend.size)))
+        state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
+        state.cross_size = int(env.get(_env.CROSS_SIZE, "1"))
+        from ._checks import forget_names
+
+        forget_names()
+        stores = state.backend.join_stores()
+        if stores is not None:
+            from ._join import Joiner, replay
+
+            state.joiner = Joiner(state.backend.rank, state.backend.size, stores[0], stores[1], replay)
+
+
+def shutdown() -> None:
+    """Leave the ring; a later ``init()`` joins again.
+
+    >>> sr.shutdown(); sr.is_initialized()  # doctest: +SKIP
+    False
+    """
+    with state.lock:
+        if state.joiner is not None:
+            state.joiner.close()
+            state.joiner = None
+        if state.backend is not None:
+            state.backend.shutdown()
+            state.backend = None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``.
+
+    >>> sr.is_initialized()  # doctest: +SKIP
+    True
+    """
+    return state.backend is not None
+
+
+def _in_a_run() -> bool:
+    return _env.RANK in os.environ
+
+
+def current() -> Backend:
+    """The backend; inside a sparkring run the first call joins the ring (lazy init, so code
+    that sets up torch.distributed itself, the torchrun way, runs first and is reused)."""
+    if state.backend is None and _in_a_run():
+        init()
+    if state.backend is None:
+        raise NotInitializedError(
+            "sparkring.collective is not initialized: call sparkring.collective.init() first "
+            "(inside sparkring.run() the first collective call does it)")
+    return state.backend
+
+
+def enter(recipe: "Recipe") -> int:
+    """Number this collective (and keep how to replay it) for ranks that join()."""
+    joiner = state.joiner
+    return joiner.enter(recipe) if joiner is not None else -1
+
+
+def completed(seq: int) -> None:
+    joiner = state.joiner
+    if joiner is not None and seq >= 0:
+        joiner.completed(seq)
+
+
+def rank() -> int:
+    """This process's rank, 0..size()-1.
+
+    >>> sr.rank()  # doctest: +SKIP
+    0
+    """
+    return current().rank
+
+
+def size() -> int:
+    """Number of ranks in the ring.
+
+    >>> sr.size()  # doctest: +SKIP
+    2
+    """
+    return current().size
+
+
+def local_rank() -> int:
+    """Rank among the ranks on this host (use it to pick a GPU).
+
+    >>> sr.local_rank()  # doctest: +SKIP
+    0
+    """
+    current()
+    return state.local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host.
+
+    >>> sr.local_size()  # doctest: +SKIP
+    2
+    """
+    current()
+    return state.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts of the ring.
+
+    >>> sr.cross_rank()  # doctest: +SKIP
+    0
+    """
+    current()
+    return state.cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts in the ring.
+
+    >>> sr.cross_size()  # doctest: +SKIP
+    1
+    """
+    current()
+    return state.cross_size
+
+
+def backend() -> str:
+    """Name of the transport in use: "gloo", "nccl" or "mpi".
+
+    >>> sr.backend()  # doctest: +SKIP
+    'gloo'
+    """
+    return current().name
+
+
+# -- what is built (Horovod's introspection calls) ------------------------------------
+
+def gloo_built() -> bool:
+    """True: gloo (CPU) collectives are available.
+
+    >>> sr.gloo_built()
+    True
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_gloo_available()
+
+
+def nccl_built() -> bool:
+    """True when this torch build has NCCL (GPU) collectives.
+
+    >>> sr.nccl_built()  # doctest: +SKIP
+    False
+    """
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def mpi_built() -> bool:
+    """True when mpi4py (and so the ``backend="mpi"`` transport) is installed.
+
+    >>> sr.mpi_built()  # doctest: +SKIP
+    True
+    """
+    import importlib.util
+
+    return importlib.util.find_spec("mpi4py") is not None
+
+
+def mpi_threads_supported() -> bool:
+    """True when this ring runs on MPI and the MPI library takes calls from several
+    threads at once (MPI_THREAD_MULTIPLE); False on gloo/nccl (MPI is never initialized
+    just to answer).
+
+    >>> sr.mpi_threads_supported()  # doctest: +SKIP
+    True
+    """
+    if state.backend is None or state.backend.name != "mpi":
+        return False
+    from ._mpi_backend import threads_supported
+
+    return threads_supported()

@@ -1,0 +1,97 @@
+"""Horovod's helpers on top of the tensor collectives: objects (pickled), a model's parameters
+and an optimizer's state, from one root to every rank."""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
+
+import torch
+
+from . import _runtime, ops
+from ._join import Recipe
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
+    """Return root's (picklable) object on every rank.
+
+    >>> sr.broadcast_object({"epoch": 3}, root_rank=0)  # doctest: +SKIP
+    {'epoch': 3}
+    """
+    b = _runtime.current()
+    _runtime.enter(Recipe("broadcast_object", root=root_rank))
+    return b.broadcast_object(obj, root_rank)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
+    """Return the list of every rank's (picklable) object, by rank.
+
+    >>> sr.allgather_object(sr.rank())  # doctest: +SKIP
+    [0, 1]
+    """
+    b = _runtime.current()
+    seq = _runtime.enter(Recipe("allgather_object"))
+    out = b.allgather_object(obj)
+    _runtime.completed(seq)
+    return out
+
+
+def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
+                         root_rank: int = 0) -> None:
+    """Copy root's parameters/buffers into every rank's, in place.
+
+    Accepts ``model.state_dict()`` or ``model.named_parameters()``.
+
+    >>> sr.broadcast_parameters(model.state_dict(), root_rank=0)  # doctest: +SKIP
+    """
+    items = sorted(params.items()) if isinstance(params, Mapping) else sorted(params, key=lambda kv: kv[0])
+    handles = []
+    for _, p in items:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError("broadcast_parameters expects tensors; got " + type(p).__name__)
+        target = p.data if isinstance(p, torch.nn.Parameter) else p
+        handles.append(ops.broadcast_async_(target, root_rank))
+    for h in handles:
+        h.wait()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Make every rank's optimizer state (tensors, step counters, lr and other
+    hyperparameters) equal to root's.
+
+    >>> sr.broadcast_optimizer_state(opt, root_rank=0)  # doctest: +SKIP
+    """
+    state = optimizer.state_dict()
+    # Tensors travel as tensors (cheap for big moments); everything else as one object.
+    tensors: List[Tuple[Tuple, torch.Tensor]] = []
+    skeleton: Dict[str, Any] = {"param_groups": state["param_groups"], "state": {}}
+    for pid, pstate in state["state"].items():
+        entry = {}
+        for key, value in pstate.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append(((pid, key), value))
+                entry[key] = ("__tensor__", tuple(value.shape), str(value.dtype))
+            else:
+                entry[key] = value
+        skeleton["state"][pid] = entry
+    root_skeleton = broadcast_object(skeleton, root_rank)
+    root_keys = [(pid, key) for pid, e in root_skeleton["state"].items() for key, v in e.items()
+                 if isinstance(v, tuple) and v and v[0] == "__tensor__"]
+    local = dict(tensors)
+    new_state: Dict[Any, Dict[str, Any]] = {}
+    handles = []
+    for pid, entry in root_skeleton["state"].items():
+        new_state[pid] = {}
+        for key, value in entry.items():
+            if (pid, key) in root_keys:
+                _, shape, dtype = value
+                buf = local.get((pid, key))
+                if buf is None or tuple(buf.shape) != shape or str(buf.dtype) != dtype:
+                    buf = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
+                else:
+                    buf = buf.clone()
+                handles.append(ops.broadcast_async_(buf, root_rank))
+                new_state[pid][key] = buf
+            else:
+                new_state[pid][key] = value
+    for h in handles:
+        h.wait()
+    optimizer.load_state_dict({"state": new_state, "param_groups": root_skeleton["param_groups"]})
