@@ -1,10 +1,22 @@
 """Ranks as plain processes on the runner's environment contract, for tests that need
-more ranks than the Spark sessions have slots."""
+more ranks than the Spark sessions have slots (or no Spark at all). A watchdog turns a
+hang into a failure and no rank outlives the call."""
 import importlib
 import multiprocessing
 import os
 import pickle
+import queue as queue_module
 import socket
+import traceback
+
+
+class RankError(AssertionError):
+    """A spawned rank raised: carries the rank and its traceback."""
+
+    def __init__(self, rank, tb):
+        self.rank = rank
+        self.tb = tb
+        super().__init__(f"rank {rank} raised:\n{tb}")
 
 
 def _rank_entry(rank, size, port, module, fn_name, kwargs, queue):
@@ -18,13 +30,16 @@ def _rank_entry(rank, size, port, module, fn_name, kwargs, queue):
     try:
         # plain pickle bytes: tensors through a multiprocessing queue would travel as shared
         # memory that vanishes when this process exits before the parent reads it
-        queue.put((rank, pickle.dumps(fn(**kwargs))))
+        queue.put((rank, "ok", pickle.dumps(fn(**kwargs))))
+    except BaseException:  # noqa: BLE001 - the test wants to see it
+        queue.put((rank, "error", traceback.format_exc()))
     finally:
         sr.shutdown()
 
 
-def spawn_ranks(module, fn_name, size, **kwargs):
-    """Run ``module.fn_name(**kwargs)`` on ``size`` ranks; results by rank."""
+def spawn_ranks(module, fn_name, size, timeout=120, **kwargs):
+    """Run ``module.fn_name(**kwargs)`` on ``size`` ranks; results by rank. A rank that
+    raises raises RankError here; ranks that do not answer within ``timeout`` fail the call."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -34,8 +49,54 @@ def spawn_ranks(module, fn_name, size, **kwargs):
              for r in range(size)]
     for p in procs:
         p.start()
-    results = {rank: pickle.loads(data) for rank, data in (queue.get(timeout=120) for _ in range(size))}
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results, errors = {}, {}
+    try:
+        for _ in range(size):
+            try:
+                rank, kind, data = queue.get(timeout=timeout)
+            except queue_module.Empty:
+                missing = sorted(set(range(size)) - set(results) - set(errors))
+                raise AssertionError(f"ranks {missing} did not answer within {timeout}s (hang?)") from None
+            if kind == "ok":
+                results[rank] = pickle.loads(data)
+            else:
+                errors[rank] = data
+    finally:
+        for p in procs:
+            p.join(10 if not errors else 2)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors:
+        first = min(errors)
+        raise RankError(first, errors[first])
     return [results[r] for r in range(size)]
+
+
+def spawn_errors(module, fn_name, size, timeout=30, **kwargs):
+    """Like spawn_ranks, but every rank is expected to raise: their tracebacks by rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(size):
+            try:
+                rank, kind, data = queue.get(timeout=timeout)
+            except queue_module.Empty:
+                missing = sorted(set(range(size)) - set(out))
+                raise AssertionError(f"ranks {missing} neither raised nor returned within {timeout}s") from None
+            out[rank] = (kind, data if kind == "error" else pickle.loads(data))
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [out[r] for r in range(size)]

@@ -74,10 +74,18 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None: ...
 
+    def rendezvous(self) -> Optional[Any]:
+        """The key-value store every rank of this ring reaches (None for a ring of one)."""
+        return None
+
     def join_stores(self) -> Optional[Tuple[Any, Any]]:
         """Two connections to a key-value store every rank reaches (the second one for a
         thread that blocks on it), or None when ``join()`` has nothing to coordinate."""
         return None
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a tensor of ``dtype`` travels in (a wider one where the transport lacks it)."""
+        return dtype
 
     @property
     def device(self) -> Optional[torch.device]:

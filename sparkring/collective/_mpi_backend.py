@@ -209,6 +209,9 @@ class MPIBackend(Backend):
     def barrier(self):
         self._comm.Barrier()
 
+    def rendezvous(self):
+        return self._store if self.size > 1 else None
+
     def join_stores(self):
         if self._master is None:
             return None

@@ -22,6 +22,8 @@ class NotInitializedError(RuntimeError):
 
 class _State:
     backend: Optional[Backend] = None
+    generation = 0                    # how many rings this process has left
+    next_port: Optional[str] = None   # where the next ring meets (agreed when the last one ended)
     local_rank = 0
     local_size = 1
     cross_rank = 0
@@ -76,8 +78,8 @@ def init(backend: Optional[str] = None) -> None:
         factory = BACKENDS.get(name)
         if factory is None:
             raise ValueError(f"backend={name!r} is not known; use one of {', '.join(sorted(BACKENDS))} or 'auto'")
-        state.backend = factory(name, rank, size, env.get(_env.MASTER_ADDR), env.get(_env.MASTER_PORT),
-                                timeout, start_timeout)
+        port = state.next_port or env.get(_env.MASTER_PORT)
+        state.backend = factory(name, rank, size, env.get(_env.MASTER_ADDR), port, timeout, start_timeout)
         state.local_rank = int(env.get(_env.LOCAL_RANK, str(state.backend.rank)))
         state.local_size = int(env.get(_env.LOCAL_SIZE, str(state.backend.size)))
         state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
@@ -93,21 +95,64 @@ def init(backend: Optional[str] = None) -> None:
 
 
 def shutdown() -> None:
-    """Leave the ring; a later ``init()`` joins again.
+    """Leave the ring; a later ``init()`` (on every rank) forms a new one, even while the
+    caller still holds tensors, handles or optimizers from this one.
 
     >>> sr.shutdown(); sr.is_initialized()  # doctest: +SKIP
     False
     """
+    _leave(hand_over=True)
+
+
+def _leave(hand_over: bool) -> None:
     with state.lock:
         if state.joiner is not None:
             state.joiner.close()
             state.joiner = None
         if state.backend is not None:
+            if hand_over:
+                _agree_next_port(state.backend)
             state.backend.shutdown()
             state.backend = None
 
 
-atexit.register(shutdown)
+def _agree_next_port(backend: Backend) -> None:
+    """Before the store goes away, rank 0 names a fresh port for the next ring and waits
+    until every rank has read it: a rank that re-inits quickly must never meet the old
+    store, nor rank 0 bind a port its old store still holds."""
+    import datetime
+    import socket
+    import time
+
+    store = backend.rendezvous()
+    addr = os.environ.get(_env.MASTER_ADDR)
+    if store is None or not addr:
+        return
+    prefix = f"sparkring/ring{state.generation}/"
+    try:
+        store.set_timeout(datetime.timedelta(seconds=10))
+        if backend.rank == 0:
+            with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+                s.bind((addr, 0))
+                store.set(prefix + "next_port", str(s.getsockname()[1]))
+        port = store.get(prefix + "next_port").decode()
+        read = store.add(prefix + "read", 1)
+        deadline = time.monotonic() + 10
+        while backend.rank == 0 and read < backend.size and time.monotonic() < deadline:
+            time.sleep(0.002)
+            read = store.add(prefix + "read", 0)
+        state.next_port = port
+        state.generation += 1
+    except Exception:  # noqa: BLE001 - a peer already gone: the process is ending, no next ring
+        state.next_port = None
+
+
+def close() -> None:
+    """Leave the ring for good (the process is ending): no hand-over to a next ring."""
+    _leave(hand_over=False)
+
+
+atexit.register(close)
 
 
 def is_initialized() -> bool:

@@ -78,10 +78,16 @@ class TorchBackend(Backend):
         # group keeps them on CPU and lets barrier() work without a device.
         self._cpu_group = dist.new_group(backend="gloo") if name == "nccl" else None
 
+    def rendezvous(self):
+        return self._store if self.size > 1 else None
+
     def join_stores(self):
         if self.size == 1 or self._master is None:
             return None
         return self._store, client_store(self._master[0], self._master[1], self._start_timeout)
+
+    def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.int32 if dtype == torch.int16 and self.name == "gloo" else dtype
 
     @property
     def device(self) -> Optional[torch.device]:

@@ -23,10 +23,24 @@ REDUCE_OPS = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "prod
 
 
 def to_wire(tensor: torch.Tensor) -> torch.Tensor:
-    dev = _runtime.current().device
-    if dev is not None and tensor.device != dev:
-        return tensor.to(dev)
+    """The tensor as the backend carries it: on its device, in a dtype it supports (gloo has
+    no int16: it travels as int32 and comes back narrowed)."""
+    b = _runtime.current()
+    dev = b.device
+    dtype = b.wire_dtype(tensor.dtype)
+    if (dev is not None and tensor.device != dev) or dtype != tensor.dtype:
+        return tensor.to(device=dev if dev is not None else tensor.device, dtype=dtype)
     return tensor
+
+
+def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor`` in Horovod's way: integer tensors stay integer, truncated toward
+    zero (its C++ core multiplies by a double and casts back)."""
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+        return tensor * factor
+    if tensor.dtype == torch.bool:
+        return tensor if factor else torch.zeros_like(tensor)
+    return (tensor.double() * factor).trunc().to(tensor.dtype)
 
 
 def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
@@ -66,7 +80,7 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         return DoneHandle(result)
     work = tensor
     if prescale_factor != 1.0:
-        work = work * prescale_factor
+        work = scale(work, prescale_factor)
     compressed, ctx = compression.compress(work)
     wire = to_wire(compressed)
     if not wire.is_contiguous():
@@ -86,16 +100,18 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
 
     def finish(reduced: torch.Tensor) -> torch.Tensor:
         _runtime.completed(seq)
+        if reduced.dtype != compressed.dtype:  # widened for the wire
+            reduced = reduced.to(compressed.dtype)
         result = compression.decompress(reduced, ctx)
         if result.device != tensor.device:
             result = result.to(tensor.device)
-        if op == Average:
-            if is_float:
+        if op == Average and not is_float:  # one truncating scale by postscale/size, as Horovod
+            result = scale(result, postscale_factor / size_)
+        else:
+            if op == Average:
                 result = result / size_ if result is not reduced else result.div_(size_)
-            else:
-                result = torch.div(result, size_, rounding_mode="floor")
-        if postscale_factor != 1.0:
-            result = result * postscale_factor
+            if postscale_factor != 1.0:
+                result = scale(result, postscale_factor)
         if out is not None:
             if result is not out:
                 out.copy_(result)
@@ -239,13 +255,13 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
                 f"{tuple(t.shape)}; all dimensions but the first must match")
     biggest = max(firsts)
     if biggest != t.shape[0]:
-        pad = torch.zeros((biggest - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype,
+        pad = torch.zeros((biggest - t.shape[0],) + tuple(t.shape[1:]), dtype=wire.dtype,
                           device=wire.device)
         wire = torch.cat([wire, pad])
     parts = b.allgather_same_shape(wire)
     _runtime.completed(seq)
     out = torch.cat([p[:n] for p, n in zip(parts, firsts)])
-    return out.to(tensor.device)
+    return out.to(device=tensor.device, dtype=tensor.dtype)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
@@ -351,7 +367,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tenso
     outputs = [torch.empty((c,) + tail, dtype=tensor.dtype, device=wire.device) for c in recv_counts]
     b.alltoall(outputs, inputs)
     _runtime.completed(seq)
-    return torch.cat(outputs).to(tensor.device)
+    return torch.cat(outputs).to(device=tensor.device, dtype=tensor.dtype)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,

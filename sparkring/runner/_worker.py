@@ -104,7 +104,9 @@ def main(workdir: str) -> None:
         with open(tmp, "wb") as f:
             cloudpickle.dump(result, f)
         os.replace(tmp, os.path.join(workdir, "result.pkl"))
-        sr.shutdown()
+        from ..collective import _runtime
+
+        _runtime.close()
         _release_users_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the driver
         exit_code = getattr(exc, "exit_code", None)
