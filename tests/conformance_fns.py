@@ -70,3 +70,64 @@ def integer_average_and_scaling():
             "pre": hvd.allreduce(t, op=hvd.Sum, prescale_factor=0.5),
             "post": hvd.allreduce(t, op=hvd.Sum, postscale_factor=0.5),
             "int16": hvd.allreduce(t.to(torch.int16), op=hvd.Sum)}
+
+
+def gradients_through_collectives():
+    """Each differentiable collective's gradient, from a loss that weights ranks differently."""
+    r, n = hvd.rank(), hvd.size()
+    w = float(r + 1)
+    out = {}
+
+    x = torch.arange(4, dtype=torch.float64).requires_grad_()
+    (hvd.allreduce(x, op=hvd.Sum) * w).sum().backward()
+    out["allreduce_sum"] = x.grad.clone()
+
+    x = torch.arange(4, dtype=torch.float64).requires_grad_()
+    (hvd.allreduce(x, op=hvd.Average) * w).sum().backward()
+    out["allreduce_avg"] = x.grad.clone()
+
+    xs = [torch.ones(2, dtype=torch.float64).requires_grad_(), torch.ones(3, dtype=torch.float64).requires_grad_()]
+    a, b = hvd.grouped_allreduce(xs, op=hvd.Sum)
+    (a.sum() * w + b.sum() * 2 * w).backward()
+    out["grouped"] = [t.grad.clone() for t in xs]
+    (a.sum() * w).backward() if a.requires_grad and a.grad_fn is not None else None  # a second backward
+
+    x = torch.ones(r + 1, 2, dtype=torch.float64).requires_grad_()   # rows differ by rank
+    g = hvd.allgather(x)
+    (g * torch.arange(g.shape[0], dtype=torch.float64).unsqueeze(1) * w).sum().backward()
+    out["allgather"] = x.grad.clone()
+
+    x = (torch.ones(3, dtype=torch.float64) * (r + 1)).requires_grad_()
+    (hvd.broadcast(x, root_rank=1) * w).sum().backward()
+    out["broadcast"] = x.grad.clone()
+
+    x = torch.arange(2 * n, dtype=torch.float64).requires_grad_()
+    y = hvd.alltoall(x)
+    (y * torch.arange(y.shape[0], dtype=torch.float64) * w).sum().backward()
+    out["alltoall"] = x.grad.clone()
+
+    x = torch.ones(2 * n, dtype=torch.float64).requires_grad_()
+    (hvd.reducescatter(x, op=hvd.Sum) * w).sum().backward()
+    out["reducescatter"] = x.grad.clone()
+    return out
+
+
+def missing_functions_tour():
+    r, n = hvd.rank(), hvd.size()
+    out = {}
+    out["allgather_async"] = hvd.synchronize(hvd.allgather_async(torch.tensor([r] * (r + 1))))
+    out["grouped_allgather"] = hvd.grouped_allgather([torch.tensor([r]), torch.full((2, 2), r)])
+    out["grouped_allgather_async"] = hvd.synchronize(hvd.grouped_allgather_async([torch.tensor([r])]))
+    out["reducescatter_async"] = hvd.synchronize(hvd.reducescatter_async(torch.ones(n * 2) * (r + 1), op=hvd.Sum))
+    out["reducescatter_scaled"] = hvd.reducescatter(torch.ones(n * 2) * (r + 1), op=hvd.Sum, prescale_factor=2.0,
+                                                    postscale_factor=0.5)
+    out["grouped_reducescatter"] = hvd.grouped_reducescatter([torch.ones(n), torch.ones(n, 2)], op=hvd.Sum)
+    out["grouped_reducescatter_async"] = hvd.synchronize(
+        hvd.grouped_reducescatter_async([torch.ones(n) * r], op=hvd.Average))
+    output, received = hvd.synchronize(hvd.alltoall_async(torch.arange(n) + 10 * r, splits=[1] * n))
+    out["alltoall_async"] = (output, received)
+    sparse = torch.sparse_coo_tensor(torch.tensor([[r, 5]]), torch.tensor([1.0, 2.0]), (8,))
+    out["sparse"] = hvd.synchronize(hvd.sparse_allreduce_async(sparse, "emb", hvd.Sum)).to_dense()
+    out["sparse_avg"] = hvd.synchronize(hvd.sparse_allreduce_async(sparse, "emb2", hvd.Average)).to_dense()
+    out["flags"] = (hvd.gloo_enabled(), hvd.mpi_enabled(), hvd.nccl_enabled(), hvd.ccl_built(), hvd.ddl_built())
+    return out

@@ -90,7 +90,9 @@ def horovod_surface():
     out["poll_then_sync"] = hvd.synchronize(h).tolist()
     out["grouped"] = [x.tolist() for x in hvd.grouped_allreduce([t, torch.ones(3) * r], op=hvd.Sum)]
     out["alltoall"] = hvd.alltoall(torch.arange(4) + 10 * r).tolist()
-    out["alltoall_splits"] = hvd.alltoall(torch.arange(3) + 10 * r, splits=[1, 2] if r == 0 else [2, 1]).tolist()
+    output, received = hvd.alltoall(torch.arange(3) + 10 * r, splits=[1, 2] if r == 0 else [2, 1])
+    out["alltoall_splits"] = output.tolist()
+    out["alltoall_received"] = received.tolist()
     out["reducescatter"] = hvd.reducescatter(torch.ones(5, 2) * (r + 1), op=hvd.Sum).tolist()
     b = torch.tensor([r + 5])
     hvd.broadcast_(b, root_rank=1)

@@ -36,3 +36,51 @@ def test_integer_average_truncates_toward_zero_and_scaling_keeps_the_dtype():
         assert r["pre"].tolist() == [-4, 4, 10, -10]      # trunc(-1.5) + trunc(-3.0) = -1 - 3
         assert r["post"].tolist() == [-4, 4, 10, -10]
         assert r["int16"].dtype == torch.int16 and r["int16"].tolist() == [-9, 9, 21, -21]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_gradients_flow_through_collectives_as_in_horovod(size):
+    results = _ranks("gradients_through_collectives", size)
+    f64 = torch.float64
+    weights = [float(r + 1) for r in range(size)]
+    total_w = sum(weights)
+    for rank, g in enumerate(results):
+        w = weights[rank]
+        # allreduce: the gradient is the allreduce (same op) of the upstream gradients
+        torch.testing.assert_close(g["allreduce_sum"], torch.full((4,), total_w, dtype=f64))
+        torch.testing.assert_close(g["allreduce_avg"], torch.full((4,), total_w / size, dtype=f64))
+        torch.testing.assert_close(g["grouped"][0], torch.full((2,), total_w, dtype=f64))
+        torch.testing.assert_close(g["grouped"][1], torch.full((3,), 2 * total_w, dtype=f64))
+        # allgather: my rows of the averaged upstream gradient (row index x the rank's weight)
+        offset = sum(r + 1 for r in range(rank))
+        rows = torch.arange(offset, offset + rank + 1, dtype=f64).unsqueeze(1).expand(rank + 1, 2)
+        torch.testing.assert_close(g["allgather"], rows * total_w / size)
+        # broadcast: the averaged gradient on the root (rank 1), zero elsewhere
+        expected = torch.full((3,), total_w / size, dtype=f64) if rank == 1 else torch.zeros(3, dtype=f64)
+        torch.testing.assert_close(g["broadcast"], expected)
+        # alltoall: element j of my input went to rank j // 2 at position 2 * rank + j % 2
+        expected = torch.tensor([(2 * rank + j % 2) * weights[j // 2] for j in range(2 * size)], dtype=f64)
+        torch.testing.assert_close(g["alltoall"], expected)
+        # reducescatter (Sum): Horovod multiplies the gradient by the ring size, then allgathers
+        expected = torch.tensor([weights[j // 2] * size for j in range(2 * size)], dtype=f64)
+        torch.testing.assert_close(g["reducescatter"], expected)
+
+
+def test_horovods_async_grouped_and_sparse_functions_exist_and_compute_the_right_thing():
+    r0, r1 = _ranks("missing_functions_tour")
+    for r, out in enumerate((r0, r1)):
+        assert out["allgather_async"].tolist() == [0, 1, 1]
+        assert [t.tolist() for t in out["grouped_allgather"]] == [[0, 1], [[0, 0], [0, 0], [1, 1], [1, 1]]]
+        assert out["grouped_allgather_async"][0].tolist() == [0, 1]
+        assert out["reducescatter_async"].tolist() == [3.0, 3.0]
+        assert out["reducescatter_scaled"].tolist() == [3.0, 3.0]
+        assert out["grouped_reducescatter"][0].tolist() == [2.0]
+        assert out["grouped_reducescatter"][1].tolist() == [[2.0, 2.0]]
+        assert out["grouped_reducescatter_async"][0].tolist() == [0.5]
+        output, received = out["alltoall_async"]
+        assert output.tolist() == [r, 10 + r] and received.tolist() == [1, 1]
+        dense = torch.zeros(8)
+        dense[0] += 1; dense[1] += 1; dense[5] += 4  # noqa: E702
+        torch.testing.assert_close(out["sparse"], dense)
+        torch.testing.assert_close(out["sparse_avg"], dense / 2)
+        assert out["flags"] == (True, False, False, False, False)

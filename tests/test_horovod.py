@@ -45,6 +45,7 @@ def test_horovod_collectives_keep_horovods_semantics_and_keywords(spark):
         assert r["broadcast_"] == [6] and r["bcast_async"] == [0]
     assert (r0["alltoall"], r1["alltoall"]) == ([0, 1, 10, 11], [2, 3, 12, 13])
     assert (r0["alltoall_splits"], r1["alltoall_splits"]) == ([0, 10, 11], [1, 2, 12])
+    assert (r0["alltoall_received"], r1["alltoall_received"]) == ([1, 2], [2, 1])
     assert (r0["reducescatter"], r1["reducescatter"]) == ([[3.0, 3.0]] * 3, [[3.0, 3.0]] * 2)
     assert re.search(r"tensor 'mismatch' is shape \(3,\) torch.float32 on rank 1 but shape \(2,\)", r0["mismatch"])
 

@@ -5,15 +5,17 @@
 >>> sr.allreduce(torch.ones(2), op=sr.Sum)  # doctest: +SKIP
 """
 from ._checks import check_same_shapes
-from ._runtime import (NotInitializedError, backend, cross_rank, cross_size, gloo_built, init, is_initialized,
-                       local_rank, local_size, mpi_built, mpi_threads_supported, nccl_built, rank, shutdown,
-                       size)
+from ._runtime import (HorovodInternalError, NotInitializedError, backend, ccl_built, cross_rank, cross_size,
+                       cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
+                       local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, nccl_enabled,
+                       rank, rocm_built, shutdown, size)
 from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                         broadcast_parameters)
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allreduce, allreduce_,
-                  allreduce_async, allreduce_async_, alltoall, barrier, broadcast, broadcast_,
-                  broadcast_async, broadcast_async_, grouped_allreduce, grouped_allreduce_, join, poll,
-                  reducescatter, synchronize)
+from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
+                  allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+                  broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                  grouped_allreduce, grouped_allreduce_, grouped_reducescatter, grouped_reducescatter_async,
+                  join, poll, reducescatter, reducescatter_async, sparse_allreduce_async, synchronize)
 from ._optimizer import DistributedOptimizer
 from .compression import Compression
 from .sync_batch_norm import SyncBatchNorm
@@ -21,10 +23,13 @@ from .sync_batch_norm import SyncBatchNorm
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "backend", "allreduce", "allreduce_", "allreduce_async",
-    "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "poll", "synchronize",
-    "allgather", "allgather_object", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_async_", "broadcast_object", "join", "alltoall", "reducescatter", "barrier",
-    "broadcast_parameters", "broadcast_optimizer_state", "DistributedOptimizer",
-    "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum", "NotInitializedError",
-    "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built", "mpi_threads_supported", "check_same_shapes",
+    "allreduce_async_", "grouped_allreduce", "grouped_allreduce_", "sparse_allreduce_async", "poll",
+    "synchronize", "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+    "allgather_object", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "join", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "barrier", "broadcast_parameters", "broadcast_optimizer_state",
+    "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "NotInitializedError", "HorovodInternalError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
+    "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
+    "mpi_threads_supported", "check_same_shapes",
 ]

@@ -20,6 +20,11 @@ class NotInitializedError(RuntimeError):
     """A collective was called before ``init()`` (or after ``shutdown()``)."""
 
 
+class HorovodInternalError(RuntimeError):
+    """A collective failed inside the transport (a peer went away, the ring broke); as in
+    Horovod, elastic code catches it to restart from a checkpoint."""
+
+
 class _State:
     backend: Optional[Backend] = None
     generation = 0                    # how many rings this process has left
@@ -307,3 +312,66 @@ def mpi_threads_supported() -> bool:
     from ._mpi_backend import threads_supported
 
     return threads_supported()
+
+
+def ccl_built() -> bool:
+    """False: sparkring has no oneCCL transport.
+
+    >>> sr.ccl_built()
+    False
+    """
+    return False
+
+
+def ddl_built() -> bool:
+    """False: sparkring has no IBM DDL transport.
+
+    >>> sr.ddl_built()
+    False
+    """
+    return False
+
+
+def cuda_built() -> bool:
+    """True when this torch build has CUDA.
+
+    >>> sr.cuda_built()  # doctest: +SKIP
+    False
+    """
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """True when this torch build has ROCm.
+
+    >>> sr.rocm_built()  # doctest: +SKIP
+    False
+    """
+    return getattr(torch.version, "hip", None) is not None
+
+
+def mpi_enabled() -> bool:
+    """True when this ring runs on MPI (Horovod: MPI used at run time).
+
+    >>> sr.mpi_enabled()  # doctest: +SKIP
+    False
+    """
+    return state.backend is not None and state.backend.name == "mpi"
+
+
+def gloo_enabled() -> bool:
+    """True when this ring runs on gloo.
+
+    >>> sr.gloo_enabled()  # doctest: +SKIP
+    True
+    """
+    return state.backend is not None and state.backend.name == "gloo"
+
+
+def nccl_enabled() -> bool:
+    """True when this ring runs on NCCL.
+
+    >>> sr.nccl_enabled()  # doctest: +SKIP
+    False
+    """
+    return state.backend is not None and state.backend.name == "nccl"

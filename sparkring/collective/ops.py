@@ -159,8 +159,23 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     tensor([0.5000])
     """
     _checks.check_name(name, tensor, "allreduce")
-    return synchronize(allreduce_start(tensor, None, _resolve_op(average, op), compression,
-                                        prescale_factor, postscale_factor, blocking=True))
+    op = _resolve_op(average, op)
+    if _differentiable(tensor):
+        from ._autograd import Allreduce
+
+        return Allreduce.apply(tensor, op, compression, prescale_factor, postscale_factor)
+    return allreduce_now(tensor, op, compression, prescale_factor, postscale_factor)
+
+
+def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """A blocking out-of-place allreduce, without autograd."""
+    return synchronize(allreduce_start(tensor, None, op, compression, prescale_factor, postscale_factor,
+                                       blocking=True))
+
+
+def _differentiable(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -184,8 +199,19 @@ def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = Non
     >>> a, b = sr.grouped_allreduce([torch.ones(2), torch.zeros(3)])  # doctest: +SKIP
     """
     op = _resolve_op(average, op)
+    if _differentiable(*tensors):
+        from ._autograd import GroupedAllreduce
+
+        return list(GroupedAllreduce.apply(op, compression, prescale_factor, postscale_factor, *tensors))
+    return grouped_allreduce_now(tensors, op, compression, prescale_factor, postscale_factor)
+
+
+def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Compression.none,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Fused allreduce of several tensors (one per dtype and device), without autograd; every
+    result is a tensor of its own (no shared buffer)."""
     if op == Adasum:
-        return [allreduce(t, op=op) for t in tensors]
+        return [allreduce_now(t, op) for t in tensors]
     results: List[Optional[torch.Tensor]] = [None] * len(tensors)
     by_dtype: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
     for i, t in enumerate(tensors):
@@ -194,13 +220,14 @@ def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = Non
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         handles.append((idx, allreduce_start(flat, flat, op, compression, prescale_factor,
-                                              postscale_factor)))
+                                             postscale_factor)))
     for idx, h in handles:
         flat = h.wait()
         offset = 0
         for i in idx:
             n = tensors[i].numel()
-            results[i] = flat[offset:offset + n].view_as(tensors[i])
+            results[i] = flat[offset:offset + n].view_as(tensors[i]).clone() if len(idx) > 1 else \
+                flat.view_as(tensors[i])
             offset += n
     return results  # type: ignore[return-value]
 
@@ -224,12 +251,14 @@ def poll(handle: Handle) -> bool:
     return handle.is_completed()
 
 
-def synchronize(handle: Handle) -> torch.Tensor:
+def synchronize(handle: Handle):
     """Wait for an asynchronous operation and return its output.
 
     >>> sr.synchronize(sr.allreduce_async(torch.ones(1)))  # doctest: +SKIP
     tensor([1.])
     """
+    if callable(handle) and not isinstance(handle, Handle):  # sparse_allreduce_async's, as Horovod's
+        return handle()
     return handle.wait()
 
 
@@ -239,6 +268,40 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     >>> sr.allgather(torch.full((sr.rank() + 1,), sr.rank()))  # 2 ranks  # doctest: +SKIP
     tensor([0, 1, 1])
     """
+    if _differentiable(tensor):
+        from ._autograd import Allgather
+
+        return Allgather.apply(tensor, name)
+    return allgather_now(tensor, name)
+
+
+def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
+    """Start an allgather; ``synchronize(handle)`` returns the result. (The exchange runs when
+    it is issued: gloo and MPI serve one collective at a time per ring.)
+
+    >>> sr.synchronize(sr.allgather_async(torch.ones(2)))  # doctest: +SKIP
+    """
+    return DoneHandle(allgather_now(tensor, name))
+
+
+def grouped_allgather(tensors: List[torch.Tensor], name: Optional[str] = None) -> List[torch.Tensor]:
+    """Allgather each tensor of a list.
+
+    >>> a, b = sr.grouped_allgather([torch.ones(1), torch.zeros(2, 3)])  # doctest: +SKIP
+    """
+    return [allgather(t, name=f"{name}.{i}" if name else None) for i, t in enumerate(tensors)]
+
+
+def grouped_allgather_async(tensors: List[torch.Tensor], name: Optional[str] = None) -> Handle:
+    """Start a grouped allgather; ``synchronize(handle)`` returns the list of results.
+
+    >>> outs = sr.synchronize(sr.grouped_allgather_async([a, b]))  # doctest: +SKIP
+    """
+    return DoneHandle([allgather_now(t, f"{name}.{i}" if name else None) for i, t in enumerate(tensors)])
+
+
+def allgather_now(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+    """Allgather without autograd."""
     b = _runtime.current()
     t = tensor if tensor.dim() > 0 else tensor.reshape(1)
     seq = _runtime.enter(Recipe("allgather", tail=tuple(t.shape[1:]), dtype=str(t.dtype)))
@@ -299,6 +362,10 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) 
     >>> sr.broadcast(torch.tensor([sr.rank()]), root_rank=0)  # doctest: +SKIP
     tensor([0])
     """
+    if _differentiable(tensor):
+        from ._autograd import Broadcast
+
+        return Broadcast.apply(tensor, root_rank, name)
     return synchronize(broadcast_async(tensor, root_rank, name))
 
 
@@ -342,12 +409,36 @@ def join(device: int = -1) -> int:
 
 
 def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
-             name: Optional[str] = None) -> torch.Tensor:
+             name: Optional[str] = None):
     """Scatter slices of ``tensor`` (dim 0, by ``splits``) to every rank and gather what
-    they send back, concatenated by source rank.
+    they send back, concatenated by source rank. As in Horovod: without ``splits`` the
+    output tensor; with ``splits`` the pair ``(output, received_splits)``.
 
     >>> sr.alltoall(torch.arange(4))  # 2 ranks: rank 0 gets [0, 1] + rank 1's [0, 1]  # doctest: +SKIP
+    >>> out, received = sr.alltoall(t, splits=[1, 3])  # doctest: +SKIP
     """
+    if _differentiable(tensor):
+        from ._autograd import Alltoall
+
+        output, received = Alltoall.apply(tensor, splits, name)
+    else:
+        output, received = alltoall_now(tensor, splits, name)
+    return output if splits is None else (output, received)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
+                   name: Optional[str] = None) -> Handle:
+    """Start an alltoall; ``synchronize(handle)`` returns what ``alltoall`` would.
+
+    >>> out, received = sr.synchronize(sr.alltoall_async(t, splits=[1, 3]))  # doctest: +SKIP
+    """
+    output, received = alltoall_now(tensor, splits, name)
+    return DoneHandle(output if splits is None else (output, received))
+
+
+def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
+                 name: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Alltoall without autograd: ``(output, received_splits)``."""
     b = _runtime.current()
     n = tensor.shape[0]
     if splits is None:
@@ -364,22 +455,85 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tenso
     recv_counts = [int(row[b.rank]) for row in b.allgather_same_shape(to_wire(send_counts))]
     inputs = list(torch.split(wire, splits))
     tail = tuple(tensor.shape[1:])
-    outputs = [torch.empty((c,) + tail, dtype=tensor.dtype, device=wire.device) for c in recv_counts]
+    outputs = [torch.empty((c,) + tail, dtype=wire.dtype, device=wire.device) for c in recv_counts]
     b.alltoall(outputs, inputs)
     _runtime.completed(seq)
-    return torch.cat(outputs).to(device=tensor.device, dtype=tensor.dtype)
+    output = torch.cat(outputs).to(device=tensor.device, dtype=tensor.dtype)
+    return output, torch.tensor(recv_counts, dtype=torch.int32)
 
 
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
-                  op: str = Average) -> torch.Tensor:
+                  op: str = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's slice of dim 0 (the first
     ranks get one row more when it does not divide evenly, as in Horovod).
 
     >>> sr.reducescatter(torch.ones(4, 2))  # 2 ranks: a (2, 2) tensor of ones  # doctest: +SKIP
     """
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter: op={op!r} is not supported; use Average or Sum (as Horovod)")
+    compressed, ctx = compression.compress(tensor)
+    if _differentiable(compressed):
+        from ._autograd import Reducescatter
+
+        reduced = Reducescatter.apply(compressed, op, prescale_factor, postscale_factor)
+    else:
+        reduced = reducescatter_now(compressed, op, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+def reducescatter_now(tensor: torch.Tensor, op: str = Average, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reducescatter without autograd or compression."""
     b = _runtime.current()
-    reduced = allreduce(tensor, op=op, compression=compression)
+    reduced = allreduce_now(tensor, op, Compression.none, prescale_factor, postscale_factor)
     n = tensor.shape[0]
     base, extra = divmod(n, b.size)
     start = b.rank * base + min(b.rank, extra)
     return reduced[start:start + base + (1 if b.rank < extra else 0)].clone()
+
+
+def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: str = Average,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a reducescatter; ``synchronize(handle)`` returns this rank's slice.
+
+    >>> part = sr.synchronize(sr.reducescatter_async(torch.ones(4, 2), op=sr.Sum))  # doctest: +SKIP
+    """
+    return DoneHandle(reducescatter_now(tensor, op, prescale_factor, postscale_factor))
+
+
+def grouped_reducescatter(tensors: List[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
+                          op: str = Average, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Reducescatter each tensor of a list.
+
+    >>> a, b = sr.grouped_reducescatter([torch.ones(4), torch.ones(2, 2)])  # doctest: +SKIP
+    """
+    return [reducescatter(t, compression=compression, op=op, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for t in tensors]
+
+
+def grouped_reducescatter_async(tensors: List[torch.Tensor], name: Optional[str] = None, op: str = Average,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start a grouped reducescatter; ``synchronize(handle)`` returns the list of slices.
+
+    >>> parts = sr.synchronize(sr.grouped_reducescatter_async([a, b]))  # doctest: +SKIP
+    """
+    return DoneHandle([reducescatter_now(t, op, prescale_factor, postscale_factor) for t in tensors])
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: str):
+    """Allreduce a sparse (COO) tensor as Horovod does: allgather its indices and values;
+    ``synchronize(handle)`` (or ``handle()``) returns the sparse sum (or average).
+
+    >>> grad = sr.synchronize(sr.sparse_allreduce_async(emb.weight.grad, "emb", sr.Average))  # doctest: +SKIP
+    """
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = allgather_now(t.indices().transpose(0, 1).contiguous(), f"{name}.indices" if name else None)
+    values = allgather_now(t.values(), f"{name}.values" if name else None)
+    size = _runtime.current().size
+
+    def handle() -> torch.Tensor:
+        reduced = values / size if op == Average else values
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), reduced, t.size())
+
+    return handle
