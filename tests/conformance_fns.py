@@ -131,3 +131,26 @@ def missing_functions_tour():
     out["sparse_avg"] = hvd.synchronize(hvd.sparse_allreduce_async(sparse, "emb2", hvd.Average)).to_dense()
     out["flags"] = (hvd.gloo_enabled(), hvd.mpi_enabled(), hvd.nccl_enabled(), hvd.ccl_built(), hvd.ddl_built())
     return out
+
+
+def mismatched(case):
+    """Rank-dependent arguments that Horovod refuses; every rank must raise (never abort or hang)."""
+    r = hvd.rank()
+    if case == "shape":
+        return hvd.allreduce(torch.ones(2 + r))
+    if case == "dtype":
+        return hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64))
+    if case == "op":
+        return hvd.allreduce(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max)
+    if case == "root":
+        return hvd.broadcast(torch.ones(2), root_rank=r)
+    if case == "name":
+        return hvd.allreduce(torch.ones(2), name=f"grad.{r}")
+    if case == "allgather_tail":
+        return hvd.allgather(torch.ones(1, 2 + r))
+    if case == "kind":
+        return hvd.allreduce(torch.ones(2)) if r == 0 else hvd.allgather(torch.ones(2))
+    if case == "in_flight_name":
+        hvd.allreduce_async(torch.ones(1), name="x")
+        return hvd.allreduce_async(torch.ones(1), name="x")
+    raise ValueError(case)

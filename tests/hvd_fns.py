@@ -142,13 +142,23 @@ def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
     if r == 0:  # round 2: rank 0 has nothing more to do
         out["last2"] = hvd.join()
         return out
-    out["gathered"] = hvd.allgather(torch.full((r, 2), r)).tolist()
-    out["bcast"] = hvd.broadcast(torch.tensor([r * 10]), root_rank=n - 1).tolist()
-    out["objects"] = hvd.allgather_object(r)
-    out["alltoall"] = hvd.alltoall(torch.full((n,), r)).tolist()
+    out["sum2"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).item()
     hvd.barrier()
     out["last2"] = hvd.join()
     return out
+
+
+def collective_while_rank_zero_joined(kind):
+    """Rank 0 joins; rank 1 calls ``kind``: Horovod refuses it on every rank."""
+    if hvd.rank() == 0:
+        return hvd.join()
+    call = {"allgather": lambda: hvd.allgather(torch.ones(2)),
+            "broadcast": lambda: hvd.broadcast(torch.ones(2), root_rank=1),
+            "alltoall": lambda: hvd.alltoall(torch.ones(2)),
+            "reducescatter": lambda: hvd.reducescatter(torch.ones(2)),
+            "allgather_object": lambda: hvd.allgather_object(1),
+            "broadcast_object": lambda: hvd.broadcast_object(1, root_rank=1)}[kind]
+    return call()
 
 
 def uneven_training(batches=(2, 4), lr=0.1):

@@ -84,3 +84,36 @@ def test_horovods_async_grouped_and_sparse_functions_exist_and_compute_the_right
         torch.testing.assert_close(out["sparse"], dense)
         torch.testing.assert_close(out["sparse_avg"], dense / 2)
         assert out["flags"] == (True, False, False, False, False)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("case,needle", [
+    ("shape", r"rank 0 called allreduce, shape \(2,\) torch.float32, op Average but rank 1 called allreduce, "
+              r"shape \(3,\)"),
+    ("dtype", r"shape \(2,\) torch.float32.* but rank 1 called allreduce, shape \(2,\) torch.float64"),
+    ("op", r"op Sum but rank 1 called allreduce, shape \(2,\) torch.float32, op Max"),
+    ("root", r"rank 0 called broadcast, shape \(2,\) torch.float32, root 0 but rank 1 called broadcast, .*root 1"),
+    ("name", r"the ranks passed different names"),
+    ("allgather_tail", r"rank 0 called allgather, shape \(\*, 2\) torch.float32 but rank 1 called allgather, "
+                       r"shape \(\*, 3\)"),
+    ("kind", r"rank 0 called allreduce.* but rank 1 called allgather"),
+])
+def test_mismatched_arguments_raise_on_every_rank_naming_both_sides(size, case, needle):
+    import re
+    import time
+
+    from spawn import spawn_errors
+
+    started = time.monotonic()
+    outcomes = spawn_errors("conformance_fns", "mismatched", size, timeout=30, case=case)
+    for rank, (status, text) in enumerate(outcomes):
+        assert status == "error", (case, rank)
+        assert "MismatchError" in text and re.search(needle, text), (case, rank, text[-600:])
+    assert time.monotonic() - started < 30
+
+
+def test_a_second_in_flight_operation_under_the_same_name_raises():
+    from spawn import spawn_errors
+
+    for status, text in spawn_errors("conformance_fns", "mismatched", 2, timeout=30, case="in_flight_name"):
+        assert status == "error" and "an operation named 'x' is still in flight" in text

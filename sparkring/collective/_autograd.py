@@ -15,14 +15,14 @@ from . import _runtime, ops
 
 class Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, op: str, compression, prescale: float, postscale: float):
+    def forward(ctx: Any, tensor: torch.Tensor, op: str, compression, prescale: float, postscale: float, name):
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        return ops.allreduce_now(tensor, op, compression, prescale, postscale)
+        return ops.allreduce_now(tensor, op, compression, prescale, postscale, name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):
         return ops.allreduce(grad.contiguous(), op=ctx.op, prescale_factor=ctx.prescale,
-                             postscale_factor=ctx.postscale), None, None, None, None
+                             postscale_factor=ctx.postscale), None, None, None, None, None
 
 
 class GroupedAllreduce(torch.autograd.Function):

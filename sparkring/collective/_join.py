@@ -53,6 +53,8 @@ class Recipe:
     prescale: float = 1.0
     postscale: float = 1.0
     root: int = -1                  # broadcast / broadcast_object
+    name: str = ""                  # the caller's name (ranks agree on it)
+    checked: bool = False           # allreduce: the ranks agreed on its arguments first
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -237,7 +239,7 @@ def replay(recipe: Recipe) -> None:
     """Run, on a joined rank, the collective the active ranks are running."""
     import importlib
 
-    from . import _runtime, functions, ops
+    from . import _checks, _runtime, ops
 
     kind = recipe.kind
     me = _runtime.current().rank
@@ -249,24 +251,11 @@ def replay(recipe: Recipe) -> None:
         tensor = _neutral(recipe.shape, _dtype(recipe.dtype), recipe.op)
         # the path the active ranks took, so every rank runs matching transfers
         ops.allreduce_start(tensor, None, recipe.op, compression, recipe.prescale, recipe.postscale,
-                            path=recipe.path).wait()
-    elif kind == "allgather":
-        ops.allgather(torch.empty((0,) + recipe.tail, dtype=_dtype(recipe.dtype)))
-    elif kind == "alltoall":
-        ops.alltoall(torch.empty((0,) + recipe.tail, dtype=_dtype(recipe.dtype)),
-                 splits=[0] * _runtime.current().size)
-    elif kind in ("broadcast", "broadcast_object"):
-        if recipe.root == me:
-            raise RuntimeError(
-                f"rank {me} called join() but the other ranks then started a {kind} from root "
-                f"rank {me}; a rank that has joined has no data to send. Broadcast from a rank "
-                "that has not joined, or before the first rank joins")
-        if kind == "broadcast":
-            ops.broadcast_async_(torch.empty(recipe.shape, dtype=_dtype(recipe.dtype)), recipe.root).wait()
-        else:
-            functions.broadcast_object(None, recipe.root)
-    elif kind == "allgather_object":
-        functions.allgather_object(None)
+                            path=recipe.path, name=recipe.name or None, checked=recipe.checked).wait()
+    elif kind in _checks.NOT_WITH_JOIN:
+        # take part in the agreement step only, saying "joined": every rank then raises, as
+        # Horovod does for these collectives while a rank has joined
+        _checks.agree(kind, joined=True, name=recipe.name or None)
     elif kind == "barrier":
         ops.barrier()
     else:  # a newer peer: fail loudly rather than hang

@@ -6,7 +6,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
 
 import torch
 
-from . import _runtime, ops
+from . import _checks, _runtime, ops
 from ._join import Recipe
 
 
@@ -17,7 +17,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
     {'epoch': 3}
     """
     b = _runtime.current()
-    _runtime.enter(Recipe("broadcast_object", root=root_rank))
+    _runtime.enter(Recipe("broadcast_object", root=root_rank, name=name or ""))
+    _checks.agree("broadcast_object", root=root_rank, name=name)
     return b.broadcast_object(obj, root_rank)
 
 
@@ -28,7 +29,8 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     [0, 1]
     """
     b = _runtime.current()
-    seq = _runtime.enter(Recipe("allgather_object"))
+    seq = _runtime.enter(Recipe("allgather_object", name=name or ""))
+    _checks.agree("allgather_object", name=name)
     out = b.allgather_object(obj)
     _runtime.completed(seq)
     return out

@@ -57,19 +57,26 @@ def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
 def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
                      compression=Compression.none, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, blocking: bool = False,
-                     path: Optional[str] = None) -> Handle:
+                    path: Optional[str] = None, name: Optional[str] = None, checked: bool = False) -> Handle:
     """Start (or, with ``blocking``, run) one allreduce. ``path`` is how it travels: "new"
     (out-of-place straight into a new tensor), "blocking" or "async"; decided here from the
-    call and recorded, so a joined rank replaying it takes the very same path."""
+    call and recorded, so a joined rank replaying it takes the very same path. ``checked``:
+    the ranks first agree on its arguments (every public call; DistributedOptimizer's buckets
+    were agreed when it was built)."""
     b = _runtime.current()
-    if tensor.numel() == 0:
-        result = out if out is not None else tensor.clone()
-        return DoneHandle(result)
     recipe = Recipe("allreduce", shape=tuple(tensor.shape), dtype=str(tensor.dtype), op=op,
                     compression=f"{compression.__module__}:{compression.__qualname__}",
-                    prescale=prescale_factor, postscale=postscale_factor)
+                    prescale=prescale_factor, postscale=postscale_factor, name=name or "", checked=checked)
+    if tensor.numel() == 0:
+        seq = _runtime.enter(dataclasses.replace(recipe, path="empty"))
+        if checked:
+            _checks.agree("allreduce", tensor, op, name=name)
+        _runtime.completed(seq)
+        return DoneHandle(out if out is not None else tensor.clone())
     if op == Adasum:
         seq = _runtime.enter(dataclasses.replace(recipe, path="adasum"))
+        if checked:
+            _checks.agree("allreduce", tensor, op, name=name)
         from ._adasum import adasum_allreduce
 
         result = adasum_allreduce(tensor, b)
@@ -93,6 +100,8 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         else:
             path = "blocking"
     seq = _runtime.enter(dataclasses.replace(recipe, path=path))
+    if checked:
+        _checks.agree("allreduce", tensor, op, name=name)
     if wire is tensor and path != "new" and out is not tensor:  # never reduce into the caller's tensor
         wire = b.result_like(tensor).copy_(tensor)
     size_ = b.size
@@ -133,9 +142,10 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     >>> h = sr.allreduce_async(torch.ones(3)); sr.synchronize(h)  # doctest: +SKIP
     tensor([1., 1., 1.])
     """
-    _checks.check_name(name, tensor, "allreduce")
-    return allreduce_start(tensor, None, _resolve_op(average, op), compression,
-                            prescale_factor, postscale_factor)
+    handle = allreduce_start(tensor, None, _resolve_op(average, op), compression, prescale_factor,
+                             postscale_factor, name=name, checked=True)
+    _checks.hold_name(name, handle, "allreduce_async")
+    return handle
 
 
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -145,9 +155,10 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
     >>> h = sr.allreduce_async_(t); sr.synchronize(h)  # doctest: +SKIP
     """
-    _checks.check_name(name, tensor, "allreduce")
-    return allreduce_start(tensor, tensor, _resolve_op(average, op), Compression.none,
-                            prescale_factor, postscale_factor)
+    handle = allreduce_start(tensor, tensor, _resolve_op(average, op), Compression.none, prescale_factor,
+                             postscale_factor, name=name, checked=True)
+    _checks.hold_name(name, handle, "allreduce_async_")
+    return handle
 
 
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -158,20 +169,19 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
     >>> sr.allreduce(torch.tensor([float(sr.rank())]))  # 2 ranks  # doctest: +SKIP
     tensor([0.5000])
     """
-    _checks.check_name(name, tensor, "allreduce")
     op = _resolve_op(average, op)
     if _differentiable(tensor):
         from ._autograd import Allreduce
 
-        return Allreduce.apply(tensor, op, compression, prescale_factor, postscale_factor)
-    return allreduce_now(tensor, op, compression, prescale_factor, postscale_factor)
+        return Allreduce.apply(tensor, op, compression, prescale_factor, postscale_factor, name)
+    return allreduce_now(tensor, op, compression, prescale_factor, postscale_factor, name)
 
 
 def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+                  postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """A blocking out-of-place allreduce, without autograd."""
     return synchronize(allreduce_start(tensor, None, op, compression, prescale_factor, postscale_factor,
-                                       blocking=True))
+                                       blocking=True, name=name, checked=True))
 
 
 def _differentiable(*tensors: torch.Tensor) -> bool:
@@ -185,9 +195,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 
     >>> t = torch.ones(2); sr.allreduce_(t, op=sr.Sum)  # doctest: +SKIP
     """
-    _checks.check_name(name, tensor, "allreduce")
-    return synchronize(allreduce_start(tensor, tensor, _resolve_op(average, op),
-                                        Compression.none, prescale_factor, postscale_factor, blocking=True))
+    return synchronize(allreduce_start(tensor, tensor, _resolve_op(average, op), Compression.none,
+                                       prescale_factor, postscale_factor, blocking=True, name=name, checked=True))
 
 
 def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = None,
@@ -220,7 +229,7 @@ def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Comp
     for idx in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in idx])
         handles.append((idx, allreduce_start(flat, flat, op, compression, prescale_factor,
-                                             postscale_factor)))
+                                             postscale_factor, checked=True)))
     for idx, h in handles:
         flat = h.wait()
         offset = 0
@@ -257,6 +266,7 @@ def synchronize(handle: Handle):
     >>> sr.synchronize(sr.allreduce_async(torch.ones(1)))  # doctest: +SKIP
     tensor([1.])
     """
+    _checks.release(handle)
     if callable(handle) and not isinstance(handle, Handle):  # sparse_allreduce_async's, as Horovod's
         return handle()
     return handle.wait()
@@ -304,18 +314,9 @@ def allgather_now(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Ten
     """Allgather without autograd."""
     b = _runtime.current()
     t = tensor if tensor.dim() > 0 else tensor.reshape(1)
-    seq = _runtime.enter(Recipe("allgather", tail=tuple(t.shape[1:]), dtype=str(t.dtype)))
+    seq = _runtime.enter(Recipe("allgather", tail=tuple(t.shape[1:]), dtype=str(t.dtype), name=name or ""))
+    firsts = _checks.agree("allgather", t, name=name)
     wire = to_wire(t.contiguous())
-    first = torch.tensor([t.shape[0]], dtype=torch.int64, device=wire.device)
-    rest = torch.tensor(list(t.shape[1:]), dtype=torch.int64, device=wire.device)
-    firsts = [int(x) for x in b.allgather_same_shape(first)]
-    rests = b.allgather_same_shape(torch.cat([rest, torch.tensor([t.dim()], device=wire.device)]))
-    for r, shape in enumerate(rests):
-        if not torch.equal(shape, rests[b.rank]):
-            raise ValueError(
-                f"allgather{' ' + repr(name) if name else ''}: rank {r} sent a tensor of shape "
-                f"(*, {', '.join(str(int(x)) for x in shape[:-1])}) but rank {b.rank} sent "
-                f"{tuple(t.shape)}; all dimensions but the first must match")
     biggest = max(firsts)
     if biggest != t.shape[0]:
         pad = torch.zeros((biggest - t.shape[0],) + tuple(t.shape[1:]), dtype=wire.dtype,
@@ -332,11 +333,12 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
     >>> sr.synchronize(sr.broadcast_async_(t, 0))  # doctest: +SKIP
     """
-    _checks.check_name(name, tensor, "broadcast")
-    wire = to_wire(tensor)
+    _runtime.enter(Recipe("broadcast", shape=tuple(tensor.shape), dtype=str(tensor.dtype), root=root_rank,
+                          name=name or ""))
+    _checks.agree("broadcast", tensor, root=root_rank, name=name)
     if tensor.numel() == 0:
         return DoneHandle(tensor)
-    _runtime.enter(Recipe("broadcast", shape=tuple(tensor.shape), dtype=str(tensor.dtype), root=root_rank))
+    wire = to_wire(tensor)
     inner = _runtime.current().broadcast_async(wire, root_rank)
     if wire is tensor:
         return inner
@@ -449,7 +451,9 @@ def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.T
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(splits) != b.size or sum(splits) != n:
         raise ValueError(f"alltoall: splits {splits} must have {b.size} entries summing to {n}")
-    seq = _runtime.enter(Recipe("alltoall", tail=tuple(tensor.shape[1:]), dtype=str(tensor.dtype)))
+    seq = _runtime.enter(Recipe("alltoall", tail=tuple(tensor.shape[1:]), dtype=str(tensor.dtype),
+                                name=name or ""))
+    _checks.agree("alltoall", tensor, name=name)
     wire = to_wire(tensor.contiguous())
     send_counts = torch.tensor(splits, dtype=torch.int64)
     recv_counts = [int(row[b.rank]) for row in b.allgather_same_shape(to_wire(send_counts))]
@@ -482,10 +486,15 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
 
 
 def reducescatter_now(tensor: torch.Tensor, op: str = Average, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> torch.Tensor:
+                      postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """Reducescatter without autograd or compression."""
     b = _runtime.current()
-    reduced = allreduce_now(tensor, op, Compression.none, prescale_factor, postscale_factor)
+    seq = _runtime.enter(Recipe("reducescatter", shape=tuple(tensor.shape), dtype=str(tensor.dtype), op=op,
+                                name=name or ""))
+    _checks.agree("reducescatter", tensor, op, name=name)
+    _runtime.completed(seq)
+    reduced = synchronize(allreduce_start(tensor, None, op, Compression.none, prescale_factor, postscale_factor,
+                                          blocking=True))
     n = tensor.shape[0]
     base, extra = divmod(n, b.size)
     start = b.rank * base + min(b.rank, extra)
