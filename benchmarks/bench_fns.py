@@ -218,3 +218,33 @@ def ddp_training_loop(steps=120, width=1024, batch=64):
     rate = steps * batch * dist.get_world_size() / (time.perf_counter() - start)
     dist.destroy_process_group()
     return rate
+
+
+def agreement_cost(calls=400, nbytes=4096):
+    """Per-call cost of the cross-rank agreement: a checked 4 KB allreduce (the public call)
+    against the same allreduce without it (what DistributedOptimizer's buckets use)."""
+    import statistics
+
+    from sparkring.collective import ops
+
+    t = torch.ones(nbytes // 4)
+
+    def checked():
+        ops.allreduce_now(t, ops.Sum)
+
+    def unchecked():
+        ops.synchronize(ops.allreduce_start(t, None, ops.Sum, blocking=True))
+
+    for fn in (checked, unchecked):
+        for _ in range(20):
+            fn()
+    times = {"checked": [], "unchecked": []}
+    for r in range(10):
+        for name, fn in ((("checked", checked), ("unchecked", unchecked)) if r % 2 == 0
+                         else (("unchecked", unchecked), ("checked", checked))):
+            sr.barrier()
+            start = time.perf_counter()
+            for _ in range(calls // 10):
+                fn()
+            times[name].append((time.perf_counter() - start) / (calls // 10))
+    return {k: statistics.median(v) for k, v in times.items()}

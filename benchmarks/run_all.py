@@ -150,6 +150,11 @@ def bench_optimizer(spark, rows, reps):
     rows.append(Row("collective", "DistributedOptimizer step throughput, 3-layer MLP (1.3M params), gloo",
                     f"{r['ours']:.0f} samples/s", f"DDP {r['ddp']:.0f} samples/s", r["ratio"], ">= 0.95x",
                     goal_value=0.95))
+    c = run(bench_fns.agreement_cost, num_proc=2, verbose=0)[0]
+    rows.append(Row("collective", "cross-rank agreement: a public 4 KB allreduce (checked) vs the same call "
+                    f"unchecked (+{(c['checked'] - c['unchecked']) * 1e6:.0f} us per call)",
+                    f"{c['checked'] * 1e6:.0f} us/call", f"unchecked {c['unchecked'] * 1e6:.0f} us/call",
+                    c["unchecked"] / c["checked"], "(reference)"))
 
 
 def bench_mpi(spark, rows, reps):

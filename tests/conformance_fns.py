@@ -154,3 +154,68 @@ def mismatched(case):
         hvd.allreduce_async(torch.ones(1), name="x")
         return hvd.allreduce_async(torch.ones(1), name="x")
     raise ValueError(case)
+
+
+def optimizer_details():
+    import warnings
+
+    r = hvd.rank()
+    out = {}
+    # a fresh Adam has no state yet: it gets root's after broadcast_optimizer_state
+    torch.manual_seed(r)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    if r == 0:  # root trains one step; rank 1 stays fresh
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out["adam_step"] = [opt.state[p]["step"].item() for p in model.parameters()]
+    out["adam_exp_avg"] = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    # without named_parameters: Horovod's names
+    dist_opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    out["names"] = sorted(dist_opt._sr_names.values())
+    # step() after synchronize() without skip_synchronize() warns, as Horovod
+    model(torch.ones(2, 3)).sum().backward()
+    dist_opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist_opt.step()
+    out["warned"] = any("skip_synchronize" in str(w.message) for w in caught)
+    return out
+
+
+def sparse_embedding_training(sparse_as_dense):
+    """nn.Embedding(sparse=True) through DistributedOptimizer: grads travel as indices+values."""
+    r = hvd.rank()
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 4, sparse=True)
+    head = torch.nn.Linear(4, 1)
+    params = list(emb.parameters()) + list(head.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.5),
+                                   named_parameters=list(emb.named_parameters(prefix="emb"))
+                                   + list(head.named_parameters(prefix="head")),
+                                   sparse_as_dense=sparse_as_dense)
+    kinds = []
+    for step in range(3):
+        ids = torch.tensor([(step * 7 + r * 3 + k) % 50 for k in range(4)])
+        opt.zero_grad()
+        head(emb(ids)).pow(2).mean().backward()
+        kinds.append(emb.weight.grad.is_sparse)
+        opt.step()
+    return {"emb": emb.weight.detach().clone(), "head": head.weight.detach().clone(), "sparse_grads": kinds}
+
+
+def sparse_embedding_reference(size):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 4)
+    head = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(list(emb.parameters()) + list(head.parameters()), lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        losses = []
+        for r in range(size):
+            ids = torch.tensor([(step * 7 + r * 3 + k) % 50 for k in range(4)])
+            losses.append(head(emb(ids)).pow(2).mean())
+        (sum(losses) / size).backward()
+        opt.step()
+    return {"emb": emb.weight.detach().clone(), "head": head.weight.detach().clone()}

@@ -117,3 +117,22 @@ def test_a_second_in_flight_operation_under_the_same_name_raises():
 
     for status, text in spawn_errors("conformance_fns", "mismatched", 2, timeout=30, case="in_flight_name"):
         assert status == "error" and "an operation named 'x' is still in flight" in text
+
+
+def test_optimizer_details_fresh_state_horovod_names_and_the_synchronize_warning():
+    r0, r1 = _ranks("optimizer_details")
+    assert r0["adam_step"] == r1["adam_step"] == [1.0, 1.0]
+    for a, b in zip(r0["adam_exp_avg"], r1["adam_exp_avg"]):
+        torch.testing.assert_close(a, b)
+    assert r0["names"] == ["allreduce.noname.0.0", "allreduce.noname.0.1"]
+    assert r0["warned"] and r1["warned"]
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
+def test_sparse_embedding_gradients_train_like_one_process(sparse_as_dense):
+    results = _ranks("sparse_embedding_training", sparse_as_dense=sparse_as_dense)
+    expected = conformance_fns.sparse_embedding_reference(2)
+    for r in results:
+        assert r["sparse_grads"] == [not sparse_as_dense] * 3
+        torch.testing.assert_close(r["emb"], expected["emb"], atol=1e-6, rtol=0)
+        torch.testing.assert_close(r["head"], expected["head"], atol=1e-6, rtol=0)

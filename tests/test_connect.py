@@ -168,8 +168,9 @@ def test_cross_validator_on_connect_and_the_best_model_saves_over_an_existing_pa
 
 
 def test_unreachable_client_is_detected_and_the_run_completes_detached(spark_connect, monkeypatch, capsys):
-    import sparkring.runner.launch as launch_module
     from sparkring.runner.channel import DriverChannel
+
+    launch_module = sys.modules["sparkring.runner.launch"]  # the package exports a function of that name
 
     class Unreachable(DriverChannel):
         """Listens nowhere: every task's connection attempt is refused, as behind NAT."""

@@ -6,6 +6,7 @@ Written by hand because torch's DDP wraps the model, not the optimizer: Horovod 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,7 +42,7 @@ class _DistributedOptimizerMixin:
     """Methods grafted onto a subclass of the user's optimizer class."""
 
     def _sr_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, bucket_bytes):
+                  gradient_predivide_factor, bucket_bytes, sparse_as_dense):
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -59,8 +60,9 @@ class _DistributedOptimizerMixin:
                 raise ValueError(
                     f"DistributedOptimizer: {len(missing)} parameter(s) of the optimizer are not "
                     "in named_parameters; pass model.named_parameters() of the model it optimizes")
-        else:
-            by_id = {id(p): f"allreduce.noname.{i}" for i, p in enumerate(params)}
+        else:  # Horovod's names: allreduce.noname.<group>.<index>
+            by_id = {id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(self.param_groups)
+                     for j, p in enumerate(group["params"])}
         if op not in (ops.Average, ops.Sum, ops.Adasum):
             raise ValueError(f"DistributedOptimizer: op={op!r}; use Average, Sum or Adasum")
         if backward_passes_per_step < 1:
@@ -72,9 +74,13 @@ class _DistributedOptimizerMixin:
         self._sr_op = op
         self._sr_predivide = gradient_predivide_factor
         self._sr_should_sync = True
+        self._sr_synchronized = False
+        self._sr_sparse_as_dense = sparse_as_dense
+        self._sr_sparse: Dict[int, object] = {}  # params whose grads came sparse -> handle of this step
         self._sr_size = _runtime.size()
         trainable = [p for p in params if p.requires_grad]
         self._sr_params = trainable
+        self._sr_param_by_id = {id(p): p for p in trainable}
         self._sr_passes: Dict[int, int] = {id(p): 0 for p in trainable}
         self._sr_buckets = self._sr_make_buckets(trainable, bucket_bytes)
         self._sr_bucket_of = {id(p): b for b in self._sr_buckets for p in b.params}
@@ -108,6 +114,13 @@ class _DistributedOptimizerMixin:
         if self._sr_passes[key] < self._sr_bpps:
             return
         bucket = self._sr_bucket_of[key]
+        if p.grad is not None and p.grad.is_sparse:
+            if self._sr_sparse_as_dense:
+                p.grad = p.grad.to_dense()
+            else:  # indices + values, as Horovod: the dense bucket never carries this parameter
+                self._sr_take_out_of_bucket(p, bucket)
+                self._sr_sparse[key] = ops.sparse_allreduce_async(p.grad, self._sr_names[key], self._sr_op)
+                return
         bucket.pending.discard(key)
         # Buckets go out in index order on every rank, so collectives always match up.
         while (self._sr_next_launch < len(self._sr_buckets)
@@ -115,7 +128,19 @@ class _DistributedOptimizerMixin:
             self._sr_launch(self._sr_buckets[self._sr_next_launch])
             self._sr_next_launch += 1
 
+    def _sr_take_out_of_bucket(self, p: torch.Tensor, bucket: _Bucket) -> None:
+        """A parameter with sparse gradients leaves its bucket for good (every rank decides
+        the same: it is the same model)."""
+        if any(q is p for q in bucket.params):
+            rest = [q for q in bucket.params if q is not p]
+            bucket.__init__(rest)
+            for q in rest:
+                if self._sr_passes[id(q)] >= self._sr_bpps:
+                    bucket.pending.discard(id(q))
+
     def _sr_launch(self, bucket: _Bucket) -> None:
+        if not bucket.params:
+            return
         grads = []
         for p in bucket.params:
             if p.grad is None:
@@ -124,9 +149,9 @@ class _DistributedOptimizerMixin:
         # one flat buffer per bucket, reused every step: no allocation (and page faults)
         # on the hot path; the reduction happens in place in it
         flat = bucket.buffer
-        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device:
-            flat = bucket.buffer = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
-                                               device=grads[0].device)
+        total = sum(g.numel() for g in grads)
+        if flat is None or flat.dtype != grads[0].dtype or flat.device != grads[0].device or flat.numel() != total:
+            flat = bucket.buffer = torch.empty(total, dtype=grads[0].dtype, device=grads[0].device)
         # grads that synchronize() left in the buffer and backward accumulated into in place
         # (zero_grad(set_to_none=False)) are already there; only the others are copied
         placed = [_lives_at(g, flat, offset) for g, offset in zip(grads, bucket.offsets())]
@@ -157,7 +182,13 @@ class _DistributedOptimizerMixin:
         while self._sr_next_launch < len(self._sr_buckets):
             self._sr_launch(self._sr_buckets[self._sr_next_launch])
             self._sr_next_launch += 1
+        for key, handle in self._sr_sparse.items():
+            param = self._sr_param_by_id[key]
+            param.grad = ops.synchronize(handle)
+        self._sr_sparse = {}
         for bucket in self._sr_buckets:
+            if bucket.handle is None:  # emptied: its parameters' gradients are sparse
+                continue
             reduced = bucket.handle.wait()
             for p, offset in zip(bucket.params, bucket.offsets()):
                 if reduced is bucket.buffer and p.grad.is_contiguous():
@@ -171,6 +202,7 @@ class _DistributedOptimizerMixin:
         self._sr_next_launch = 0
         for key in self._sr_passes:
             self._sr_passes[key] = 0
+        self._sr_synchronized = True
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -187,7 +219,13 @@ class _DistributedOptimizerMixin:
 
     def step(self, closure=None):
         if self._sr_should_sync:
+            if self._sr_synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
             self.synchronize()
+        self._sr_synchronized = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
@@ -223,5 +261,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._sr_setup(named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, bucket_bytes)
+                      gradient_predivide_factor, bucket_bytes, sparse_as_dense)
     return wrapped

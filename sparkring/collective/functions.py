@@ -61,6 +61,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
     >>> sr.broadcast_optimizer_state(opt, root_rank=0)  # doctest: +SKIP
     """
+    if not optimizer.state_dict()["state"]:
+        _initialize_state(optimizer)
     state = optimizer.state_dict()
     # Tensors travel as tensors (cheap for big moments); everything else as one object.
     tensors: List[Tuple[Tuple, torch.Tensor]] = []
@@ -97,3 +99,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     for h in handles:
         h.wait()
     optimizer.load_state_dict({"state": new_state, "param_groups": root_skeleton["param_groups"]})
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's way to give a fresh optimizer (Adam & co. create state on their first step)
+    the state the root will send: zero gradients and one plain step, never the distributed one
+    (its allreduce would wait for ranks that do not step)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    from ._optimizer import _DistributedOptimizerMixin
+
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        super(optimizer.__class__, optimizer).step()
+    else:
+        optimizer.step()
