@@ -219,3 +219,53 @@ def sparse_embedding_reference(size):
         (sum(losses) / size).backward()
         opt.step()
     return {"emb": emb.weight.detach().clone(), "head": head.weight.detach().clone()}
+
+
+def process_sets_tour():
+    """3 ranks: a set of ranks 0 and 2; rank 1 is outside and must not be blocked by it."""
+    r = hvd.rank()
+    out = {}
+    evens = hvd.add_process_set([0, 2])
+    odd_alone = hvd.add_process_set(hvd.ProcessSet([1]))
+    out["ids"] = (evens.process_set_id, odd_alone.process_set_id)
+    out["included"] = (evens.included(), odd_alone.included())
+    try:
+        hvd.add_process_set([0, 2])
+    except ValueError as exc:
+        out["duplicate"] = str(exc)
+    if evens.included():
+        out["set_rank"], out["set_size"] = evens.rank(), evens.size()
+        out["sum"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=evens)
+        out["gather"] = hvd.allgather(torch.tensor([r]), process_set=evens)
+        out["bcast"] = hvd.broadcast(torch.tensor([r * 10]), root_rank=2, process_set=evens)
+        out["alltoall"] = hvd.alltoall(torch.tensor([r, r]), process_set=evens)
+        out["rs"] = hvd.reducescatter(torch.ones(2) * r, op=hvd.Sum, process_set=evens)
+        out["obj"] = hvd.allgather_object(r, process_set=evens)
+        x = torch.ones(2, requires_grad=True)
+        (hvd.allreduce(x, op=hvd.Sum, process_set=evens) * (r + 1)).sum().backward()
+        out["grad"] = x.grad.clone()
+        # DistributedOptimizer over the set: one process on the members' batches
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), process_set=evens)
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.full((4, 3), float(r + step))).pow(2).mean().backward()
+            opt.step()
+        out["weights"] = model.weight.detach().clone()
+    else:
+        out["alone"] = hvd.allreduce(torch.tensor([5.0]), op=hvd.Sum, process_set=odd_alone)
+        try:
+            hvd.allreduce(torch.ones(1), process_set=evens)
+        except ValueError as exc:
+            out["outsider"] = str(exc)
+    hvd.barrier()
+    out["removed"] = hvd.remove_process_set(evens)
+    out["removed_again"] = hvd.remove_process_set(evens)
+    try:
+        hvd.allreduce(torch.ones(1), process_set=evens)
+    except ValueError as exc:
+        out["after_remove"] = str(exc)
+    out["global_sum"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, process_set=hvd.global_process_set)
+    return out

@@ -136,3 +136,31 @@ def test_sparse_embedding_gradients_train_like_one_process(sparse_as_dense):
         assert r["sparse_grads"] == [not sparse_as_dense] * 3
         torch.testing.assert_close(r["emb"], expected["emb"], atol=1e-6, rtol=0)
         torch.testing.assert_close(r["head"], expected["head"], atol=1e-6, rtol=0)
+
+
+def test_process_sets_run_collectives_among_their_ranks_only():
+    results = _ranks("process_sets_tour", 3)
+    for rank, r in enumerate(results):
+        assert r["ids"] == (1, 2)
+        assert r["included"] == (rank in (0, 2), rank == 1)
+        assert "registered already" in r["duplicate"]
+        assert r["removed"] is True and r["removed_again"] is False
+        assert "not registered" in r["after_remove"]
+        assert r["global_sum"].item() == 3.0
+    for rank in (0, 2):
+        r = results[rank]
+        assert (r["set_rank"], r["set_size"]) == ({0: 0, 2: 1}[rank], 2)
+        assert r["sum"].item() == 2.0 and r["gather"].tolist() == [0, 2] and r["bcast"].tolist() == [20]
+        assert r["alltoall"].tolist() == [0, 2] and r["rs"].tolist() == [2.0] and r["obj"] == [0, 2]
+        assert r["grad"].tolist() == [4.0, 4.0]  # weights 1 and 3 of the two members
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        sum(model(torch.full((4, 3), float(m + step))).pow(2).mean() for m in (0, 2)).div(2).backward()
+        opt.step()
+    for rank in (0, 2):
+        torch.testing.assert_close(results[rank]["weights"], model.weight.detach(), atol=1e-6, rtol=0)
+    assert results[1]["alone"].item() == 5.0
+    assert "rank 1 is not in" in results[1]["outsider"]

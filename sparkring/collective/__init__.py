@@ -17,6 +17,7 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   grouped_allreduce, grouped_allreduce_, grouped_reducescatter, grouped_reducescatter_async,
                   join, poll, reducescatter, reducescatter_async, sparse_allreduce_async, synchronize)
 from ._optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .compression import Compression
 from .sync_batch_norm import SyncBatchNorm
 
@@ -31,5 +32,6 @@ __all__ = [
     "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "NotInitializedError", "HorovodInternalError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
     "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
-    "mpi_threads_supported", "check_same_shapes",
+    "mpi_threads_supported", "check_same_shapes", "ProcessSet", "add_process_set", "remove_process_set",
+    "global_process_set",
 ]

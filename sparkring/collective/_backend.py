@@ -83,6 +83,10 @@ class Backend(abc.ABC):
         thread that blocks on it), or None when ``join()`` has nothing to coordinate."""
         return None
 
+    def group_rank(self, global_rank: int) -> int:
+        """Where global rank ``global_rank`` stands in this ring (a process set's ring is a subset)."""
+        return global_rank
+
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a tensor of ``dtype`` travels in (a wider one where the transport lacks it)."""
         return dtype

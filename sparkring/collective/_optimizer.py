@@ -13,6 +13,7 @@ import torch
 
 from . import _checks, _runtime, ops
 from .compression import Compression
+from .process_sets import ProcessSet, backend_of
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -42,7 +43,7 @@ class _DistributedOptimizerMixin:
     """Methods grafted onto a subclass of the user's optimizer class."""
 
     def _sr_setup(self, named_parameters, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, bucket_bytes, sparse_as_dense):
+                  gradient_predivide_factor, bucket_bytes, sparse_as_dense, process_set):
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)
@@ -68,7 +69,12 @@ class _DistributedOptimizerMixin:
         if backward_passes_per_step < 1:
             raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
         self._sr_names = by_id
-        _checks.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
+        self._sr_set = backend_of(process_set)  # None: the global ring
+        if self._sr_set is not None and op == ops.Adasum:
+            raise NotImplementedError("Adasum does not support non-global process sets (as in Horovod)")
+        with _runtime.scope(self._sr_set):
+            _checks.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
+            self._sr_size = _runtime.size()
         self._sr_compression = compression
         self._sr_bpps = backward_passes_per_step
         self._sr_op = op
@@ -77,7 +83,6 @@ class _DistributedOptimizerMixin:
         self._sr_synchronized = False
         self._sr_sparse_as_dense = sparse_as_dense
         self._sr_sparse: Dict[int, object] = {}  # params whose grads came sparse -> handle of this step
-        self._sr_size = _runtime.size()
         trainable = [p for p in params if p.requires_grad]
         self._sr_params = trainable
         self._sr_param_by_id = {id(p): p for p in trainable}
@@ -119,7 +124,8 @@ class _DistributedOptimizerMixin:
                 p.grad = p.grad.to_dense()
             else:  # indices + values, as Horovod: the dense bucket never carries this parameter
                 self._sr_take_out_of_bucket(p, bucket)
-                self._sr_sparse[key] = ops.sparse_allreduce_async(p.grad, self._sr_names[key], self._sr_op)
+                with _runtime.scope(self._sr_set):
+                    self._sr_sparse[key] = ops.sparse_allreduce_async(p.grad, self._sr_names[key], self._sr_op)
                 return
         bucket.pending.discard(key)
         # Buckets go out in index order on every rank, so collectives always match up.
@@ -166,8 +172,8 @@ class _DistributedOptimizerMixin:
             return
         prescale = 1.0 / self._sr_predivide if self._sr_predivide != 1.0 else 1.0
         postscale = self._sr_predivide if self._sr_predivide != 1.0 else 1.0
-        bucket.handle = ops.allreduce_start(flat, flat, self._sr_op, self._sr_compression,
-                                              prescale, postscale)
+        with _runtime.scope(self._sr_set):
+            bucket.handle = ops.allreduce_start(flat, flat, self._sr_op, self._sr_compression, prescale, postscale)
 
     def synchronize(self) -> None:
         """Finish every gradient allreduce of this step and write the results into .grad.
@@ -242,7 +248,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: str = ops.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Optional[Sequence] = None,
                          sparse_as_dense: bool = False,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> torch.optim.Optimizer:
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         process_set: Optional[ProcessSet] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
     Allreduces start from gradient hooks while backward is still running, fused into
@@ -261,5 +268,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._sr_setup(named_parameters, compression, backward_passes_per_step, op,
-                      gradient_predivide_factor, bucket_bytes, sparse_as_dense)
+                      gradient_predivide_factor, bucket_bytes, sparse_as_dense, process_set)
     return wrapped

@@ -38,6 +38,7 @@ class _State:
 
 
 state = _State()
+_scope = threading.local()  # the process set a collective runs in (unset: every rank)
 
 
 def _torch_distributed(name: str, rank: int, size: int, master_addr: Optional[str], master_port: Optional[str],
@@ -90,8 +91,10 @@ def init(backend: Optional[str] = None) -> None:
         state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
         state.cross_size = int(env.get(_env.CROSS_SIZE, "1"))
         from ._checks import forget_names
+        from .process_sets import forget_all
 
         forget_names()
+        forget_all()
         stores = state.backend.join_stores()
         if stores is not None:
             from ._join import Joiner, replay
@@ -174,8 +177,12 @@ def _in_a_run() -> bool:
 
 
 def current() -> Backend:
-    """The backend; inside a sparkring run the first call joins the ring (lazy init, so code
-    that sets up torch.distributed itself, the torchrun way, runs first and is reused)."""
+    """The backend of the ring (or of the process set a collective runs in); inside a
+    sparkring run the first call joins the ring (lazy init, so code that sets up
+    torch.distributed itself, the torchrun way, runs first and is reused)."""
+    sub = getattr(_scope, "backend", None)
+    if sub is not None:
+        return sub
     if state.backend is None and _in_a_run():
         init()
     if state.backend is None:
@@ -185,10 +192,46 @@ def current() -> Backend:
     return state.backend
 
 
+class scope:
+    """Run the collectives of a ``with`` block in a process set's ring (its backend).
+
+    >>> with scope(backend_of_set):  # doctest: +SKIP
+    ...     ops.allreduce(t)
+    """
+
+    def __init__(self, backend: Optional[Backend]):
+        self.backend = backend
+
+    def __enter__(self):
+        self.previous = getattr(_scope, "backend", None)
+        _scope.backend = self.backend
+        return self
+
+    def __exit__(self, *exc):
+        _scope.backend = self.previous
+
+
+def active_set_backend() -> Optional[Backend]:
+    """The process set backend collectives run on now (None: the global ring)."""
+    return getattr(_scope, "backend", None)
+
+
+def global_rank() -> int:
+    """This process's rank in the global ring, also inside a process set."""
+    current()
+    return state.backend.rank
+
+
+def in_subset() -> bool:
+    """True while a collective runs in a process set other than the global one."""
+    return getattr(_scope, "backend", None) is not None
+
+
 def enter(recipe: "Recipe") -> int:
-    """Number this collective (and keep how to replay it) for ranks that join()."""
+    """Number this collective (and keep how to replay it) for ranks that join(); join() is
+    about the global ring, so collectives of a process set are not numbered."""
     joiner = state.joiner
-    return joiner.enter(recipe) if joiner is not None else -1
+    return joiner.enter(recipe) if joiner is not None and not in_subset() else -1
 
 
 def completed(seq: int) -> None:

@@ -73,7 +73,8 @@ class TorchBackend(Backend):
         self._scratch_bytes: Optional[torch.Tensor] = None
         if self._owns_group:
             dist.init_process_group(name, store=store, rank=rank, world_size=size, timeout=timeout)
-        self._group = None
+        self._group = None                      # None: the default group (every rank)
+        self._global = list(range(size))        # this group's ranks -> global ranks
         # Object collectives on nccl would move pickles through GPU memory; a gloo side
         # group keeps them on CPU and lets barrier() work without a device.
         self._cpu_group = dist.new_group(backend="gloo") if name == "nccl" else None
@@ -86,6 +87,11 @@ class TorchBackend(Backend):
             return None
         return self._store, client_store(self._master[0], self._master[1], self._start_timeout)
 
+    def group_rank(self, global_rank: int) -> int:
+        if global_rank not in self._global:
+            raise ValueError(f"rank {global_rank} is not in this process set (ranks {self._global})")
+        return self._global.index(global_rank)
+
     def wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.int32 if dtype == torch.int16 and self.name == "gloo" else dtype
 
@@ -94,7 +100,7 @@ class TorchBackend(Backend):
         return torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl" else None
 
     def allreduce_async(self, tensor, op):
-        work = dist.all_reduce(tensor, op=_OPS[op], async_op=True)
+        work = dist.all_reduce(tensor, op=_OPS[op], group=self._group, async_op=True)
         return _TorchHandle(work, tensor)
 
     def result_like(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -127,8 +133,8 @@ class TorchBackend(Backend):
         theirs = self._scratch(flat.numel(), flat.dtype)
         # send before receiving: measured 1.07-1.22x gloo's allreduce at 1-4 MB this way,
         # 0.8-0.9x with the receive posted first (the ring is the other way round)
-        sent = dist.isend(flat, peer, tag=_SWAP_TAG)
-        received = dist.irecv(theirs, peer, tag=_SWAP_TAG)
+        sent = dist.isend(flat, self._global[peer], group=self._group, tag=_SWAP_TAG)
+        received = dist.irecv(theirs, self._global[peer], group=self._group, tag=_SWAP_TAG)
         received.wait()
         # rank 0's operand first on both ranks: min/max of signed zeros or NaNs depend on order
         first, second = (flat, theirs) if self.rank == 0 else (theirs, flat)
@@ -146,7 +152,8 @@ class TorchBackend(Backend):
         soon as they are reduced, so receiving, reducing and sending overlap and the
         allgather starts while the reduction still runs."""
         n, rank = self.size, self.rank
-        right, left = (rank + 1) % n, (rank - 1) % n
+        right, left = self._global[(rank + 1) % n], self._global[(rank - 1) % n]
+        group = self._group
         bounds = [flat.numel() * i // n for i in range(n + 1)]
         seg = max(1, _SEGMENT_BYTES // flat.element_size())
 
@@ -160,34 +167,34 @@ class TorchBackend(Backend):
         # receiver asks for it (measured 5-10% at 16 MB).
         # reduce-scatter: partials from the left land in the result itself and are combined
         # there in place (no staging buffers: 5-10% less memory traffic at 16 MB)
-        jobs = [(step, a, m, dist.irecv(out[a:a + m], left, tag=reduce_tag))
+        jobs = [(step, a, m, dist.irecv(out[a:a + m], left, group=group, tag=reduce_tag))
                 for step in range(n - 1) for a, m in segments((rank - step - 1) % n)]
         # allgather: final chunks arrive in the result too. With three or more ranks such a
         # region also held a partial sent on to the right; the final value only exists once
         # that partial went all the way round, so the send has read it long before.
-        gathers = [(step, a, m, dist.irecv(out[a:a + m], left, tag=gather_tag))
+        gathers = [(step, a, m, dist.irecv(out[a:a + m], left, group=group, tag=gather_tag))
                    for step in range(n - 1) for a, m in segments((rank - step) % n)]
-        sends = [dist.isend(flat[a:a + m], right, tag=reduce_tag) for a, m in segments(rank)]
+        sends = [dist.isend(flat[a:a + m], right, group=group, tag=reduce_tag) for a, m in segments(rank)]
         for step, a, m, work in jobs:
             work.wait()
             partial = out[a:a + m]
             combine(flat[a:a + m], partial, out=partial)
             # the last step's result is final: it starts the allgather at once
-            sends.append(dist.isend(partial, right, tag=reduce_tag if step < n - 2 else gather_tag))
+            sends.append(dist.isend(partial, right, group=group, tag=reduce_tag if step < n - 2 else gather_tag))
         for step, a, m, work in gathers:
             work.wait()
             if step < n - 2:
-                sends.append(dist.isend(out[a:a + m], right, tag=gather_tag))
+                sends.append(dist.isend(out[a:a + m], right, group=group, tag=gather_tag))
         for work in sends:
             work.wait()
 
     def allgather_same_shape(self, tensor):
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(out, tensor.contiguous())
+        dist.all_gather(out, tensor.contiguous(), group=self._group)
         return out
 
     def broadcast_async(self, tensor, root_rank):
-        work = dist.broadcast(tensor, src=root_rank, async_op=True)
+        work = dist.broadcast(tensor, src=self._global[root_rank], group=self._group, async_op=True)
         return _TorchHandle(work, tensor)
 
     def alltoall(self, outputs, inputs):
@@ -199,33 +206,52 @@ class TorchBackend(Backend):
                 if shift == 0:
                     outputs[self.rank].copy_(inputs[self.rank])
                     continue
-                send = dist.isend(inputs[dst].contiguous(), dst)
-                dist.recv(outputs[src], src)
+                send = dist.isend(inputs[dst].contiguous(), self._global[dst], group=self._group)
+                dist.recv(outputs[src], self._global[src], group=self._group)
                 send.wait()
         else:
-            dist.all_to_all(outputs, [t.contiguous() for t in inputs])
+            dist.all_to_all(outputs, [t.contiguous() for t in inputs], group=self._group)
 
     def send(self, tensor, dst):
-        dist.send(tensor.contiguous(), dst)
+        dist.send(tensor.contiguous(), self._global[dst], group=self._group)
 
     def recv(self, tensor, src):
-        dist.recv(tensor, src)
+        dist.recv(tensor, self._global[src], group=self._group)
 
     def broadcast_object(self, obj, root_rank):
         box = [obj]
-        dist.broadcast_object_list(box, src=root_rank, group=self._cpu_group)
+        dist.broadcast_object_list(box, src=self._global[root_rank], group=self._cpu_group or self._group)
         return box[0]
 
     def allgather_object(self, obj):
         out: List[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self._cpu_group)
+        dist.all_gather_object(out, obj, group=self._cpu_group or self._group)
         return out
 
     def barrier(self):
-        if self._cpu_group is not None:
-            dist.barrier(group=self._cpu_group)
-        else:
-            dist.barrier()
+        dist.barrier(group=self._cpu_group or self._group)
+
+    def subgroup(self, ranks: List[int]) -> Optional["TorchBackend"]:
+        """The ring of ``ranks`` only (every rank calls this, as torch's new_group needs);
+        None on ranks outside it."""
+        group = dist.new_group(ranks)
+        cpu_group = dist.new_group(ranks, backend="gloo") if self.name == "nccl" else None
+        if self.rank not in ranks:
+            return None
+        sub = object.__new__(type(self))
+        sub.__dict__.update(self.__dict__)
+        sub._owns_group = False
+        sub._group, sub._cpu_group, sub._global = group, cpu_group, list(ranks)
+        sub.rank, sub.size = ranks.index(self.rank), len(ranks)
+        sub._results = ResultBuffers()
+        sub._scratch_bytes = None
+        return sub
+
+    def release(self) -> None:
+        """Destroy this subgroup (a process set being removed)."""
+        for group in (self._group, self._cpu_group):
+            if group is not None:
+                dist.destroy_process_group(group)
 
     def shutdown(self):
         if self._owns_group and dist.is_initialized():

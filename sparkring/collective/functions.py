@@ -8,8 +8,10 @@ import torch
 
 from . import _checks, _runtime, ops
 from ._join import Recipe
+from .process_sets import accepts_process_set
 
 
+@accepts_process_set
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
     """Return root's (picklable) object on every rank.
 
@@ -19,9 +21,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
     b = _runtime.current()
     _runtime.enter(Recipe("broadcast_object", root=root_rank, name=name or ""))
     _checks.agree("broadcast_object", root=root_rank, name=name)
-    return b.broadcast_object(obj, root_rank)
+    return b.broadcast_object(obj, b.group_rank(root_rank))
 
 
+@accepts_process_set
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     """Return the list of every rank's (picklable) object, by rank.
 
@@ -36,6 +39,7 @@ def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     return out
 
 
+@accepts_process_set
 def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]],
                          root_rank: int = 0) -> None:
     """Copy root's parameters/buffers into every rank's, in place.
@@ -55,6 +59,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
         h.wait()
 
 
+@accepts_process_set
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Make every rank's optimizer state (tensors, step counters, lr and other
     hyperparameters) equal to root's.

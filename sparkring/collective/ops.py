@@ -12,6 +12,7 @@ from ._backend import Handle
 from ._handles import DoneHandle, PostHandle
 from ._join import Recipe
 from .compression import Compression
+from .process_sets import accepts_process_set
 
 Average = "Average"
 Sum = "Sum"
@@ -74,6 +75,8 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         _runtime.completed(seq)
         return DoneHandle(out if out is not None else tensor.clone())
     if op == Adasum:
+        if _runtime.in_subset():
+            raise NotImplementedError("Adasum does not support non-global process sets yet (as in Horovod)")
         seq = _runtime.enter(dataclasses.replace(recipe, path="adasum"))
         if checked:
             _checks.agree("allreduce", tensor, op, name=name)
@@ -134,6 +137,7 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     return PostHandle(b.allreduce_async(wire, REDUCE_OPS[op]), finish)
 
 
+@accepts_process_set
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[str] = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0, compression=Compression.none) -> Handle:
@@ -148,6 +152,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     return handle
 
 
+@accepts_process_set
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[str] = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> Handle:
@@ -161,6 +166,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     return handle
 
 
+@accepts_process_set
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression=Compression.none, op: Optional[str] = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
@@ -188,6 +194,7 @@ def _differentiable(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+@accepts_process_set
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[str] = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0) -> torch.Tensor:
@@ -199,6 +206,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                                        prescale_factor, postscale_factor, blocking=True, name=name, checked=True))
 
 
+@accepts_process_set
 def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = None,
                       name: Optional[str] = None, compression=Compression.none,
                       op: Optional[str] = None, prescale_factor: float = 1.0,
@@ -241,6 +249,7 @@ def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Comp
     return results  # type: ignore[return-value]
 
 
+@accepts_process_set
 def grouped_allreduce_(tensors: List[torch.Tensor], **kwargs) -> List[torch.Tensor]:
     """In-place variant of ``grouped_allreduce``.
 
@@ -272,6 +281,7 @@ def synchronize(handle: Handle):
     return handle.wait()
 
 
+@accepts_process_set
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0; the first dimension may differ by rank.
 
@@ -285,6 +295,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     return allgather_now(tensor, name)
 
 
+@accepts_process_set
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
     """Start an allgather; ``synchronize(handle)`` returns the result. (The exchange runs when
     it is issued: gloo and MPI serve one collective at a time per ring.)
@@ -294,6 +305,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
     return DoneHandle(allgather_now(tensor, name))
 
 
+@accepts_process_set
 def grouped_allgather(tensors: List[torch.Tensor], name: Optional[str] = None) -> List[torch.Tensor]:
     """Allgather each tensor of a list.
 
@@ -302,6 +314,7 @@ def grouped_allgather(tensors: List[torch.Tensor], name: Optional[str] = None) -
     return [allgather(t, name=f"{name}.{i}" if name else None) for i, t in enumerate(tensors)]
 
 
+@accepts_process_set
 def grouped_allgather_async(tensors: List[torch.Tensor], name: Optional[str] = None) -> Handle:
     """Start a grouped allgather; ``synchronize(handle)`` returns the list of results.
 
@@ -328,6 +341,7 @@ def allgather_now(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Ten
     return out.to(device=tensor.device, dtype=tensor.dtype)
 
 
+@accepts_process_set
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
     """Start an in-place broadcast from ``root_rank``.
 
@@ -339,7 +353,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     if tensor.numel() == 0:
         return DoneHandle(tensor)
     wire = to_wire(tensor)
-    inner = _runtime.current().broadcast_async(wire, root_rank)
+    b = _runtime.current()  # root_rank is a global rank, also in a process set (as Horovod)
+    inner = b.broadcast_async(wire, b.group_rank(root_rank))
     if wire is tensor:
         return inner
 
@@ -350,6 +365,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     return PostHandle(inner, finish)
 
 
+@accepts_process_set
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
     """Start a broadcast from ``root_rank`` into a new tensor.
 
@@ -358,6 +374,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     return broadcast_async_(tensor.clone(), root_rank, name)
 
 
+@accepts_process_set
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Return root's copy of ``tensor`` on every rank.
 
@@ -371,6 +388,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) 
     return synchronize(broadcast_async(tensor, root_rank, name))
 
 
+@accepts_process_set
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Overwrite ``tensor`` with root's copy, in place.
 
@@ -379,6 +397,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None)
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
+@accepts_process_set
 def barrier() -> None:
     """Block until every rank reaches this call.
 
@@ -410,6 +429,7 @@ def join(device: int = -1) -> int:
     return b.rank if joiner is None else joiner.join()
 
 
+@accepts_process_set
 def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
              name: Optional[str] = None):
     """Scatter slices of ``tensor`` (dim 0, by ``splits``) to every rank and gather what
@@ -428,6 +448,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tenso
     return output if splits is None else (output, received)
 
 
+@accepts_process_set
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
                    name: Optional[str] = None) -> Handle:
     """Start an alltoall; ``synchronize(handle)`` returns what ``alltoall`` would.
@@ -466,6 +487,7 @@ def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.T
     return output, torch.tensor(recv_counts, dtype=torch.int32)
 
 
+@accepts_process_set
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
                   op: str = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks and return this rank's slice of dim 0 (the first
@@ -501,6 +523,7 @@ def reducescatter_now(tensor: torch.Tensor, op: str = Average, prescale_factor: 
     return reduced[start:start + base + (1 if b.rank < extra else 0)].clone()
 
 
+@accepts_process_set
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: str = Average,
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a reducescatter; ``synchronize(handle)`` returns this rank's slice.
@@ -510,6 +533,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: st
     return DoneHandle(reducescatter_now(tensor, op, prescale_factor, postscale_factor))
 
 
+@accepts_process_set
 def grouped_reducescatter(tensors: List[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
                           op: str = Average, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[torch.Tensor]:
@@ -521,6 +545,7 @@ def grouped_reducescatter(tensors: List[torch.Tensor], name: Optional[str] = Non
                           postscale_factor=postscale_factor) for t in tensors]
 
 
+@accepts_process_set
 def grouped_reducescatter_async(tensors: List[torch.Tensor], name: Optional[str] = None, op: str = Average,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start a grouped reducescatter; ``synchronize(handle)`` returns the list of slices.
@@ -530,6 +555,7 @@ def grouped_reducescatter_async(tensors: List[torch.Tensor], name: Optional[str]
     return DoneHandle([reducescatter_now(t, op, prescale_factor, postscale_factor) for t in tensors])
 
 
+@accepts_process_set
 def sparse_allreduce_async(tensor: torch.Tensor, name: Optional[str], op: str):
     """Allreduce a sparse (COO) tensor as Horovod does: allgather its indices and values;
     ``synchronize(handle)`` (or ``handle()``) returns the sparse sum (or average).
