@@ -120,6 +120,7 @@ def optimizer_vs_ddp(steps=60, width=1024, batch=64, rounds=20):
         return torch.nn.Sequential(torch.nn.Linear(256, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
                                    torch.nn.ReLU(), torch.nn.Linear(width, 10))
 
+    sr.init()  # forms the default process group DDP uses (run() leaves that to the function)
     x = torch.randn(batch, 256)
     y = torch.randint(0, 10, (batch,))
     ddp = DDP(make())

@@ -70,6 +70,10 @@ def bench_connect(spark, rows, reps, tmp, n=200_000):
                     "<= 1.1x", higher_is_better=False, goal_value=1.1))
     classic_fit = [timed(lambda: fit(spark)) for _ in range(reps)]
 
+    spark.stop()  # pyspark refuses a remote session while a classic one runs in the process
+    from pyspark import SparkContext
+
+    SparkContext._active_spark_context = None
     server = ConnectServer(tmp, "local[2]")
     remote = SparkSession.builder.remote(server.url).getOrCreate()
     try:

@@ -37,66 +37,52 @@ def _rank_entry(rank, size, port, module, fn_name, kwargs, queue):
         sr.shutdown()
 
 
+def _start(module, fn_name, size, kwargs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    return procs, queue
+
+
+def _collect(procs, queue, size, timeout):
+    """(rank, kind, data) of every rank; no rank outlives the call."""
+    got = {}
+    try:
+        for _ in range(size):
+            try:
+                rank, kind, data = queue.get(timeout=timeout)
+            except queue_module.Empty:
+                missing = sorted(set(range(size)) - set(got))
+                raise AssertionError(f"ranks {missing} did not answer within {timeout}s (hang?)") from None
+            got[rank] = (kind, data)
+    finally:
+        failed = any(kind == "error" for kind, _ in got.values())
+        for p in procs:
+            p.join(2 if failed else 10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return got
+
+
 def spawn_ranks(module, fn_name, size, timeout=120, **kwargs):
     """Run ``module.fn_name(**kwargs)`` on ``size`` ranks; results by rank. A rank that
     raises raises RankError here; ranks that do not answer within ``timeout`` fail the call."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    try:
-        for _ in range(size):
-            try:
-                rank, kind, data = queue.get(timeout=timeout)
-            except queue_module.Empty:
-                missing = sorted(set(range(size)) - set(results) - set(errors))
-                raise AssertionError(f"ranks {missing} did not answer within {timeout}s (hang?)") from None
-            if kind == "ok":
-                results[rank] = pickle.loads(data)
-            else:
-                errors[rank] = data
-    finally:
-        for p in procs:
-            p.join(10 if not errors else 2)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    got = _collect(*_start(module, fn_name, size, kwargs), size, timeout)
+    errors = {rank: data for rank, (kind, data) in got.items() if kind == "error"}
     if errors:
         first = min(errors)
         raise RankError(first, errors[first])
-    return [results[r] for r in range(size)]
+    return [pickle.loads(got[r][1]) for r in range(size)]
 
 
 def spawn_errors(module, fn_name, size, timeout=30, **kwargs):
-    """Like spawn_ranks, but every rank is expected to raise: their tracebacks by rank."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(size):
-            try:
-                rank, kind, data = queue.get(timeout=timeout)
-            except queue_module.Empty:
-                missing = sorted(set(range(size)) - set(out))
-                raise AssertionError(f"ranks {missing} neither raised nor returned within {timeout}s") from None
-            out[rank] = (kind, data if kind == "error" else pickle.loads(data))
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return [out[r] for r in range(size)]
+    """Like spawn_ranks, but every rank is expected to raise: (status, traceback or result) by rank."""
+    got = _collect(*_start(module, fn_name, size, kwargs), size, timeout)
+    return [(kind, data if kind == "error" else pickle.loads(data)) for kind, data in (got[r] for r in range(size))]
