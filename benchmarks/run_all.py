@@ -399,7 +399,7 @@ def main():
               f"pyspark {pyspark.__version__}, torch {torch.__version__}, pyarrow {pyarrow.__version__}.\n"
               "Every ratio compares sparkring with its baseline measured side by side in the same run "
               "(alternating, median of repetitions); ratios > 1 mean sparkring is faster, except the launch "
-              "row, which is a ratio of wall times (lower is better). `results.json` in benchmarks/ keeps "
+              "rows (goal <= ...), which are ratios of wall times (lower is better). `results.json` in benchmarks/ keeps "
               "the raw rows; `--only SECTION` reruns one section.")
     try:
         for name, fn in (("launch", bench_launch), ("distributor", bench_distributor), ("allreduce", bench_allreduce), ("mpi", bench_mpi),
