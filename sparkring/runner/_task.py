@@ -22,6 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..collective import _env
 from . import channel
+from .errors import is_secondary
 from ._process import (dump_stacks, free_ports, interface_of, kill_tree, mpi_network_env, resolve,
                        start_worker)
 
@@ -108,6 +109,7 @@ class _Relay:
 
     def __init__(self, host: str, secret: bytes):
         self.failed = False
+        self.caused = False
         self.lock = threading.Lock()
         self.server = channel.DriverChannel(host, secret, self.handle)
 
@@ -117,6 +119,10 @@ class _Relay:
         elif message.get("t") == "error":
             with self.lock:
                 first, self.failed = not self.failed, True
+                cause = not message.get("secondary") and not self.caused
+                self.caused = self.caused or cause
+            if cause:  # every task reports this one: the others only lost their peer
+                self.server.broadcast({"t": "cause", "error": message})
             if first:
                 rank = message.get("rank")
                 timed_out = message.get("kind") == "timeout"
@@ -278,6 +284,9 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
         for p in pumps:
             p.start()
 
+        cause: Dict[str, Any] = {}
+        cause_known = threading.Event()
+
         def listen(conn: channel.Connection) -> None:
             try:
                 while True:
@@ -287,13 +296,15 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
                             aborted.setdefault("reason", "task 0 of the stage is gone")
                             kill_tree(proc)
                         return
-                    if msg.get("t") == "abort":
+                    if msg.get("t") == "cause":
+                        cause.update(msg["error"])
+                        cause_known.set()
+                    elif msg.get("t") == "abort" and not aborted:
                         aborted["reason"] = msg.get("reason", "the run was aborted")
                         if msg.get("dump"):
                             outbox.send({"t": "stacks", "rank": rank, "attempt": attempt,
                                          "stacks": dump_stacks(proc, workdir)})
                         kill_tree(proc)
-                        return
             except (OSError, channel.ChannelError, ValueError):
                 return
 
@@ -328,11 +339,14 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
             else:
                 tb = (f"worker process exited with code {proc.returncode}; last output:\n" + "\n".join(tail))
             error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit",
-                     "exit_code": proc.returncode, "traceback": tb}
+                     "exit_code": proc.returncode, "traceback": tb, "secondary": is_secondary(tb)}
         if error is not None:
             outbox.send(error)
             if spec.attempts > 1:  # fail the task: Spark reruns the whole barrier stage
-                raise RuntimeError(f"rank {rank} failed {encode_error(error)}:\n{error['traceback']}")
+                reported = error
+                if control is not None and error.get("secondary") and cause_known.wait(3.0):
+                    reported = dict(cause)  # Spark shows one task's failure: make it the cause
+                raise RuntimeError(f"rank {rank} failed {encode_error(reported)}:\n{reported['traceback']}")
         result = None
         if error is None and not aborted:
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:

@@ -50,7 +50,10 @@ def _report_error(tb: str, exit_code=None) -> None:
     from . import channel
 
     try:
-        channel.report_raw({"t": "error", "kind": "exception", "traceback": tb, "exit_code": exit_code})
+        from .errors import is_secondary
+
+        channel.report_raw({"t": "error", "kind": "exception", "traceback": tb, "exit_code": exit_code,
+                            "secondary": is_secondary(tb)})
     except Exception:  # noqa: BLE001 - the task still reports from error.txt
         pass
 

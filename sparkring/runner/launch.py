@@ -123,8 +123,8 @@ class _RunState:
                 if msg.get("kind") == "timeout":
                     self.timeouts.setdefault(attempt, {})[rank] = msg.get("traceback", "")
                 first = attempt not in self.errors
-                if first:
-                    self.errors[attempt] = msg
+                if first or (self.errors[attempt].get("secondary") and not msg.get("secondary")):
+                    self.errors[attempt] = msg  # a rank that only lost its peer yields to the cause
             if first and self.channel is not None and conn is not None:
                 timed_out = msg.get("kind") == "timeout"
                 reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
