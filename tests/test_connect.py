@@ -196,3 +196,15 @@ def test_connect_session_refuses_more_ranks_than_slots_and_unscheduled_gpus_befo
         run(rank_fns.whoami, num_proc=3, spark=spark_connect)
     with pytest.raises(ConfigurationError, match="use_gpu=True in local mode but the driver has no GPUs"):
         run(rank_fns.whoami, num_proc=2, use_gpu=True, spark=spark_connect)
+
+
+def test_torch_distributor_runs_a_ddp_function_on_connect(spark_connect):
+    from sparkring import TorchDistributor
+
+    import ddp_fns
+
+    out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark_connect).run(
+        ddp_fns.spark_style_train, 0.1)
+    assert isinstance(out, float)
+    local = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(ddp_fns.spark_style_train, 0.1)
+    assert out == local  # the same training, launched by a Connect stage or by local processes
