@@ -83,6 +83,14 @@ class Backend(abc.ABC):
         thread that blocks on it), or None when ``join()`` has nothing to coordinate."""
         return None
 
+    def subgroup(self, ranks: List[int]) -> Optional["Backend"]:
+        """The ring of ``ranks`` only, for a process set (every rank calls it; None on ranks
+        outside). Transports without subgroups say so."""
+        raise NotImplementedError(f"process sets are not supported on backend={self.name!r} yet; use gloo or nccl")
+
+    def release(self) -> None:
+        """Let go of a subgroup made by ``subgroup`` (its process set is being removed)."""
+
     def group_rank(self, global_rank: int) -> int:
         """Where global rank ``global_rank`` stands in this ring (a process set's ring is a subset)."""
         return global_rank

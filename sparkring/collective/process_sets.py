@@ -82,10 +82,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         if ranks != ps.ranks:
             raise ValueError(f"add_process_set: rank {r} registers ranks {ranks} but rank {_runtime.rank()} "
                              f"registers {ps.ranks}; every rank must add the same sets in the same order")
-    backend = _runtime.current()
-    if not hasattr(backend, "subgroup"):
-        raise NotImplementedError(f"process sets are not supported on backend={backend.name!r} yet; use gloo or nccl")
-    ps._backend = backend.subgroup(ps.ranks)
+    ps._backend = _runtime.current().subgroup(ps.ranks)
     ps.process_set_id = _next_id[0]
     _next_id[0] += 1
     _registered[ps.process_set_id] = ps

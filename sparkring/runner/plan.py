@@ -24,12 +24,11 @@ class ParamNames:
     num_proc: str = "num_proc"
     use_gpu: str = "use_gpu"
     backend: str = "backend"
-    stream: str = "stream"
 
 
 RUN_NAMES = ParamNames()
-ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend", stream="streamLogs")
-CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", stream="--no-stream")
+ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend")
+CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend")
 
 
 @dataclass(frozen=True)
