@@ -310,6 +310,7 @@ def bench_transform(spark, rows, reps, tmp):
     from pyspark.sql.types import DoubleType
 
     from sparkring import SparkRingModel
+    from sparkring.data import FeatureSpec
 
     n = 200_000
     src = os.path.join(tmp, "transform_source")
@@ -319,7 +320,7 @@ def bench_transform(spark, rows, reps, tmp):
     net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)).eval()
     model = SparkRingModel()
     model._set(model=net, loss="cross_entropy", featuresCol="features", inferenceBatchSize=4096)
-    model.featureShapes = {"features": [64]}
+    model.featureSpec = FeatureSpec.build(df.schema, features=["features"]).measured({"features": [64]})
 
     from pyspark.sql import functions as F
 

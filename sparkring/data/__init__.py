@@ -4,7 +4,8 @@
 >>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"])  # doctest: +SKIP
 """
 from .dataset import Dataset
-from .prepare import DataError, prepare
+from .prepare import prepare
+from .spec import ColumnSpec, DataError, FeatureSpec, InputSpec
 from .store import Store, StoreError
 
-__all__ = ["Store", "StoreError", "Dataset", "prepare", "DataError"]
+__all__ = ["Store", "StoreError", "Dataset", "prepare", "DataError", "FeatureSpec", "InputSpec", "ColumnSpec"]

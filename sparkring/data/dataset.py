@@ -4,9 +4,13 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from . import reuse
+from .spec import FeatureSpec, to_numpy
+from .transform import transformed
 
 METADATA_FILE = "_sparkring_metadata.json"
 
@@ -32,6 +36,7 @@ class Dataset:
         self.store = store
         self.data_dir = data_dir
         self.metadata = metadata
+        self.spec = FeatureSpec.from_dict(metadata["spec"])
         self._decoded: Dict[Tuple[str, int], Dict[str, np.ndarray]] = {}
 
     def __getstate__(self):
@@ -39,6 +44,7 @@ class Dataset:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.spec = FeatureSpec.from_dict(self.metadata["spec"])
         self._decoded = {}
 
     def __repr__(self):
@@ -46,12 +52,12 @@ class Dataset:
                 f"val={self.num_rows('val')} rows, columns={list(self.columns)})")
 
     @property
-    def columns(self) -> Dict[str, Dict[str, Any]]:
-        return self.metadata["columns"]
+    def columns(self) -> List[str]:
+        return [c.name for c in self.spec.columns]
 
     @property
     def shapes(self) -> Dict[str, List[int]]:
-        return {c: list(v["shape"]) for c, v in self.columns.items()}
+        return self.spec.shapes
 
     def num_rows(self, split: str = "train") -> int:
         return sum(f["rows"] for f in self.metadata["splits"].get(split, []))
@@ -70,10 +76,8 @@ class Dataset:
 
         >>> ds.delete()  # doctest: +SKIP
         """
-        from .prepare import forget
-
         self.store.delete(self.data_dir)
-        forget(self)
+        reuse.forget(self.data_dir)
 
     # -- reading ----------------------------------------------------------------------
     def _units(self, split: str) -> List[Tuple[str, int, int]]:
@@ -83,7 +87,8 @@ class Dataset:
     def batches(self, batch_size: int, rank: int = 0, size: int = 1, shuffle: bool = True, seed: int = 0,
                 epoch: int = 0, drop_last: bool = True, split: str = "train", prefetch: int = 2,
                 cache: bool = False, shuffle_buffer: Optional[int] = None,
-                columns: Optional[Sequence[str]] = None) -> Iterator[Dict[str, Any]]:
+                columns: Optional[Sequence[str]] = None, transform: Optional[Callable] = None,
+                workers: int = 0) -> Iterator[Dict[str, Any]]:
         """Yield ``rank``'s batches of one epoch as dicts of torch tensors.
 
         Rows, not files, are split between ranks: the epoch's row order (row groups
@@ -99,6 +104,10 @@ class Dataset:
         A background thread decodes ``prefetch`` batches ahead; ``cache=True`` keeps
         decoded row groups in memory for the next epochs.
 
+        Numeric columns arrive as torch tensors, binary columns as numpy arrays of ``bytes``.
+        ``transform(batch) -> dict`` (see :mod:`sparkring.data.transform`) gets numpy arrays
+        and runs before the conversion, in ``workers`` forked processes when > 0.
+
         >>> next(iter(ds.batches(batch_size=2, rank=0, size=2)))["label"]  # doctest: +SKIP
         tensor([1., 0.], dtype=torch.float64)
         """
@@ -111,9 +120,11 @@ class Dataset:
         cols = list(columns) if columns is not None else list(self.columns)
         source = self._generate(batch_size, rank, size, shuffle, seed, epoch, drop_last, split, cache,
                                 shuffle_buffer, cols)
-        if prefetch <= 0:
-            return source
-        return _prefetched(source, prefetch)
+        if prefetch > 0:
+            source = _prefetched(source, prefetch)
+        if transform is not None:
+            source = transformed(source, transform, workers)
+        return (as_torch(b) for b in source)
 
     def _generate(self, batch_size, rank, size, shuffle, seed, epoch, drop_last, split, cache,
                   shuffle_buffer, cols) -> Iterator[Dict[str, Any]]:
@@ -150,15 +161,13 @@ class Dataset:
                 files[path] = (pq.ParquetFile(local, memory_map=True) if local is not None
                                else pq.ParquetFile(self.store.fs.open_input_file(full)))
             table = files[path].read_row_group(rg, columns=cols)
-            arrays = {c: _to_numpy(table.column(c), self.columns[c]) for c in cols}
+            arrays = {c: to_numpy(table.column(c), self.spec.column(c)) for c in cols}
             if cache:
                 self._decoded[key] = arrays
             return arrays
 
-        def to_torch(arrays: Dict[str, np.ndarray]) -> Dict[str, Any]:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # arrow buffers are flagged read-only
-                return {c: torch.from_numpy(a) for c, a in arrays.items()}
+        def to_torch(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+            return arrays  # numpy until after the transform: see as_torch
 
         window: List[Dict[str, np.ndarray]] = []
         window_rows = 0
@@ -210,26 +219,18 @@ class Dataset:
                 window, window_rows = [], 0
 
 
-def _to_numpy(column, spec: Dict[str, Any]) -> np.ndarray:
-    """Arrow column -> numpy without copying where the layout allows."""
-    if column.num_chunks != 1:
-        column = column.combine_chunks()
-    else:
-        column = column.chunk(0)
-    if spec["kind"] == "tensor":
-        shape = spec["shape"]
-        width = int(np.prod(shape)) * 4
-        _, offsets_buf, data_buf = column.buffers()
-        import pyarrow as pa
+def as_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """Numeric numpy arrays as torch tensors (zero-copy); bytes and tensors stay as they are."""
+    import torch
 
-        offsets = np.frombuffer(offsets_buf, dtype=np.int64 if pa.types.is_large_binary(column.type) else np.int32)
-        start = int(offsets[column.offset])
-        data = np.frombuffer(data_buf, dtype=np.uint8)[start:start + width * len(column)]
-        return data.view(np.float32).reshape(len(column), *shape)
-    arr = column.to_numpy(zero_copy_only=False)
-    if spec["dtype"] == "bool":
-        return arr.astype(np.bool_)
-    return arr
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # arrow buffers are flagged read-only
+        for name, value in batch.items():
+            if isinstance(value, np.ndarray) and value.dtype != object:
+                value = torch.from_numpy(value)
+            out[name] = value
+    return out
 
 
 def _prefetched(source: Iterator[Dict[str, Any]], depth: int) -> Iterator[Dict[str, Any]]:

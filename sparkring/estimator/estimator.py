@@ -12,8 +12,7 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..data import Store, prepare
-from ..data.prepare import DataError
+from ..data import DataError, FeatureSpec, Store, prepare
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, launch, plan
 from . import losses
 from .model import SparkRingModel
@@ -94,7 +93,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                  store=None, runId=None, backwardPassesPerStep=1, gradientCompression="none",
                  learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
                  validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
-                 inferenceBatchSize=1024, keepData=False, timeout=None, streamLogs=True):
+                 inferenceBatchSize=1024, keepData=False, timeout=None, streamLogs=True, modelInputs=None,
+                 inputShapes=None, transformFn=None, transformFnInference=None, readerWorkers=None,
+                 lossWeights=None):
         super().__init__()
         self._hold_data = False
         self._prepared = None
@@ -127,12 +128,26 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
             raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
                                      "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
-        loss = self.getOrDefault("loss")
-        if loss is None:
+        labels = self.labelColumns()
+        loss_list = self.lossList()
+        if any(loss is None for loss in loss_list):
             raise ConfigurationError("loss is not set: pass loss='cross_entropy' (or mse, nll, l1, "
                                      "bce_with_logits, smooth_l1) or a callable(output, label)")
+        if len(loss_list) != len(labels):
+            raise ConfigurationError(f"loss has {len(loss_list)} entries but labelCol names {len(labels)} labels "
+                                     f"({labels}): give one loss per label")
+        if len(set(labels)) != len(labels):
+            raise ConfigurationError(f"labelCol names a column twice: {labels}")
+        weights = self.getOrDefault("lossWeights")
+        if weights is not None and len(weights) != len(labels):
+            raise ConfigurationError(f"lossWeights has {len(weights)} entries but labelCol names {len(labels)} "
+                                     "labels: give one weight per label")
+        if len(self.predictionColumns()) != len(labels):
+            raise ConfigurationError(f"predictionCol names {len(self.predictionColumns())} columns but labelCol "
+                                     f"names {len(labels)} labels: give one prediction column per label")
         try:
-            losses.check_loss(loss)
+            for loss in loss_list:
+                losses.check_loss(loss)
             metrics = losses.metric_fns(self.getOrDefault("metrics"))
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
@@ -143,6 +158,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             v = self.getOrDefault(name)
             if v is not None and v < 1:
                 raise ConfigurationError(f"{name}={v}: it must be at least 1 (or unset)")
+        workers = self.getOrDefault("readerWorkers")
+        if workers is not None and workers < 0:
+            raise ConfigurationError(f"readerWorkers={workers}: give 0 (transformFn inline) or more processes")
+        for name in ("transformFn", "transformFnInference"):
+            fn = self.getOrDefault(name)
+            if fn is not None and not callable(fn):
+                raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
         if self.getOrDefault("gradientCompression") not in ("none", "fp16"):
             raise ConfigurationError(f"gradientCompression={self.getOrDefault('gradientCompression')!r}: "
                                      "use 'none' or 'fp16'")
@@ -150,30 +172,38 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise ConfigurationError(f"learningRateScaling={self.getOrDefault('learningRateScaling')!r}: "
                                      "use 'none' or 'linear'")
         fields = {f.name: f.dataType for f in df.schema.fields}
-        feature_cols = self.featureColumns()
-        for c in feature_cols:
-            if c not in fields:
-                raise ConfigurationError(f"featuresCol {c!r} is not a column of the DataFrame; it has "
-                                         f"{df.columns}. Set featuresCol= (a vector column or a list of columns)")
-            dt = fields[c]
-            ok = isinstance(dt, (VectorUDT, T.NumericType)) or (
-                isinstance(dt, T.ArrayType) and isinstance(dt.elementType, T.NumericType))
-            if not ok:
-                raise ConfigurationError(f"featuresCol {c!r} has type {dt.simpleString()}; features must be a "
-                                         "vector, a numeric array or numeric columns (use VectorAssembler)")
-        label = self.getLabelCol()
-        if label not in fields:
-            raise ConfigurationError(f"labelCol {label!r} is not a column of the DataFrame; it has {df.columns}")
-        if not isinstance(fields[label], (T.NumericType, T.BooleanType, VectorUDT, T.ArrayType)):
-            raise ConfigurationError(f"labelCol {label!r} has type {fields[label].simpleString()}; it must be "
-                                     "numeric (index string labels with StringIndexer)")
+        transform_fn = self.getOrDefault("transformFn")
+        if self.getOrDefault("modelInputs") is None and transform_fn is None:
+            for c in self.featureColumns():
+                if c not in fields:
+                    raise ConfigurationError(f"featuresCol {c!r} is not a column of the DataFrame; it has "
+                                             f"{df.columns}. Set featuresCol= (a vector column or a list of columns)")
+                dt = fields[c]
+                ok = isinstance(dt, (VectorUDT, T.NumericType)) or (
+                    isinstance(dt, T.ArrayType) and isinstance(dt.elementType, (T.NumericType, T.ArrayType)))
+                if not ok:
+                    raise ConfigurationError(f"featuresCol {c!r} has type {dt.simpleString()}; features must be a "
+                                             "vector, a numeric array or numeric columns (use VectorAssembler)")
+        for label in labels:
+            if label not in fields:
+                raise ConfigurationError(f"labelCol {label!r} is not a column of the DataFrame; it has "
+                                         f"{df.columns}")
+            if not isinstance(fields[label], (T.NumericType, T.BooleanType, VectorUDT, T.ArrayType)):
+                raise ConfigurationError(f"labelCol {label!r} has type {fields[label].simpleString()}; it must be "
+                                         "numeric (index string labels with StringIndexer)")
         weight = self.getOrDefault("sampleWeightCol") if self.isDefined("sampleWeightCol") else None
         if weight is not None:
             if weight not in fields or not isinstance(fields[weight], T.NumericType):
                 raise ConfigurationError(f"sampleWeightCol {weight!r} must be a numeric column of the DataFrame")
-            if not isinstance(loss, str):
+            if not all(isinstance(loss, str) for loss in loss_list):
                 raise ConfigurationError("sampleWeightCol needs a named loss (a callable loss returns a scalar, "
                                          "so rows cannot be weighted)")
+        try:
+            spec = FeatureSpec.build(df.schema, inputs=self.getOrDefault("modelInputs"),
+                                     features=self.featureColumns(), labels=labels, weight=weight,
+                                     shapes=self.getOrDefault("inputShapes"), transform=transform_fn is not None)
+        except DataError as exc:
+            raise ConfigurationError(str(exc)) from None
         validation = self.getOrDefault("validation")
         if isinstance(validation, str):
             if validation not in fields or not isinstance(fields[validation], T.BooleanType):
@@ -192,7 +222,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
                                      "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
         store.check_writable()
-        return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "weight": weight}
+        return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "spec": spec}
 
     def _early_stopping(self, has_val: bool, metrics) -> Optional[Dict[str, Any]]:
         es = self.getOrDefault("earlyStopping")
@@ -205,6 +235,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                                      "(and optional 'monitor', 'mode', 'min_delta')")
         monitor = es.get("monitor", "val_loss" if has_val else "loss")
         known = ["loss"] + list(metrics)
+        if len(self.labelColumns()) > 1:
+            known += [f"{label}_{name}" for label in self.labelColumns() for name in ["loss"] + list(metrics)]
         known += [f"val_{k}" for k in known] if has_val else []
         if monitor not in known:
             raise ConfigurationError(f"earlyStopping monitors {monitor!r}, which no epoch reports; use one of {known}")
@@ -215,53 +247,57 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                 "min_delta": float(es.get("min_delta", 0.0))}
 
     def _check_labels(self, df) -> None:
-        """Class-index losses need integral, non-negative labels: one small job checks."""
+        """Class-index losses need integral, non-negative labels: one small job checks them all."""
         from pyspark.sql import functions as F
 
-        if losses.label_kind(self.getOrDefault("loss")) != "class":
+        checked = [(label, loss) for label, loss in zip(self.labelColumns(), self.lossList())
+                   if losses.label_kind(loss) == "class"]
+        if not checked:
             return
-        label = F.col(f"`{self.getLabelCol()}`").cast("double")
-        row = df.agg(F.min(label).alias("lo"), F.max(label).alias("hi"),
-                     F.sum(F.when(label != F.floor(label), 1).otherwise(0)).alias("frac")).collect()[0]
-        if row["frac"]:
-            raise DataError(f"labelCol {self.getLabelCol()!r} has {row['frac']} non-integral value(s), but loss "
-                            f"{self.getOrDefault('loss')!r} needs class indices 0..C-1; index the labels "
-                            "(StringIndexer) or use a regression loss")
-        if row["lo"] is not None and row["lo"] < 0:
-            raise DataError(f"labelCol {self.getLabelCol()!r} has negative value {row['lo']:g}; class indices "
-                            "start at 0")
+        aggs = []
+        for i, (label, _) in enumerate(checked):
+            col = F.col(f"`{label}`").cast("double")
+            aggs += [F.min(col).alias(f"lo{i}"),
+                     F.sum(F.when(col != F.floor(col), 1).otherwise(0)).alias(f"frac{i}")]
+        row = df.agg(*aggs).collect()[0]
+        for i, (label, loss) in enumerate(checked):
+            if row[f"frac{i}"]:
+                raise DataError(f"labelCol {label!r} has {row[f'frac{i}']} non-integral value(s), but loss "
+                                f"{loss!r} needs class indices 0..C-1; index the labels "
+                                "(StringIndexer) or use a regression loss")
+            if row[f"lo{i}"] is not None and row[f"lo{i}"] < 0:
+                raise DataError(f"labelCol {label!r} has negative value {row[f'lo{i}']:g}; class indices "
+                                "start at 0")
 
     # -- fit --------------------------------------------------------------------------
     def _fit(self, dataset):
         checked = self._validate(dataset)
         self._check_labels(dataset)
-        ds = self._prepare(dataset, checked["store"], checked["weight"])
+        # one run directory holds this fit's prepared data and its checkpoints
+        run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
+        ds = prepare(dataset, checked["store"], spec=checked["spec"], validation=self.getOrDefault("validation"),
+                     seed=self.getOrDefault("seed"), run_id=run_id)
         self._prepared = ds
         try:
-            return self._fit_prepared(dataset.sparkSession, ds, checked)
+            return self._fit_prepared(dataset.sparkSession, ds, checked, run_id)
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
                 ds.delete()
 
-    def _prepare(self, dataset, store: Store, weight: Optional[str]):
-        columns = self.featureColumns() + [self.getLabelCol()] + ([weight] if weight else [])
-        return prepare(dataset, store, columns=columns, validation=self.getOrDefault("validation"),
-                       seed=self.getOrDefault("seed"), run_id=self.getOrDefault("runId"))
-
-    def _fit_prepared(self, spark, ds, checked) -> SparkRingModel:
+    def _fit_prepared(self, spark, ds, checked, run_id: str) -> SparkRingModel:
         launch_plan = checked["plan"]
         num_proc = launch_plan.num_proc
         bs = self.getOrDefault("batchSize")
         if ds.num_batches(bs, num_proc) == 0:
             raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
                                      f"on each of numProc={num_proc} ranks: lower batchSize or numProc")
-        run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
         verbose = self.getOrDefault("verbose")
+        labels = self.labelColumns()
         cfg = TrainConfig(
             model=self.getOrDefault("model"), optimizer=self.getOrDefault("optimizer"),
-            loss=self.getOrDefault("loss"), metrics=checked["metrics"], dataset=ds, store=checked["store"],
-            run_id=run_id, feature_cols=self.featureColumns(), label_col=self.getLabelCol(),
-            weight_col=checked["weight"], batch_size=bs, val_batch_size=self.getOrDefault("valBatchSize") or bs,
+            losses=self.lossList(), metrics=checked["metrics"], dataset=ds, store=checked["store"],
+            run_id=run_id, spec=ds.spec, loss_weights=self.getOrDefault("lossWeights") or [1.0] * len(labels),
+            batch_size=bs, val_batch_size=self.getOrDefault("valBatchSize") or bs,
             epochs=self.getOrDefault("epochs"), shuffle=self.getOrDefault("shuffle"), seed=self.getOrDefault("seed"),
             backward_passes_per_step=self.getOrDefault("backwardPassesPerStep"),
             compression=self.getOrDefault("gradientCompression"),
@@ -269,7 +305,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             train_steps=self.getOrDefault("trainStepsPerEpoch"),
             val_steps=self.getOrDefault("validationStepsPerEpoch"),
             callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
-            use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0)
+            use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0,
+            transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
+            multi_head=len(labels) > 1)
         progress = _Progress(verbose)
         try:
             results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
@@ -282,7 +320,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._copyValues(model)
         model._set(model=trained, runId=run_id, store=checked["store"], optimizer=None)
         model.history = results[0]["history"]
-        model.featureShapes = {c: ds.shapes[c] for c in self.featureColumns()}
+        model.featureSpec = ds.spec
+        model.outputShapes = results[0]["output_shapes"]
         return model
 
     def fitMultiple(self, dataset, paramMaps):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import cloudpickle
 import numpy as np
@@ -14,6 +14,10 @@ import torch
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
+from ..data import DataError, FeatureSpec
+from ..data.dataset import as_torch
+from ..data.spec import to_numpy
+from ..data.transform import apply as apply_transform
 from . import losses
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
@@ -97,7 +101,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def __init__(self):
         super().__init__()
         self.history: List[Dict[str, Any]] = []
-        self.featureShapes: Dict[str, List[int]] = {}
+        self.featureSpec: Optional[FeatureSpec] = None
+        self.outputShapes: Optional[List[List[int]]] = None
 
     def getModel(self) -> torch.nn.Module:
         """The trained torch module (rank 0's weights, on CPU).
@@ -109,138 +114,170 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def copy(self, extra=None):
         that = super().copy(extra)
         that.history = list(self.history)
-        that.featureShapes = dict(self.featureShapes)
+        that.featureSpec = self.featureSpec
+        that.outputShapes = self.outputShapes
         return that
 
-    def _feature_width(self) -> int:
-        width = 0
-        for c in self.featureColumns():
-            shape = self.featureShapes.get(c, [])
-            n = 1
-            for d in shape:
-                n *= d
-            width += n
-        return width
+    def _inference_spec(self, dataset) -> FeatureSpec:
+        """The spec the model was trained with (its inputs only), or one built from the Params."""
+        transform_fn = self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn")
+        if self.featureSpec is not None:
+            spec = self.featureSpec
+        else:
+            try:
+                spec = FeatureSpec.build(dataset.schema, inputs=self.getOrDefault("modelInputs"),
+                                         features=self.featureColumns(), shapes=self.getOrDefault("inputShapes"),
+                                         transform=transform_fn is not None)
+            except DataError as exc:
+                raise ValueError(str(exc)) from None
+        needed = [c for inp in spec.inputs for c in inp.columns]
+        missing = [c for c in needed if c not in dataset.columns]
+        if missing:
+            param = "modelInputs" if self.getOrDefault("modelInputs") is not None else "featuresCol"
+            raise ValueError(f"{param} column(s) {missing} are not in the DataFrame to transform; it has "
+                             f"{dataset.columns}")
+        columns = tuple(spec.column(c) for c in dict.fromkeys(needed))
+        return FeatureSpec(columns=columns, inputs=spec.inputs, keyword=spec.keyword, transform=spec.transform)
 
-    def _output_kinds(self):
-        loss = self.getOrDefault("loss")
-        if isinstance(loss, str) and loss in losses.CLASSIFICATION:
-            return "classification", None
-        module = self.getModel()
-        was_training = module.training
-        module.eval()
-        with torch.no_grad():
-            out = module(torch.zeros(2, self._feature_width()))
-        module.train(was_training)
-        width = out.reshape(2, -1).shape[1]
-        return "regression", width
+    def _head_kinds(self, spec: FeatureSpec) -> List[Tuple[str, int]]:
+        """Per head: 'classification', or 'regression' with its output width."""
+        loss_list = self.lossList()
+        shapes = self.outputShapes
+        if shapes is None and not all(isinstance(x, str) and x in losses.CLASSIFICATION for x in loss_list):
+            example = spec.example_args()
+            if example is None:
+                raise ValueError("the model's output shapes are unknown (it was not fitted here and a transformFn "
+                                 "decides its inputs): set model.outputShapes, e.g. [[1]]")
+            module = self.getModel()
+            was_training = module.training
+            module.eval()
+            with torch.no_grad():
+                out = module(*example[0], **example[1])
+            module.train(was_training)
+            outs = list(out) if len(loss_list) > 1 else [out]
+            shapes = [list(o.shape[1:]) for o in outs]
+        kinds = []
+        for i, loss in enumerate(loss_list):
+            if isinstance(loss, str) and loss in losses.CLASSIFICATION:
+                kinds.append(("classification", 0))
+            else:
+                width = 1
+                for d in shapes[i]:
+                    width *= d
+                kinds.append(("regression", width))
+        return kinds
 
     def _transform(self, dataset):
-        from pyspark.ml.functions import array_to_vector, vector_to_array
+        from pyspark.ml.functions import array_to_vector
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
         from pyspark.sql.functions import pandas_udf
 
-        missing = [c for c in self.featureColumns() if c not in dataset.columns]
-        if missing:
-            raise ValueError(f"featuresCol {missing} not in the DataFrame to transform; it has {dataset.columns}")
-        kind, out_width = self._output_kinds()
-        loss = self.getOrDefault("loss")
+        spec = self._inference_spec(dataset)
+        kinds = self._head_kinds(spec)
+        loss_list = self.lossList()
+        single = len(loss_list) == 1
         batch_size = self.getOrDefault("inferenceBatchSize")
-        if kind == "classification":
-            schema = "prediction double, probability array<double>, rawPrediction array<double>"
-        elif out_width == 1:
-            schema = "prediction double"
+        transform_fn = self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn")
+        # the struct the UDF returns: one field per output column
+        fields: List[Tuple[str, pa.DataType]] = []
+        if single and kinds[0][0] == "classification":
+            fields = [("prediction", pa.float64()), ("probability", pa.list_(pa.float64())),
+                      ("rawPrediction", pa.list_(pa.float64()))]
         else:
-            schema = "prediction array<double>"
-        fields = {f.name: f.dataType for f in dataset.schema.fields}
-        parts = []
-        for c in self.featureColumns():
-            col = F.col(f"`{c}`")
-            if isinstance(fields[c], VectorUDT):
-                parts.append(vector_to_array(col, "float32"))
-            elif type(fields[c]).__name__ == "ArrayType":
-                parts.append(col.cast("array<float>"))
-            else:
-                parts.append(F.array(col.cast("float")))
-        packed = parts[0] if len(parts) == 1 else F.concat(*parts)
+            for i, (kind, width) in enumerate(kinds):
+                scalar = kind == "classification" or width == 1
+                fields.append((f"h{i}", pa.float64() if scalar else pa.list_(pa.float64())))
+        struct_type = pa.struct(fields)
+        schema = ", ".join(f"{name} {'double' if t == pa.float64() else 'array<double>'}" for name, t in fields)
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
         broadcast = _ship(spark, cloudpickle.dumps(self.getModel().cpu()))
         key = uuid.uuid4().hex
-        shapes = [self.featureShapes.get(c, []) for c in self.featureColumns()]
-        single_shape = shapes[0] if len(shapes) == 1 and len(shapes[0]) > 1 else None
 
-        in_width = self._feature_width()
-
-        def forward(x: np.ndarray) -> Dict[str, np.ndarray]:
+        def forward(arrays: Sequence[pa.Array]) -> List[np.ndarray]:
             model = _load_on_worker(key, broadcast)
             device = next(iter(model.parameters()), torch.zeros(0)).device
-            if single_shape is not None:
-                x = x.reshape(len(x), *single_shape)
-            outs = []
+            batch = {c.name: to_numpy(a, c) for c, a in zip(spec.columns, arrays)}
+            if transform_fn is not None:
+                batch = apply_transform(transform_fn, batch)
+            batch = as_torch(batch)
+            n = len(arrays[0])
+            outs: List[List[torch.Tensor]] = [[] for _ in loss_list]
             with torch.no_grad():
-                for start in range(0, len(x), batch_size):
-                    xb = torch.from_numpy(x[start:start + batch_size]).to(device)
-                    outs.append(model(xb).float().cpu())
-            if not outs:
-                return {}
-            return {name: v.numpy() for name, v in losses.predictions(loss, torch.cat(outs)).items()}
+                for start in range(0, n, batch_size):
+                    part = {k: v[start:start + batch_size] for k, v in batch.items()}
+                    args, kwargs = spec.model_args(part)
+                    out = model(*(a.to(device) for a in args), **{k: v.to(device) for k, v in kwargs.items()})
+                    heads = [out] if single else list(out)[:len(loss_list)]
+                    for i, head in enumerate(heads):
+                        outs[i].append(head.float().cpu())
+            columns: List[np.ndarray] = []
+            for loss, head in zip(loss_list, outs):
+                preds = losses.predictions(loss, torch.cat(head))
+                if single and "probability" in preds:
+                    columns += [preds[name].numpy() for name in ("prediction", "probability", "rawPrediction")]
+                else:
+                    columns.append(preds["prediction"].numpy())
+            return columns
 
-        names = ["prediction", "probability", "rawPrediction"] if kind == "classification" else ["prediction"]
+        def to_arrow(columns: List[np.ndarray], n: int) -> pa.Array:
+            out = []
+            for values, (_, t) in zip(columns, fields):
+                if t == pa.float64():
+                    out.append(pa.array(values.reshape(n), type=pa.float64()))
+                else:
+                    k = values.reshape(n, -1).shape[1]
+                    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
+                    out.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), type=pa.float64())))
+            return pa.StructArray.from_arrays(out, names=[name for name, _ in fields])
+
+        inputs = [c.spark_column() for c in spec.columns]
         arrow_udf = getattr(F, "arrow_udf", None)
         if arrow_udf is not None:
             # Spark >= 4.1: Arrow in, Arrow out, no per-row Python objects either way.
-            scalar_prediction = kind == "classification" or out_width == 1
-            struct_type = pa.struct([(name, pa.float64() if name == "prediction" and scalar_prediction
-                                      else pa.list_(pa.float64())) for name in names])
-
-            def predict_arrow(batches: Iterator[pa.Array]) -> Iterator[pa.Array]:
-                for arr in batches:
-                    n = len(arr)
+            def predict_arrow(batches: Iterator[Tuple[pa.Array, ...]]) -> Iterator[pa.Array]:
+                for arrays in batches:
+                    arrays = arrays if isinstance(arrays, tuple) else (arrays,)
+                    n = len(arrays[0])
                     if n == 0:
                         yield pa.array([], type=struct_type)
                         continue
-                    x = arr.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)
-                    preds = forward(x.reshape(n, in_width))
-                    fields = []
-                    for name in names:
-                        values = preds[name]
-                        if values.ndim == 1:
-                            fields.append(pa.array(values, type=pa.float64()))
-                        else:
-                            k = values.shape[1]
-                            offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
-                            fields.append(pa.ListArray.from_arrays(
-                                offsets, pa.array(values.reshape(-1), type=pa.float64())))
-                    yield pa.StructArray.from_arrays(fields, names=names)
+                    yield to_arrow(forward(arrays), n)
 
             udf = arrow_udf(predict_arrow, schema)
         else:
-            def predict(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+            def predict(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.DataFrame]:
                 for series in batches:
-                    if len(series) == 0:
-                        yield pd.DataFrame({name: [] for name in names})
+                    series = series if isinstance(series, tuple) else (series,)
+                    n = len(series[0])
+                    if n == 0:
+                        yield pd.DataFrame({name: [] for name, _ in fields})
                         continue
-                    preds = forward(np.stack(series.to_numpy()).astype(np.float32, copy=False))
-                    yield pd.DataFrame({n: list(v) if v.ndim > 1 else v for n, v in preds.items()})
+                    arrays = [pa.array(list(s)) if s.dtype == object else pa.array(s) for s in series]
+                    columns = forward(arrays)
+                    yield pd.DataFrame({name: list(v) if v.ndim > 1 else v
+                                        for (name, _), v in zip(fields, columns)})
 
             udf = pandas_udf(predict, schema)
-        out = dataset.withColumn(_OUT, udf(packed))
-        pred = F.col(f"{_OUT}.prediction")
-        out = out.withColumn(self.getPredictionCol(), pred)
-        if kind == "classification":
-            out = (out.withColumn(self.getProbabilityCol(), array_to_vector(F.col(f"{_OUT}.probability")))
+        out = dataset.withColumn(_OUT, udf(*inputs))
+        if single and kinds[0][0] == "classification":
+            out = (out.withColumn(self.getPredictionCol(), F.col(f"{_OUT}.prediction"))
+                   .withColumn(self.getProbabilityCol(), array_to_vector(F.col(f"{_OUT}.probability")))
                    .withColumn(self.getRawPredictionCol(), array_to_vector(F.col(f"{_OUT}.rawPrediction"))))
+        else:
+            for i, name in enumerate(self.predictionColumns()):
+                out = out.withColumn(name, F.col(f"{_OUT}.h{i}"))
         return out.drop(_OUT)
 
     # -- persistence ------------------------------------------------------------------
     def write(self):
         buf = io.BytesIO()
         torch.save(self.getModel().state_dict(), buf)
-        return SparkRingWriter(self, extra={"history": self.history, "featureShapes": self.featureShapes},
-                               blobs={"state_dict.pt": buf.getvalue()})
+        extra = {"history": self.history, "outputShapes": self.outputShapes,
+                 "featureSpec": self.featureSpec.to_dict() if self.featureSpec is not None else None}
+        return SparkRingWriter(self, extra=extra, blobs={"state_dict.pt": buf.getvalue()})
 
     @classmethod
     def read(cls):
@@ -248,6 +285,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
     def _after_load(self, metadata, store) -> None:
         self.history = list(metadata.get("history", []))
-        self.featureShapes = dict(metadata.get("featureShapes", {}))
+        spec = metadata.get("featureSpec")
+        self.featureSpec = FeatureSpec.from_dict(spec) if spec else None
+        self.outputShapes = metadata.get("outputShapes")
         state = torch.load(io.BytesIO(store.read_bytes(store.path("state_dict.pt"))), map_location="cpu")
         self.getModel().load_state_dict(state)

@@ -20,6 +20,40 @@ def _to_columns(value: Any) -> Union[str, List[str]]:
     raise TypeError(f"featuresCol must be a column name or a non-empty list of names, got {value!r}")
 
 
+def _to_names(value: Any) -> Union[str, List[str]]:
+    """labelCol / predictionCol: one column name, or one per model head."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(f"give a column name or a non-empty list of names (one per model head), got {value!r}")
+
+
+def _to_model_inputs(value: Any):
+    if value is None or isinstance(value, dict):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [v if isinstance(v, str) else list(v) for v in value]
+    raise TypeError(f"modelInputs must be a list of columns (or column lists) or a dict name -> column(s), "
+                    f"got {value!r}")
+
+
+def _to_input_shapes(value: Any):
+    if value is None or isinstance(value, dict):
+        return None if value is None else {k: list(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise TypeError(f"inputShapes must be a shape (list of ints) or a dict input name -> shape, got {value!r}")
+
+
+def _to_loss_weights(value: Any):
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [TypeConverters.toFloat(v) for v in value]
+    raise TypeError(f"lossWeights must be a list of numbers, one per label, got {value!r}")
+
+
 def _to_validation(value: Any) -> Union[None, float, str]:
     if value is None or isinstance(value, str):
         return value
@@ -37,7 +71,8 @@ def _param(name: str, doc: str, converter=_identity) -> Param:
 
 
 # Params whose values are Python objects: persisted with cloudpickle, not as JSON.
-OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "earlyStopping")
+OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "earlyStopping", "transformFn",
+                 "transformFnInference")
 
 
 class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed):
@@ -50,6 +85,23 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                           "callable(output, label) -> scalar")
     metrics = _param("metrics", "callables (output, label) -> scalar (list or dict by name), averaged over ranks")
     featuresCol = _param("featuresCol", "a vector/array column, or a list of numeric columns", _to_columns)
+    labelCol = _param("labelCol", "label column, or a list of them for a model with several heads", _to_names)
+    predictionCol = _param("predictionCol", "prediction column, or one per head (a list as long as labelCol)",
+                           _to_names)
+    modelInputs = _param("modelInputs", "forward()'s arguments: a list of columns or column lists (positional) "
+                                        "or a dict name -> column(s) (keyword); default: featuresCol as one "
+                                        "tensor", _to_model_inputs)
+    inputShapes = _param("inputShapes", "a row's shape per input (dict input name -> shape, or one shape for a "
+                                        "single input), applied after transformFn", _to_input_shapes)
+    transformFn = _param("transformFn", "transformFn(batch: dict) -> dict run on every batch before the model "
+                                        "(e.g. decode image bytes); picklable")
+    transformFnInference = _param("transformFnInference", "the transformFn transform() uses (default: "
+                                                          "transformFn)")
+    readerWorkers = _param("readerWorkers", "processes per rank that run transformFn ahead of the step "
+                                            "(default: the cores per rank - 1, 1 to 4; 0 runs it inline)",
+                           _to_optional_int)
+    lossWeights = _param("lossWeights", "weight of each head's loss in the total (default: 1 each)",
+                         _to_loss_weights)
     sampleWeightCol = _param("sampleWeightCol", "column of per-row loss weights (optional)",
                              TypeConverters.toString)
     batchSize = _param("batchSize", "rows per rank per training step", TypeConverters.toInt)
@@ -94,11 +146,44 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                          validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
                          inferenceBatchSize=1024, keepData=False, metrics=None, valBatchSize=None,
                          numProc=None, optimizer=None, loss=None, model=None, timeout=None,
-                         streamLogs=True)
+                         streamLogs=True, modelInputs=None, inputShapes=None, transformFn=None,
+                         transformFnInference=None, readerWorkers=None, lossWeights=None)
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)
         return [cols] if isinstance(cols, str) else list(cols)
+
+    def labelColumns(self) -> List[str]:
+        """labelCol as a list (one entry per model head).
+
+        >>> est.labelColumns()  # doctest: +SKIP
+        ['rating', 'clicked']
+        """
+        cols = self.getOrDefault(self.labelCol)
+        return [cols] if isinstance(cols, str) else list(cols)
+
+    def lossList(self) -> List[Any]:
+        """loss as a list, one per head (a single loss serves every head).
+
+        >>> est.lossList()  # doctest: +SKIP
+        ['mse', 'bce_with_logits']
+        """
+        loss = self.getOrDefault(self.loss)
+        if isinstance(loss, (list, tuple)):
+            return list(loss)
+        return [loss] * len(self.labelColumns())
+
+    def predictionColumns(self) -> List[str]:
+        """predictionCol as a list: one per head (``<label>_prediction`` when several heads share a default).
+
+        >>> est.predictionColumns()  # doctest: +SKIP
+        ['rating_hat', 'click_hat']
+        """
+        pred = self.getOrDefault(self.predictionCol)
+        labels = self.labelColumns()
+        if isinstance(pred, str):
+            return [pred] if len(labels) == 1 else [f"{label}_{pred}" for label in labels]
+        return list(pred)
 
 
 def _make_accessors(cls) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import random
 import re
 import time
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 import sparkring.collective as sr
+from sparkring.data import FeatureSpec
 from sparkring.runner import report
 
 from . import losses
@@ -24,14 +26,13 @@ CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})\.pt$")
 class TrainConfig:
     model: torch.nn.Module
     optimizer: Any
-    loss: Any
+    losses: List[Any]
     metrics: Dict[str, Callable]
     dataset: Any
     store: Any
     run_id: str
-    feature_cols: List[str]
-    label_col: str
-    weight_col: Optional[str]
+    spec: FeatureSpec
+    loss_weights: List[float]
     batch_size: int
     val_batch_size: int
     epochs: int
@@ -47,14 +48,89 @@ class TrainConfig:
     early_stopping: Optional[Dict[str, Any]] = None
     use_gpu: bool = False
     has_validation: bool = False
+    transform_fn: Optional[Callable] = None
+    reader_workers: Optional[int] = None
+    multi_head: bool = False
+
+    def log_names(self) -> List[str]:
+        """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
+        if not self.multi_head:
+            return list(self.metrics)
+        return [f"{label}_{name}" for label in self.spec.labels for name in ["loss"] + list(self.metrics)]
 
 
-def _features(batch: Dict[str, torch.Tensor], cols: List[str]) -> torch.Tensor:
-    if len(cols) == 1 and batch[cols[0]].dim() > 1:
-        x = batch[cols[0]]
-        return x.float() if not torch.is_floating_point(x) or x.dtype == torch.float64 else x
-    parts = [batch[c].reshape(batch[c].shape[0], -1).float() for c in cols]
-    return torch.cat(parts, dim=1)
+def default_reader_workers(local_size: int) -> int:
+    """Decode processes per rank: the cores each rank has left after its training thread, 1 to 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, local_size) - 1))
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+
+
+class _Step:
+    """One batch through the model: forward()'s arguments from the spec, one output per
+    head, each head's label and loss, the weighted total, and the figures to average."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device, rank: int):
+        self.cfg, self.device, self.rank = cfg, device, rank
+        self.first = True
+        self.output_shapes: Optional[List[List[int]]] = None
+
+    def width(self) -> int:
+        return 2 + len(self.cfg.log_names())
+
+    def __call__(self, model, batch: Dict[str, Any], where: str):
+        cfg, device = self.cfg, self.device
+        labels = cfg.spec.labels
+        try:
+            args, kwargs = cfg.spec.model_args(batch)
+            args = tuple(a.to(device, non_blocking=True) for a in args)
+            kwargs = {k: v.to(device, non_blocking=True) for k, v in kwargs.items()}
+            out = model(*args, **kwargs)
+            heads = self._heads(out)
+            ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, self.first)
+                  for label, head, loss in zip(labels, heads, cfg.losses)]
+            w = torch.as_tensor(batch[cfg.spec.weight]).to(device) if cfg.spec.weight else None
+            head_losses = [losses.compute_loss(loss, head, y, w) for loss, head, y in zip(cfg.losses, heads, ys)]
+        except Exception as exc:
+            _add_note(exc, f"sparkring: on rank {self.rank}, {where}")
+            raise
+        total = head_losses[0] * cfg.loss_weights[0]
+        for weight, value in zip(cfg.loss_weights[1:], head_losses[1:]):
+            total = total + weight * value
+        if self.output_shapes is None:
+            self.output_shapes = [list(h.shape[1:]) for h in heads]
+        self.first = False
+        return total, heads, ys, head_losses
+
+    def _heads(self, out) -> List[torch.Tensor]:
+        labels = self.cfg.spec.labels
+        if not self.cfg.multi_head:
+            return [out]
+        if not isinstance(out, (tuple, list)) or len(out) < len(labels):
+            got = len(out) if isinstance(out, (tuple, list)) else 1
+            raise ValueError(f"the model returned {got} output(s) but labelCol names {len(labels)} labels "
+                             f"{list(labels)}: return a tuple with one output per label, in labelCol's order")
+        return list(out[:len(labels)])
+
+    def figures(self, total, heads, ys, head_losses) -> List[float]:
+        """Per-batch figures (sums over rows): total loss, rows, then log_names()'s values."""
+        n = heads[0].shape[0]
+        values = [float(total.item()) * n, float(n)]
+        with torch.no_grad():
+            if not self.cfg.multi_head:
+                values += [float(fn(heads[0].detach(), ys[0])) * n for fn in self.cfg.metrics.values()]
+                return values
+            for head, y, value in zip(heads, ys, head_losses):
+                values.append(float(value.item()) * n)
+                values += [float(fn(head.detach(), y)) * n for fn in self.cfg.metrics.values()]
+        return values
 
 
 def checkpoint_names(store, run_id: str) -> List[str]:
@@ -144,13 +220,14 @@ class _Tensorboard:
 
 
 def _run_batches(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, epoch: int, steps: int,
-                 shuffle: bool, drop_last: bool):
+                 shuffle: bool, drop_last: bool, workers: int):
     """``steps`` batches, starting more passes over the data when one pass has fewer."""
     produced = 0
     for extra_pass in itertools.count():
         got = 0
         for batch in cfg.dataset.batches(bs, rank=rank, size=size, shuffle=shuffle, seed=cfg.seed,
-                                         epoch=epoch + extra_pass * 100_003, drop_last=drop_last, split=split):
+                                         epoch=epoch + extra_pass * 100_003, drop_last=drop_last, split=split,
+                                         transform=cfg.transform_fn, workers=workers):
             yield batch
             got += 1
             produced += 1
@@ -192,6 +269,10 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                                          for r in range(size))
     else:
         val_steps = 0
+    workers = 0
+    if cfg.transform_fn is not None:
+        workers = cfg.reader_workers if cfg.reader_workers is not None else default_reader_workers(sr.local_size())
+    step = _Step(cfg, device, rank)
     callbacks = _Callbacks(cfg.callbacks if rank == 0 else [])
     board = _Tensorboard(cfg) if rank == 0 else None
     es = cfg.early_stopping
@@ -201,46 +282,35 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     if stopped:
         start_epoch = cfg.epochs  # a resumed run that had already stopped early
 
-    first_batch = True
     for epoch in range(start_epoch, cfg.epochs):
         _seed_epoch(cfg.seed, epoch, rank)
         model.train()
-        sums = torch.zeros(2 + len(cfg.metrics), dtype=torch.float64)
+        sums = torch.zeros(step.width(), dtype=torch.float64)
         last_report = 0.0
         for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, size, epoch, steps,
-                                               cfg.shuffle, True)):
+                                               cfg.shuffle, True, workers)):
             if cfg.lr_scaling == "linear":
                 global_step = (epoch * steps + i) // cfg.backward_passes_per_step
                 warm = max(1.0, cfg.warmup_epochs * steps / cfg.backward_passes_per_step)
                 factor = 1 + (size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else size
                 for g, lr in zip(opt.param_groups, base_lrs):
                     g["lr"] = lr * factor
-            x = _features(batch, cfg.feature_cols).to(device, non_blocking=True)
-            out = model(x)
-            y = losses.prepare_label(batch[cfg.label_col].to(device), out, cfg.loss, first_batch)
-            first_batch = False
-            w = batch[cfg.weight_col].to(device) if cfg.weight_col else None
-            loss = losses.compute_loss(cfg.loss, out, y, w)
+            loss, heads, ys, head_losses = step(model, batch, f"epoch {epoch}, training batch {i}")
             (loss / cfg.backward_passes_per_step).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 opt.step()
                 opt.zero_grad()
-            n = x.shape[0]
-            with torch.no_grad():
-                sums[0] += loss.item() * n
-                sums[1] += n
-                for j, fn in enumerate(cfg.metrics.values()):
-                    sums[2 + j] += float(fn(out.detach(), y)) * n
+            sums += torch.tensor(step.figures(loss, heads, ys, head_losses), dtype=torch.float64)
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
                 report({"kind": "step", "epoch": epoch, "step": i + 1, "steps": steps,
                         "loss": float(sums[0] / sums[1])})
         totals = sr.allreduce(sums, op=sr.Sum)
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
-        for j, name in enumerate(cfg.metrics):
+        for j, name in enumerate(cfg.log_names()):
             logs[name] = float(totals[2 + j] / totals[1])
         if val_steps:
-            logs.update(_validate(cfg, model, device, rank, size, epoch, val_steps))
+            logs.update(_validate(cfg, step, model, rank, size, epoch, val_steps, workers))
         stop = False
         if rank == 0:
             callbacks.call("on_epoch_end", epoch, logs, model)
@@ -272,27 +342,22 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     buf = io.BytesIO()
     torch.save(state, buf)
     cfg.store.write_bytes(cfg.store.model_path(cfg.run_id, "state_dict.pt"), buf.getvalue())
-    return {"state_dict": state, "history": history}
+    return {"state_dict": state, "history": history, "output_shapes": step.output_shapes}
 
 
-def _validate(cfg: TrainConfig, model, device, rank: int, size: int, epoch: int, val_steps: int) -> Dict[str, float]:
+def _validate(cfg: TrainConfig, step: _Step, model, rank: int, size: int, epoch: int, val_steps: int,
+              workers: int) -> Dict[str, float]:
     model.eval()
-    sums = torch.zeros(2 + len(cfg.metrics), dtype=torch.float64)
+    sums = torch.zeros(step.width(), dtype=torch.float64)
     with torch.no_grad():
-        for batch in _run_batches(cfg, "val", cfg.val_batch_size, rank, size, epoch, val_steps, False, False):
-            x = _features(batch, cfg.feature_cols).to(device)
-            out = model(x)
-            y = losses.prepare_label(batch[cfg.label_col].to(device), out, cfg.loss, True)
-            w = batch[cfg.weight_col].to(device) if cfg.weight_col else None
-            n = x.shape[0]
-            sums[0] += losses.compute_loss(cfg.loss, out, y, w).item() * n
-            sums[1] += n
-            for j, fn in enumerate(cfg.metrics.values()):
-                sums[2 + j] += float(fn(out, y)) * n
+        for i, batch in enumerate(_run_batches(cfg, "val", cfg.val_batch_size, rank, size, epoch, val_steps, False,
+                                               False, workers)):
+            sums += torch.tensor(step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}")),
+                                 dtype=torch.float64)
     totals = sr.allreduce(sums, op=sr.Sum)
     if totals[1] == 0:
         return {}
     logs = {"val_loss": float(totals[0] / totals[1])}
-    for j, name in enumerate(cfg.metrics):
+    for j, name in enumerate(cfg.log_names()):
         logs[f"val_{name}"] = float(totals[2 + j] / totals[1])
     return logs

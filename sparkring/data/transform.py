@@ -1,0 +1,75 @@
+"""Runs a user's per-batch transformFn between the reader and the model: inline, or in a
+pool of forked reader workers that keep a bounded number of batches ahead, in order.
+
+torch's DataLoader would own the workers but wants a map- or iterable-style dataset it
+splits itself; our reader already decides each rank's rows and order, so the pool only
+maps a function over batches: concurrent.futures does that, with the remote traceback
+attached to the exception the training thread re-raises.
+"""
+from __future__ import annotations
+
+import multiprocessing
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Deque, Dict, Iterator, Mapping, Optional
+
+import cloudpickle
+
+Batch = Dict[str, Any]
+_worker_fn: Optional[Callable[[Batch], Batch]] = None
+
+
+def apply(fn: Callable[[Batch], Batch], batch: Batch) -> Batch:
+    """``fn(batch)``; what it returns replaces or adds to the batch's entries.
+
+    >>> apply(lambda b: {"x": b["x"] * 2}, {"x": np.ones(2), "y": np.zeros(2)})["x"]  # doctest: +SKIP
+    array([2., 2.])
+    """
+    out = fn(dict(batch))
+    if not isinstance(out, Mapping):
+        raise TypeError(f"transformFn returned {type(out).__name__}, not a dict: return a dict column -> array "
+                        "(the entries it returns replace the batch's)")
+    return {**batch, **out}
+
+
+def _init_worker(fn_bytes: bytes) -> None:
+    global _worker_fn
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # each worker is one of several decode processes
+    except Exception:  # noqa: BLE001 - torch is optional for a transform
+        pass
+    _worker_fn = cloudpickle.loads(fn_bytes)
+
+
+def _apply_in_worker(batch: Batch) -> Batch:
+    assert _worker_fn is not None
+    return apply(_worker_fn, batch)
+
+
+def transformed(source: Iterator[Batch], fn: Callable[[Batch], Batch], workers: int,
+                ahead: Optional[int] = None) -> Iterator[Batch]:
+    """``apply(fn, batch)`` for each batch of ``source``, in order; with ``workers`` > 0 in
+    that many forked processes, up to ``ahead`` batches (default 2 per worker) in flight.
+
+    >>> for batch in transformed(reader, decode_png, workers=2):  # doctest: +SKIP
+    ...     train_step(batch)
+    """
+    if workers <= 0:
+        for batch in source:
+            yield apply(fn, batch)
+        return
+    depth = max(1, ahead if ahead is not None else 2 * workers)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_init_worker, initargs=(cloudpickle.dumps(fn),))
+    pending: Deque[Any] = deque()
+    try:
+        for batch in source:
+            pending.append(pool.submit(_apply_in_worker, batch))
+            if len(pending) >= depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
