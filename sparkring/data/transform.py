@@ -3,14 +3,18 @@ pool of forked reader workers that keep a bounded number of batches ahead, in or
 
 torch's DataLoader would own the workers but wants a map- or iterable-style dataset it
 splits itself; our reader already decides each rank's rows and order, so the pool only
-maps a function over batches: concurrent.futures does that, with the remote traceback
-attached to the exception the training thread re-raises.
+maps a function over batches: multiprocessing.Pool does that, with the remote traceback
+attached to the exception the training thread re-raises. Workers are forked (the
+function need not be importable) and die with the rank: they inherit its sockets, and a
+worker outliving a failed rank would keep its peers' connections open.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import signal
+import sys
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Deque, Dict, Iterator, Mapping, Optional
 
 import cloudpickle
@@ -32,8 +36,18 @@ def apply(fn: Callable[[Batch], Batch], batch: Batch) -> Batch:
     return {**batch, **out}
 
 
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            PR_SET_PDEATHSIG = 1
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:  # no libc by that name: the pool's terminate() still stops them
+            pass
+
+
 def _init_worker(fn_bytes: bytes) -> None:
     global _worker_fn
+    _die_with_parent()
     try:
         import torch
 
@@ -61,15 +75,15 @@ def transformed(source: Iterator[Batch], fn: Callable[[Batch], Batch], workers: 
             yield apply(fn, batch)
         return
     depth = max(1, ahead if ahead is not None else 2 * workers)
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_init_worker, initargs=(cloudpickle.dumps(fn),))
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker,
+                                                    initargs=(cloudpickle.dumps(fn),))
     pending: Deque[Any] = deque()
     try:
         for batch in source:
-            pending.append(pool.submit(_apply_in_worker, batch))
+            pending.append(pool.apply_async(_apply_in_worker, (batch,)))
             if len(pending) >= depth:
-                yield pending.popleft().result()
+                yield pending.popleft().get()
         while pending:
-            yield pending.popleft().result()
+            yield pending.popleft().get()
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.terminate()  # every result was taken, or the rank is failing: no work to keep
