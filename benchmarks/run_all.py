@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+from bench_inputs import bench_inputs, bench_sparse  # noqa: E402
 from common import Row, alternate, spark_session, timed, write_table  # noqa: E402
 
 import bench_fns  # noqa: E402
@@ -365,7 +366,8 @@ def bench_transform(spark, rows, reps, tmp):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,training,transform,connect")
+    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,transform,"
+                                          "connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -384,7 +386,8 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "training", "transform"):
+        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "inputs", "training",
+                     "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -415,6 +418,12 @@ def main():
             rows = []
             bench_data(spark, rows, args.reps, tmp)
             done("data", rows)
+        if "inputs" in only:
+            print("== inputs", flush=True)
+            rows = []
+            bench_sparse(spark, rows, args.reps)
+            bench_inputs(spark, rows, args.reps, tmp)
+            done("inputs", rows)
         if "training" in only:
             print("== training", flush=True)
             rows = []
