@@ -291,3 +291,51 @@ def sparse_vs_dense_embedding(rows=1_000_000, dim=64, ids_per_step=4096, rounds=
     same = torch.allclose(models["sparse"][0].weight, models["dense"][0].weight, atol=1e-6)
     return {"sparse_s": statistics.median(times["sparse"]), "dense_s": statistics.median(times["dense"]),
             "same": bool(same)}
+
+
+class MatrixFactorization(torch.nn.Module):
+    """The recommender of examples/recommender.py: user/item embeddings, item bias, a dense column."""
+
+    def __init__(self, users=2000, items=500, dim=8, sparse=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.user = torch.nn.Embedding(users, dim, sparse=sparse)
+        self.item = torch.nn.Embedding(items, dim, sparse=sparse)
+        self.item_bias = torch.nn.Embedding(items, 1, sparse=sparse)
+        self.dense = torch.nn.Linear(1, 1)
+
+    def forward(self, user, item, activity):
+        dot = (self.user(user) * self.item(item)).sum(1, keepdim=True)
+        return dot + self.item_bias(item) + self.dense(activity)
+
+
+def ddp_recommender_training(files_by_rank, epochs, batch_size, lr):
+    """Hand-written TorchDistributor loop for the recommender: pyarrow reads the Parquet,
+    DDP trains the same model with dense embedding gradients."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    table = pq.read_table(files_by_rank[rank])
+    user = torch.from_numpy(table.column("user").to_numpy().astype(np.int64))
+    item = torch.from_numpy(table.column("item").to_numpy().astype(np.int64))
+    activity = torch.from_numpy(table.column("activity").to_numpy().astype(np.float32)).reshape(-1, 1)
+    y = torch.from_numpy(table.column("clicked").to_numpy().astype(np.float32)).reshape(-1, 1)
+    n = torch.tensor([len(y)])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    steps = int(n) // batch_size
+    model = DDP(MatrixFactorization(sparse=False))
+    opt = torch.optim.Adagrad(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        perm = torch.randperm(len(y))
+        for i in range(steps):
+            idx = perm[i * batch_size:(i + 1) * batch_size]
+            opt.zero_grad()
+            out = model(user[idx], item[idx], activity[idx])
+            torch.nn.functional.binary_cross_entropy_with_logits(out, y[idx]).backward()
+            opt.step()
+    dist.destroy_process_group()
+    return steps * batch_size * epochs

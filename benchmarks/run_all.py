@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
-from bench_inputs import bench_inputs, bench_sparse  # noqa: E402
+from bench_inputs import bench_inputs, bench_recommender_fit, bench_sparse  # noqa: E402
 from common import Row, alternate, spark_session, timed, write_table  # noqa: E402
 
 import bench_fns  # noqa: E402
@@ -423,6 +423,7 @@ def main():
             rows = []
             bench_sparse(spark, rows, args.reps)
             bench_inputs(spark, rows, args.reps, tmp)
+            bench_recommender_fit(spark, rows, max(1, args.reps - 1), tmp)
             done("inputs", rows)
         if "training" in only:
             print("== training", flush=True)

@@ -126,3 +126,9 @@ def broken_transform(batch):
 
 def not_a_dict_transform(batch):
     return [batch["png"]]
+
+
+def decode_png_inverted(batch):
+    """A different inference-time transform: inverted pixels."""
+    out = decode_png(batch)
+    return {"png": 1.0 - out["png"]}

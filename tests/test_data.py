@@ -202,3 +202,29 @@ def test_store_works_on_fsspec_urls_pyarrow_cannot_open():
     assert store.listdir(store.checkpoint_path("r1")) == ["epoch-00000.pt"]
     clone = __import__("pickle").loads(__import__("pickle").dumps(store))
     assert clone.read_bytes(path) == b"weights"
+
+
+def test_reader_keeps_decoded_row_groups_within_its_memory_budget(skewed_df, store, monkeypatch):
+    import sparkring.data.dataset as dataset_module
+
+    ds = prepare(skewed_df, store, columns=["id", "x"])
+    _ids(ds, 10, 1, epoch=0)
+    assert ds._decoded and ds._decoded_bytes > 0  # default: cached while within the budget
+    monkeypatch.setattr(dataset_module, "MEMORY_BYTES", 0)
+    tight = prepare(skewed_df, store, columns=["id", "x"])
+    tight.__setstate__(tight.__getstate__())  # a fresh copy, as a rank gets
+    _ids(tight, 10, 1, epoch=0)
+    assert not tight._decoded
+    _ids(ds, 10, 1, epoch=0, cache=False)
+
+
+@pytest.mark.parametrize("window", [None, 64, 100])
+def test_shuffled_windows_yield_every_row_once_with_its_own_values(skewed_df, store, window):
+    ds = prepare(skewed_df, store, columns=["id", "x"])
+    batches = list(ds.batches(32, shuffle=True, seed=5, epoch=1, drop_last=False, shuffle_buffer=window))
+    ids = torch.cat([b["id"] for b in batches])
+    assert sorted(ids.tolist()) == list(range(1000))
+    assert ids.tolist() != sorted(ids.tolist())
+    for b in batches:
+        torch.testing.assert_close(b["x"][:, 1], b["id"].float() * 2)
+    assert all(len(b["id"]) == 32 for b in batches[:-1])

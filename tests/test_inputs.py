@@ -91,6 +91,8 @@ def test_png_bytes_decoded_by_transform_fn_train_a_conv_net(spark, store):
                                readerWorkers=1, batchSize=20, epochs=4, numProc=2, store=store, verbose=0).fit(df)
     preds = model.transform(df).select("prediction", "label").toPandas()
     assert (preds["prediction"] == preds["label"]).mean() > 0.9
+    inverted = model.copy({model.transformFnInference: H.decode_png_inverted}).transform(df)
+    assert (inverted.select("prediction", "label").toPandas().eval("prediction == label")).mean() < 0.6
 
 
 def test_reader_workers_run_the_transform_in_other_processes_in_the_same_order(spark, store):

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from . import reuse
-from .spec import FeatureSpec, to_numpy
+from .spec import BYTES, FeatureSpec, to_numpy
 from .transform import transformed
 
 METADATA_FILE = "_sparkring_metadata.json"
@@ -41,6 +41,7 @@ class Dataset:
         self.metadata = metadata
         self.spec = FeatureSpec.from_dict(metadata["spec"])
         self._decoded: Dict[Tuple[str, int], Dict[str, np.ndarray]] = {}
+        self._decoded_bytes = 0
 
     def __getstate__(self):
         return {"store": self.store, "data_dir": self.data_dir, "metadata": self.metadata}
@@ -49,6 +50,7 @@ class Dataset:
         self.__dict__.update(state)
         self.spec = FeatureSpec.from_dict(self.metadata["spec"])
         self._decoded = {}
+        self._decoded_bytes = 0
 
     def __repr__(self):
         return (f"Dataset({self.data_dir!r}, train={self.num_rows('train')} rows, "
@@ -89,7 +91,7 @@ class Dataset:
 
     def batches(self, batch_size: int, rank: int = 0, size: int = 1, shuffle: bool = True, seed: int = 0,
                 epoch: int = 0, drop_last: bool = True, split: str = "train", prefetch: int = 2,
-                cache: bool = False, shuffle_buffer: Optional[int] = None,
+                cache: Optional[bool] = None, shuffle_buffer: Optional[int] = None,
                 columns: Optional[Sequence[str]] = None, transform: Optional[Callable] = None,
                 workers: int = 0) -> Iterator[Dict[str, Any]]:
         """Yield ``rank``'s batches of one epoch as dicts of torch tensors.
@@ -101,11 +103,17 @@ class Dataset:
         ``size * batch_size`` rows at the end of that epoch's order are left out (other
         rows each epoch when shuffling). Without ``drop_last`` every row is read exactly
         once across ranks, shares differ by at most one row and last batches may be short
-        (use this for validation). Rows are shuffled inside a buffer of
-        ``shuffle_buffer`` rows (default: 16 batches, at least one row group).
+        (use this for validation). Rows are shuffled inside a window of ``shuffle_buffer``
+        rows; by default the rank's whole share of the epoch when the store is local and the
+        share decodes to at most 1 GiB (a full shuffle of the share, gathered at memory
+        speed), else 16 batches (at least one row group) on top of the random row-group
+        order. Rows inside one batch come in storage order (which rows form a batch is random).
 
-        A background thread decodes ``prefetch`` groups of batches (up to 4 MB) ahead; ``cache=True`` keeps
-        decoded row groups in memory for the next epochs.
+        A background thread decodes ``prefetch`` groups of batches (up to 4 MB) ahead. Decoded
+        row groups stay in memory for the next epochs (later epochs only gather rows): all of
+        them with ``cache=True``, none with ``False``, and by default (None) up to
+        MEMORY_BYTES (1 GiB) per process. Batches are views of those arrays: copy before
+        modifying one in place.
 
         Numeric columns arrive as torch tensors, binary columns as numpy arrays of ``bytes``.
         ``transform(batch) -> dict`` (see :mod:`sparkring.data.transform`) gets numpy arrays
@@ -132,7 +140,6 @@ class Dataset:
     def _generate(self, batch_size, rank, size, shuffle, seed, epoch, drop_last, split, cache,
                   shuffle_buffer, cols) -> Iterator[Dict[str, Any]]:
         import pyarrow.parquet as pq
-        import torch
 
         units = self._units(split)
         if shuffle:
@@ -149,13 +156,12 @@ class Dataset:
             if lo < hi:
                 pieces.append((path, rg, lo - offset, hi - offset))
             offset += n
-        buffer_rows = shuffle_buffer or max(16 * batch_size, max(u[2] for u in units))
         rng = np.random.default_rng([seed, epoch, rank, 7919])
         files: Dict[str, Any] = {}
 
         def decode(path: str, rg: int) -> Dict[str, np.ndarray]:
             key = (f"{split}/{path}", rg)
-            if cache and key in self._decoded:
+            if key in self._decoded:
                 return self._decoded[key]
             if path not in files:
                 full = f"{self.data_dir}/{path}"
@@ -165,15 +171,12 @@ class Dataset:
                                else pq.ParquetFile(self.store.fs.open_input_file(full)))
             table = files[path].read_row_group(rg, columns=cols)
             arrays = {c: to_numpy(table.column(c), self.spec.column(c)) for c in cols}
-            if cache:
+            nbytes = sum(a.nbytes for a in arrays.values())
+            if cache or (cache is None and self._decoded_bytes + nbytes <= MEMORY_BYTES):
                 self._decoded[key] = arrays
+                self._decoded_bytes += nbytes
             return arrays
 
-        def to_torch(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-            return arrays  # numpy until after the transform: see as_torch
-
-        window: List[Dict[str, np.ndarray]] = []
-        window_rows = 0
         carry: Optional[Dict[str, np.ndarray]] = None
 
         def emit(arrays: Dict[str, np.ndarray], final: bool):
@@ -187,39 +190,84 @@ class Dataset:
                 arrays = {c: a[take:] for c, a in arrays.items()}
                 n -= take
                 if have + take == batch_size:
-                    yield to_torch(carry)
+                    yield carry
                     carry = None
                 elif final:
-                    yield to_torch(carry)
+                    yield carry
                     carry = None
                     return
                 else:
                     return
             full = n - n % batch_size
             for start in range(0, full, batch_size):
-                yield to_torch({c: a[start:start + batch_size] for c, a in arrays.items()})
+                yield {c: a[start:start + batch_size] for c, a in arrays.items()}
             if full < n:
                 rest = {c: a[full:] for c, a in arrays.items()}
                 if final:
-                    yield to_torch(rest)
+                    yield rest
                 else:
                     carry = rest
 
+        if not shuffle:
+            for i, (path, rg, lo, hi) in enumerate(pieces):
+                arrays = decode(path, rg)
+                yield from emit({c: a[lo:hi] for c, a in arrays.items()}, final=i == len(pieces) - 1)
+            return
+
+        # Shuffled: a window of pieces (views of decoded row groups) is permuted as a whole and
+        # each batch gathers its rows straight from the pieces (one copy, indices sorted for
+        # locality); the fewer than batch_size rows left over join the next window.
+        target = shuffle_buffer or self._window_rows(count, batch_size, units, cols)
+        window: List[Dict[str, np.ndarray]] = []
+        rows = 0
         for i, (path, rg, lo, hi) in enumerate(pieces):
             arrays = decode(path, rg)
-            sliced = {c: a[lo:hi] for c, a in arrays.items()}
+            window.append({c: a[lo:hi] for c, a in arrays.items()})
+            rows += hi - lo
             last = i == len(pieces) - 1
-            if not shuffle:
-                yield from emit(sliced, final=last)
+            if rows < target and not last:
                 continue
-            window.append(sliced)
-            window_rows += hi - lo
-            if window_rows >= buffer_rows or last:
-                merged = {c: np.concatenate([w[c] for w in window]) if len(window) > 1 else window[0][c]
-                          for c in cols}
-                perm = rng.permutation(window_rows)
-                yield from emit({c: a[perm] for c, a in merged.items()}, final=last)
-                window, window_rows = [], 0
+            perm = rng.permutation(rows)
+            full = rows if last else rows - rows % batch_size
+            bounds = np.cumsum([0] + [len(w[cols[0]]) for w in window])
+            for start in range(0, full, batch_size):
+                yield _gather(window, bounds, np.sort(perm[start:start + batch_size]), cols)
+            if full < rows:
+                window = [_gather(window, bounds, np.sort(perm[full:]), cols)]
+                rows -= full
+            else:
+                window, rows = [], 0
+
+    def _window_rows(self, count: int, batch_size: int, units, cols) -> int:
+        """Rows shuffled together: the rank's whole share when it is local and takes at most
+        MEMORY_BYTES decoded, else 16 batches (at least one row group)."""
+        if self.store.local_path(self.data_dir) is not None:
+            row_bytes = 0
+            for c in cols:
+                col = self.spec.column(c)
+                row_bytes += 4096 if col.kind == BYTES else col.width() * np.dtype(col.dtype).itemsize
+            if count * row_bytes <= MEMORY_BYTES:
+                return count
+        return max(16 * batch_size, max(u[2] for u in units))
+
+
+def _gather(window: List[Dict[str, np.ndarray]], bounds: np.ndarray, rows: np.ndarray,
+            cols: List[str]) -> Dict[str, np.ndarray]:
+    """The window's ``rows`` (sorted indices over its pieces, in order) as one array per column."""
+    if len(window) == 1:
+        return {c: window[0][c][rows] for c in cols}
+    cuts = list(np.searchsorted(rows, bounds[1:-1])) + [len(rows)]
+    out = {}
+    for c in cols:
+        first = window[0][c]
+        dest = np.empty((len(rows),) + first.shape[1:], dtype=first.dtype)
+        start = 0
+        for j, end in enumerate(cuts):
+            if end > start:
+                np.take(window[j][c], rows[start:end] - bounds[j], axis=0, out=dest[start:end])
+            start = end
+        out[c] = dest
+    return out
 
 
 def as_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
@@ -235,6 +283,9 @@ def as_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
 
 
 GROUP_BYTES = 4 << 20
+# What one reader (one rank) keeps decoded in memory: the cache of row groups for later
+# epochs, and the largest share shuffled as one window.
+MEMORY_BYTES = 1 << 30
 GROUP_BATCHES = 16
 
 
