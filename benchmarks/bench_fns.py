@@ -339,3 +339,24 @@ def ddp_recommender_training(files_by_rank, epochs, batch_size, lr):
             opt.step()
     dist.destroy_process_group()
     return steps * batch_size * epochs
+
+
+def barrier_rdd_task(_):
+    """One task of a bare RDD barrier stage (the launch path before 2026-11-29): the rendezvous."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    ctx.allGather(str(ctx.partitionId()))
+    yield ctx.partitionId()
+
+
+def barrier_arrow_task(batches):
+    """One task of a bare DataFrame barrier stage (mapInArrow, the launch path now): the rendezvous."""
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    for _ in batches:
+        pass
+    ctx = BarrierTaskContext.get()
+    ctx.allGather(str(ctx.partitionId()))
+    yield pa.RecordBatch.from_pydict({"rank": [ctx.partitionId()]})

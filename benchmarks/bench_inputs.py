@@ -9,7 +9,7 @@ import time
 from common import Row, alternate
 
 
-def _raw_reader(files, columns, widths, batch=1024):
+def _raw_reader(files, columns, widths, batch=1024, passes=1):
     """Plain pyarrow into torch tensors, the same files, no shuffle: the baseline."""
     import numpy as np
     import pyarrow.parquet as pq
@@ -17,7 +17,7 @@ def _raw_reader(files, columns, widths, batch=1024):
 
     def read():
         count = 0
-        for path in files:
+        for path in files * passes:
             f = pq.ParquetFile(path, memory_map=True)
             for i in range(f.num_row_groups):
                 t = f.read_row_group(i, columns=columns)
@@ -40,10 +40,10 @@ def _raw_reader(files, columns, widths, batch=1024):
     return read
 
 
-def _reader(ds, shuffle, batch=1024, **kw):
+def _reader(ds, shuffle, batch=1024, passes=1, **kw):
     def read():
-        return sum(len(b[ds.columns[0]]) for b in ds.batches(batch, rank=0, size=1, shuffle=shuffle,
-                                                               drop_last=False, **kw))
+        return sum(len(b[ds.columns[0]]) for epoch in range(passes)
+                   for b in ds.batches(batch, rank=0, size=1, shuffle=shuffle, epoch=epoch, drop_last=False, **kw))
     return read
 
 
@@ -64,11 +64,12 @@ def bench_inputs(spark, rows, reps, tmp, n=200_000):
                    (F.rand(1) > 0.5).cast("double").alias("label")))
     ds = prepare(ids, store, columns=["user", "item", "label"], reuse=False)
     files = [os.path.join(ds.data_dir, f["path"]) for f in ds.metadata["splits"]["train"]]
-    ours, raw = alternate(_reader(ds, False, cache=False), _raw_reader(files, ["user", "item", "label"], {}),
-                          reps + 2)
+    passes = 10  # one pass takes a few ms: time ten
+    ours, raw = alternate(_reader(ds, False, cache=False, passes=passes),
+                          _raw_reader(files, ["user", "item", "label"], {}, passes=passes), reps + 2)
     rows.append(Row("inputs", f"reader rows/s into torch, {n // 1000}k rows of 2 int64 ids + label (no shuffle)",
-                    f"{n / ours / 1e6:.2f} M rows/s", f"raw pyarrow {n / raw / 1e6:.2f} M rows/s", raw / ours,
-                    ">= 0.8x", goal_value=0.8))
+                    f"{passes * n / ours / 1e6:.2f} M rows/s", f"raw pyarrow {passes * n / raw / 1e6:.2f} M rows/s",
+                    raw / ours, ">= 0.8x", goal_value=0.8))
 
     # 3x32x32 uint8 images as tinyint arrays
     image_rows = n
@@ -189,7 +190,8 @@ def bench_recommender_fit(spark, rows, reps, tmp, n=200_000):
     epochs, bs, lr = 2, 256, 0.1
 
     def ours():
-        SparkRingEstimator(model=bench_fns.MatrixFactorization(), optimizer=lambda p: torch.optim.Adagrad(p, lr=lr),
+        SparkRingEstimator(model=bench_fns.MatrixFactorization(sparse=False),
+                           optimizer=lambda p: torch.optim.Adagrad(p, lr=lr),
                            loss="bce_with_logits", modelInputs=["user", "item", "activity"], labelCol="clicked",
                            batchSize=bs, epochs=epochs, numProc=2, verbose=0,
                            store=Store(os.path.join(tmp, "rec_store"))).fit(df)
@@ -203,7 +205,8 @@ def bench_recommender_fit(spark, rows, reps, tmp, n=200_000):
 
     t_ours, t_td = alternate(ours, baseline, reps)
     sps = lambda t: n * epochs / t  # noqa: E731
-    rows.append(Row("inputs", f"fit() of the recommender (2 int64 ids -> sparse embeddings + 1 dense), {n // 1000}k "
-                              f"rows, 2 ranks, {epochs} epochs, whole fit",
+    rows.append(Row("inputs", f"fit() of the recommender (2 int64 ids -> 2,000 x 8 and 500 x 8 embeddings + 1 dense "
+                              f"column, the same model on both sides), {n // 1000}k rows, 2 ranks, {epochs} epochs, "
+                              "whole fit",
                     f"{sps(t_ours):,.0f} samples/s", f"TorchDistributor+DDP+pyarrow {sps(t_td):,.0f} samples/s",
                     t_td / t_ours, ">= 1.0x", goal_value=1.0))

@@ -201,3 +201,23 @@ def join_with_two_rank_swaps(steps_by_rank=(1, 3)):
         out["in_place"].append(t[[0, -1]].tolist())
     out["last"] = hvd.join()
     return out
+
+
+def process_sets_pair():
+    """2 ranks: one singleton process set per rank; collectives within each, an outsider
+    refused, then removal and a global collective again."""
+    r = hvd.rank()
+    sets = [hvd.add_process_set([0]), hvd.add_process_set([1])]
+    mine, other = sets[r], sets[1 - r]
+    out = {"ids": [ps.process_set_id for ps in sets], "set": (mine.rank(), mine.size())}
+    out["sum"] = hvd.allreduce(torch.tensor([float(r + 1)]), op=hvd.Sum, process_set=mine)
+    out["bcast"] = hvd.broadcast(torch.tensor([r * 10]), root_rank=r, process_set=mine)
+    out["gather"] = hvd.allgather(torch.tensor([r]), process_set=mine)
+    try:
+        hvd.allreduce(torch.ones(1), process_set=other)
+    except ValueError as exc:
+        out["outsider"] = str(exc)
+    hvd.barrier()
+    out["removed"] = [hvd.remove_process_set(ps) for ps in sets]
+    out["global"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum)
+    return out

@@ -169,3 +169,13 @@ def test_mpi_is_reported_built_but_not_in_use_on_gloo():
         assert sr.mpi_built() and not sr.mpi_threads_supported()
     finally:
         sr.shutdown()
+
+
+def test_process_sets_work_on_mpi_as_on_gloo(spark):
+    on_mpi = run(hvd_fns.process_sets_pair, num_proc=2, backend="mpi")
+    on_gloo = run(hvd_fns.process_sets_pair, num_proc=2, backend="gloo")
+    for rank, (m, g) in enumerate(zip(on_mpi, on_gloo)):
+        assert m["set"] == (0, 1) and m["sum"].tolist() == [rank + 1.0] and m["bcast"].tolist() == [rank * 10]
+        assert m["gather"].tolist() == [rank] and m["removed"] == [True, True] and m["global"].tolist() == [2.0]
+        assert "outsider" in m
+        _assert_same(m, g)

@@ -102,6 +102,7 @@ class MPIBackend(Backend):
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._store = None
         self._results = ResultBuffers()
+        self._global = list(range(size))  # this communicator's ranks -> global ranks
         if self._master is None:
             self._comm = MPI.COMM_SELF.Dup()
         else:
@@ -208,6 +209,32 @@ class MPIBackend(Backend):
 
     def barrier(self):
         self._comm.Barrier()
+
+    def subgroup(self, ranks: List[int]) -> Optional["MPIBackend"]:
+        """The communicator of ``ranks`` only (MPI_Comm_split; every rank calls it, ranks
+        outside get MPI_COMM_NULL and None)."""
+        MPI = _mpi()
+        member = self.rank in ranks
+        comm = self._comm.Split(0 if member else MPI.UNDEFINED, ranks.index(self.rank) if member else 0)
+        if not member:
+            return None
+        sub = object.__new__(type(self))
+        sub.__dict__.update(self.__dict__)
+        sub._comm, sub._global = comm, list(ranks)
+        sub.rank, sub.size = ranks.index(self.rank), len(ranks)
+        sub._results = ResultBuffers()
+        return sub
+
+    def release(self) -> None:
+        """Free this subgroup's communicator (a process set being removed)."""
+        if self._comm is not None:
+            self._comm.Free()
+            self._comm = None
+
+    def group_rank(self, global_rank: int) -> int:
+        if global_rank not in self._global:
+            raise ValueError(f"rank {global_rank} is not in this process set (ranks {self._global})")
+        return self._global.index(global_rank)
 
     def rendezvous(self):
         return self._store if self.size > 1 else None

@@ -12,6 +12,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import _checks, _runtime, ops
+from ._sparse import allreduce_sparse_grads
 from .compression import Compression
 from .process_sets import ProcessSet, backend_of
 
@@ -82,7 +83,7 @@ class _DistributedOptimizerMixin:
         self._sr_should_sync = True
         self._sr_synchronized = False
         self._sr_sparse_as_dense = sparse_as_dense
-        self._sr_sparse: Dict[int, object] = {}  # params whose grads came sparse -> handle of this step
+        self._sr_sparse: Dict[int, torch.Tensor] = {}  # params whose grads came sparse -> this step's grad
         trainable = [p for p in params if p.requires_grad]
         self._sr_params = trainable
         self._sr_param_by_id = {id(p): p for p in trainable}
@@ -124,8 +125,7 @@ class _DistributedOptimizerMixin:
                 p.grad = p.grad.to_dense()
             else:  # indices + values, as Horovod: the dense bucket never carries this parameter
                 self._sr_take_out_of_bucket(p, bucket)
-                with _runtime.scope(self._sr_set):
-                    self._sr_sparse[key] = ops.sparse_allreduce_async(p.grad, self._sr_names[key], self._sr_op)
+                self._sr_sparse[key] = p.grad  # exchanged together in synchronize()
                 return
         bucket.pending.discard(key)
         # Buckets go out in index order on every rank, so collectives always match up.
@@ -188,9 +188,13 @@ class _DistributedOptimizerMixin:
         while self._sr_next_launch < len(self._sr_buckets):
             self._sr_launch(self._sr_buckets[self._sr_next_launch])
             self._sr_next_launch += 1
-        for key, handle in self._sr_sparse.items():
-            param = self._sr_param_by_id[key]
-            param.grad = ops.synchronize(handle)
+        if self._sr_sparse:
+            keys = sorted(self._sr_sparse, key=lambda k: self._sr_names[k])  # the same order on every rank
+            with _runtime.scope(self._sr_set):
+                reduced = allreduce_sparse_grads([self._sr_sparse[k] for k in keys], "sparse_gradients",
+                                                 self._sr_op)
+            for key, grad in zip(keys, reduced):
+                self._sr_param_by_id[key].grad = grad
         self._sr_sparse = {}
         for bucket in self._sr_buckets:
             if bucket.handle is None:  # emptied: its parameters' gradients are sparse
