@@ -4,9 +4,13 @@
 """
 from typing import Any
 
+from .errors import (ChannelError, ConfigurationError, DataError, HorovodInternalError, MismatchError,
+                     NotInitializedError, RankFailedError, RankTimeoutError, SparkRingError, StoreError)
+
+__all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "TorchDistributor", "SparkRingError",
+           "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
+           "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError"]
 __version__ = "0.1.0"
-__all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "TorchDistributor", "ConfigurationError",
-           "RankFailedError", "RankTimeoutError"]
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should
 # not pay for pyspark.ml, pandas and pyarrow it never touches.
@@ -16,9 +20,6 @@ _LAZY = {
     "Store": "sparkring.data",
     "run": "sparkring.runner",
     "TorchDistributor": "sparkring.runner.distributor",
-    "ConfigurationError": "sparkring.runner",
-    "RankFailedError": "sparkring.runner",
-    "RankTimeoutError": "sparkring.runner",
 }
 
 

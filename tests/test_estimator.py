@@ -92,6 +92,8 @@ def test_regression_on_a_list_of_numeric_columns_with_sample_weights(spark, stor
     ({"gradientCompression": "int8"}, r"gradientCompression='int8'"),
     ({"earlyStopping": {"patience": 1, "monitor": "val_auc"}}, r"earlyStopping monitors 'val_auc'"),
     ({"model": "not a module"}, r"model must be a torch.nn.Module"),
+    ({"runId": "../escape"}, r"runId='../escape' is not a plain name"),
+    ({"numProc": 0}, r"numProc=0"),
 ])
 def test_bad_params_are_rejected_before_any_spark_job(spark, store, kw, match):
     df = H.classification_df(spark)

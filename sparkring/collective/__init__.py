@@ -4,8 +4,9 @@
 >>> sr.init()
 >>> sr.allreduce(torch.ones(2), op=sr.Sum)  # doctest: +SKIP
 """
+from ..errors import HorovodInternalError, MismatchError, NotInitializedError
 from ._checks import check_same_shapes
-from ._runtime import (HorovodInternalError, NotInitializedError, backend, ccl_built, cross_rank, cross_size,
+from ._runtime import (backend, ccl_built, cross_rank, cross_size,
                        cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
                        local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, nccl_enabled,
                        rank, rocm_built, shutdown, size)
@@ -30,7 +31,7 @@ __all__ = [
     "join", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "barrier", "broadcast_parameters", "broadcast_optimizer_state",
     "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "NotInitializedError", "HorovodInternalError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
+    "NotInitializedError", "HorovodInternalError", "MismatchError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
     "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
     "mpi_threads_supported", "check_same_shapes", "ProcessSet", "add_process_set", "remove_process_set",
     "global_process_set",

@@ -14,12 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import MismatchError
 from . import _runtime
-
-
-class MismatchError(RuntimeError, ValueError):
-    """Ranks called a collective with different arguments (raised on every rank, as Horovod
-    raises for mismatched tensors)."""
 
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "broadcast_object", "reducescatter",

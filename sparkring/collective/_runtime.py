@@ -9,20 +9,12 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 import torch
 
+from ..errors import HorovodInternalError, NotInitializedError
 from . import _env
 from ._backend import Backend
 
 if TYPE_CHECKING:
     from ._join import Recipe
-
-
-class NotInitializedError(RuntimeError):
-    """A collective was called before ``init()`` (or after ``shutdown()``)."""
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed inside the transport (a peer went away, the ring broke); as in
-    Horovod, elastic code catches it to restart from a checkpoint."""
 
 
 class _State:

@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from ..errors import DataError
+
 SCALAR, TENSOR, BYTES = "scalar", "tensor", "bytes"
 
 _SCALAR_DTYPES = {"tinyint": "int8", "smallint": "int16", "int": "int32", "bigint": "int64",
@@ -28,10 +30,6 @@ _ARRAY_ELEMENTS = {"int8": "tinyint", "int16": "smallint", "int32": "int", "int6
 
 InputsParam = Union[None, Sequence[Union[str, Sequence[str]]], Mapping[str, Union[str, Sequence[str]]]]
 ShapesParam = Union[None, Sequence[int], Mapping[str, Sequence[int]]]
-
-
-class DataError(ValueError):
-    """The DataFrame cannot be turned into tensors; the message names the column and the fix."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import os
 import posixpath
+import re
 import shutil
 import tempfile
 import uuid
@@ -11,9 +12,23 @@ from typing import Any, Dict, List, Optional
 
 import pyarrow.fs as pafs
 
+from ..errors import ConfigurationError, StoreError
 
-class StoreError(OSError):
-    """The store cannot be used (unwritable path, unknown scheme...)."""
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_run_id(run_id: str) -> None:
+    """A run id names one directory under the store's ``runs/``: letters, digits, '.', '_', '-'.
+
+    >>> check_run_id("../escape")
+    Traceback (most recent call last):
+    ...
+    sparkring.errors.ConfigurationError: runId='../escape' ...
+    """
+    if not isinstance(run_id, str) or not _RUN_ID.match(run_id) or ".." in run_id:
+        raise ConfigurationError(f"runId={run_id!r} is not a plain name: use letters, digits, '.', '_' and '-' "
+                                 "(up to 128, no '/' or '..'); it names a directory under the store's runs/")
 
 
 _OBJECT_STORES = ("S3FileSystem", "GcsFileSystem", "AzureFileSystem")
@@ -103,6 +118,7 @@ class Store:
         return posixpath.join(self.root, *parts)
 
     def run_path(self, run_id: str, *parts: str) -> str:
+        check_run_id(run_id)
         return self.path("runs", run_id, *parts)
 
     def data_path(self, run_id: str, *parts: str) -> str:

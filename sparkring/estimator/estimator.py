@@ -13,6 +13,7 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import DataError, FeatureSpec, Store, prepare
+from ..data.store import check_run_id
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, launch, plan
 from . import losses
 from .model import SparkRingModel
@@ -215,6 +216,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
                            use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
                            stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES)
+        if self.getOrDefault("runId") is not None:
+            check_run_id(self.getOrDefault("runId"))
         store = self.getOrDefault("store") or Store()
         if not isinstance(store, Store):
             store = Store(str(store))

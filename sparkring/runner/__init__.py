@@ -5,7 +5,7 @@
 [42, 42]
 """
 from .channel import report
-from .errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .launch import launch, run
 from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, plan
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..collective import _env
+from ..errors import ChannelError
 from . import channel
-from .errors import is_secondary
 from ._process import (dump_stacks, free_ports, interface_of, kill_tree, mpi_network_env, resolve,
                        start_worker)
+from .failures import is_secondary
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
 # kind "message": one channel message (JSON) the driver handles as if it came live.
@@ -305,7 +306,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
                             outbox.send({"t": "stacks", "rank": rank, "attempt": attempt,
                                          "stacks": dump_stacks(proc, workdir)})
                         kill_tree(proc)
-            except (OSError, channel.ChannelError, ValueError):
+            except (OSError, ChannelError, ValueError):
                 return
 
         for conn in (driver, control):

@@ -50,7 +50,7 @@ def _report_error(tb: str, exit_code=None) -> None:
     from . import channel
 
     try:
-        from .errors import is_secondary
+        from .failures import is_secondary
 
         channel.report_raw({"t": "error", "kind": "exception", "traceback": tb, "exit_code": exit_code,
                             "secondary": is_secondary(tb)})

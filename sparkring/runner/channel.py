@@ -16,14 +16,13 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..collective import _env
+from ..errors import ChannelError
 
 _HEADER = struct.Struct(">I")
 _MAC_LEN = 32
 MAX_FRAME = 64 * 1024 * 1024
 
 
-class ChannelError(RuntimeError):
-    """A frame was malformed, too big or not signed with the run's secret."""
 
 
 def _sign(secret: bytes, body: bytes) -> bytes:

@@ -16,7 +16,7 @@ import cloudpickle
 
 from ..collective import _env
 from ._process import dump_stacks, free_ports, kill_tree
-from .errors import ConfigurationError, RankFailedError, RankTimeoutError
+from ..errors import ConfigurationError, RankFailedError, RankTimeoutError
 from .launch import ScriptMain, _active_spark, run
 
 

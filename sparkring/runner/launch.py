@@ -18,7 +18,7 @@ import cloudpickle
 
 from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import DriverChannel
-from .errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .plan import RUN_NAMES, LaunchPlan, plan
 from .session import JobTag, wait_for_slots
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ..collective._runtime import BACKENDS as TRANSPORTS
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 from .session import SessionFacts, session_facts
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,67 @@
+"""Every public error of sparkring, all under SparkRingError; every layer raises these.
+
+>>> from sparkring.errors import SparkRingError, RankFailedError
+>>> try:
+...     est.fit(df)
+... except RankFailedError as e:
+...     print(e.rank, e.remote_traceback)  # doctest: +SKIP
+"""
+from __future__ import annotations
+
+
+class SparkRingError(RuntimeError):
+    """Base class of every error sparkring raises on purpose."""
+
+
+class ConfigurationError(SparkRingError, ValueError):
+    """The Spark session or the arguments cannot run the job; raised before any Spark job."""
+
+
+class DataError(SparkRingError, ValueError):
+    """The DataFrame cannot be turned into tensors; the message names the column and the fix."""
+
+
+class StoreError(SparkRingError, OSError):
+    """The store cannot be used (unwritable path, unknown scheme...)."""
+
+
+class RankFailedError(SparkRingError):
+    """A rank raised (or its process died); carries the rank and its traceback.
+
+    >>> try:
+    ...     run(fn, num_proc=2)
+    ... except RankFailedError as e:
+    ...     print(e.rank, e.remote_traceback)  # doctest: +SKIP
+    """
+
+    def __init__(self, rank: int, remote_traceback: str, exit_code=None):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exit_code = exit_code
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class RankTimeoutError(SparkRingError, TimeoutError):
+    """A rank ran past ``timeout`` (or the ranks did not all start within ``start_timeout``)."""
+
+    def __init__(self, message: str, ranks=()):
+        self.ranks = list(ranks)
+        super().__init__(message)
+
+
+class NotInitializedError(SparkRingError):
+    """A collective was called before ``init()`` (or after ``shutdown()``)."""
+
+
+class HorovodInternalError(SparkRingError):
+    """A collective failed inside the transport (a peer went away, the ring broke); as in
+    Horovod, elastic code catches it to restart from a checkpoint."""
+
+
+class MismatchError(SparkRingError, ValueError):
+    """Ranks called a collective with different arguments (raised on every rank, as Horovod
+    raises for mismatched tensors)."""
+
+
+class ChannelError(SparkRingError):
+    """A frame on the driver channel was malformed, too big or not signed with the run's secret."""
