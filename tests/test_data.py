@@ -151,7 +151,7 @@ def test_preparing_the_same_plan_and_columns_again_reuses_the_files(skewed_df, s
 def test_cache_keeps_decoded_row_groups_for_later_epochs(skewed_df, store):
     ds = prepare(skewed_df, store, columns=["id"])
     first = _ids(ds, 10, 1, epoch=0, cache=True)
-    assert ds._decoded  # populated
+    assert ds._memory  # populated
     for f in ds.metadata["splits"]["train"]:
         os.remove(os.path.join(ds.data_dir, f["path"]))
     assert sorted(i for b in _ids(ds, 10, 1, epoch=1, cache=True)[0] for i in b) == \
@@ -204,27 +204,46 @@ def test_store_works_on_fsspec_urls_pyarrow_cannot_open():
     assert clone.read_bytes(path) == b"weights"
 
 
-def test_reader_keeps_decoded_row_groups_within_its_memory_budget(skewed_df, store, monkeypatch):
-    import sparkring.data.dataset as dataset_module
+def test_reader_keeps_a_split_in_memory_only_within_its_budget(skewed_df, store, monkeypatch):
+    import sparkring.data.reader as reader_module
 
     ds = prepare(skewed_df, store, columns=["id", "x"])
-    _ids(ds, 10, 1, epoch=0)
-    assert ds._decoded and ds._decoded_bytes > 0  # default: cached while within the budget
-    monkeypatch.setattr(dataset_module, "MEMORY_BYTES", 0)
+    first = _ids(ds, 10, 1, epoch=0)
+    assert ds._memory  # default: held while within the budget
+    for f in ds.metadata["splits"]["train"]:
+        os.rename(os.path.join(ds.data_dir, f["path"]), os.path.join(ds.data_dir, f["path"]) + ".away")
+    again = _ids(ds, 10, 1, epoch=0)  # served from memory: the files are gone
+    assert again == first
+    for f in ds.metadata["splits"]["train"]:
+        os.rename(os.path.join(ds.data_dir, f["path"]) + ".away", os.path.join(ds.data_dir, f["path"]))
+    monkeypatch.setattr(reader_module, "MEMORY_BYTES", 0)
     tight = prepare(skewed_df, store, columns=["id", "x"])
     tight.__setstate__(tight.__getstate__())  # a fresh copy, as a rank gets
-    _ids(tight, 10, 1, epoch=0)
-    assert not tight._decoded
-    _ids(ds, 10, 1, epoch=0, cache=False)
+    in_order = _ids(ds, 10, 1, shuffle=False)
+    assert _ids(tight, 10, 1, shuffle=False) == in_order
+    assert not tight._memory
+    assert _ids(ds, 10, 1, shuffle=False, cache=False) == in_order
 
 
+@pytest.mark.parametrize("cache", [None, False])
 @pytest.mark.parametrize("window", [None, 64, 100])
-def test_shuffled_windows_yield_every_row_once_with_its_own_values(skewed_df, store, window):
+def test_shuffled_windows_yield_every_row_once_with_its_own_values(skewed_df, store, window, cache):
     ds = prepare(skewed_df, store, columns=["id", "x"])
-    batches = list(ds.batches(32, shuffle=True, seed=5, epoch=1, drop_last=False, shuffle_buffer=window))
+    batches = list(ds.batches(32, shuffle=True, seed=5, epoch=1, drop_last=False, shuffle_buffer=window,
+                              cache=cache))
     ids = torch.cat([b["id"] for b in batches])
     assert sorted(ids.tolist()) == list(range(1000))
     assert ids.tolist() != sorted(ids.tolist())
     for b in batches:
         torch.testing.assert_close(b["x"][:, 1], b["id"].float() * 2)
     assert all(len(b["id"]) == 32 for b in batches[:-1])
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_batches_are_the_same_whether_the_split_is_held_in_memory_or_not(skewed_df, store, window):
+    ds = prepare(skewed_df, store, columns=["id", "x"])
+    for epoch in (0, 1):
+        held = _ids(ds, 32, 2, shuffle=True, seed=3, epoch=epoch, shuffle_buffer=window)
+        streamed = _ids(ds, 32, 2, shuffle=True, seed=3, epoch=epoch, shuffle_buffer=window, cache=False)
+        assert held == streamed
+    assert ds._memory

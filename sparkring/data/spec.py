@@ -14,7 +14,7 @@ here. Scalars keep their Parquet type; binary columns stay bytes for a ``transfo
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -132,7 +132,6 @@ class FeatureSpec:
     weight: Optional[str] = None
     keyword: bool = False
     transform: bool = False
-    validation: Optional[str] = field(default=None, compare=False)
 
     # -- building on the driver --------------------------------------------------------
     @classmethod

@@ -15,7 +15,7 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import DataError, FeatureSpec
-from ..data.dataset import as_torch
+from ..data.reader import as_torch
 from ..data.spec import to_numpy
 from ..data.transform import apply as apply_transform
 from . import losses

@@ -1,0 +1,268 @@
+"""One rank's epoch of batches from prepared Parquet: which rows it reads, decoding row groups
+in a background thread, keeping a split decoded in memory for later epochs, and cutting
+(shuffled) batches on the consumer's side.
+
+Decoding (pyarrow, which releases the GIL) runs ahead in a thread and hands over one row
+group at a time; batches are cut where they are consumed, so a hand-over never costs as much
+as a small batch. When a split fits in MEMORY_BYTES its row groups are decoded into one
+contiguous array per column: later epochs decode nothing, and a shuffled batch is one
+``np.take`` of sorted row indices per column.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .spec import BYTES, FeatureSpec, to_numpy
+
+# What one reader (one rank) keeps decoded in memory: a split decoded for later epochs, and
+# the largest share shuffled as one window.
+MEMORY_BYTES = 1 << 30
+
+# Batches are views of decoded arrays, which numpy flags read-only where Arrow owns them;
+# torch warns on each one (a catch_warnings per batch costs as much as the batch itself).
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+
+Unit = Tuple[str, int, int]  # (file, row group, rows)
+
+
+def plan_rows(total: int, batch_size: int, rank: int, size: int, drop_last: bool) -> Tuple[int, int]:
+    """(first row, row count) of ``rank``'s share of one epoch's row order."""
+    if drop_last:
+        per_rank = (total // (size * batch_size)) * batch_size
+        return rank * per_rank, per_rank
+    base, extra = divmod(total, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+@dataclass
+class Piece:
+    """Rows ``lo:hi`` of one row group, decoded; ``start`` is where they sit in the split's
+    in-memory arrays (None when the split is not held in memory)."""
+
+    arrays: Dict[str, np.ndarray]
+    rows: int
+    start: Optional[int]
+
+
+class SplitMemory:
+    """A split's row groups decoded into one contiguous array per column, in storage order."""
+
+    def __init__(self, units: Sequence[Unit]):
+        self.offsets: Dict[Tuple[str, int], int] = {}
+        total = 0
+        for path, rg, n in units:
+            self.offsets[(path, rg)] = total
+            total += n
+        self.total = total
+        self.arrays: Dict[str, np.ndarray] = {}
+        self.filled: set = set()
+
+    def holds(self, key: Tuple[str, int]) -> bool:
+        return key in self.filled
+
+    def fill(self, key: Tuple[str, int], arrays: Dict[str, np.ndarray]) -> None:
+        start = self.offsets[key]
+        for c, a in arrays.items():
+            if c not in self.arrays:
+                self.arrays[c] = np.empty((self.total,) + a.shape[1:], dtype=a.dtype)
+            self.arrays[c][start:start + len(a)] = a
+        self.filled.add(key)
+
+    def view(self, key: Tuple[str, int], lo: int, hi: int) -> Piece:
+        start = self.offsets[key] + lo
+        return Piece({c: a[start:start + hi - lo] for c, a in self.arrays.items()}, hi - lo, start)
+
+
+def row_bytes(spec: FeatureSpec, cols: Sequence[str]) -> int:
+    """Decoded bytes per row (binary columns counted as 4 KiB)."""
+    total = 0
+    for c in cols:
+        col = spec.column(c)
+        total += 4096 if col.kind == BYTES else col.width() * np.dtype(col.dtype).itemsize
+    return total
+
+
+def share(units: Sequence[Unit], first: int, count: int) -> List[Tuple[str, int, int, int]]:
+    """The (file, row group, lo, hi) pieces holding rows ``first:first+count`` of ``units``' order."""
+    pieces = []
+    offset = 0
+    for path, rg, n in units:
+        lo, hi = max(first, offset), min(first + count, offset + n)
+        if lo < hi:
+            pieces.append((path, rg, lo - offset, hi - offset))
+        offset += n
+    return pieces
+
+
+def decoded_pieces(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
+                   pieces: Sequence[Tuple[str, int, int, int]], memory: Optional[SplitMemory]) -> Iterator[Piece]:
+    """Each piece decoded (from memory when the split is held there, filling it otherwise)."""
+    files: Dict[str, Any] = {}
+    for path, rg, lo, hi in pieces:
+        key = (path, rg)
+        if memory is not None and memory.holds(key):
+            yield memory.view(key, lo, hi)
+            continue
+        if path not in files:
+            files[path] = open_file(path)
+        table = files[path].read_row_group(rg, columns=list(cols))
+        arrays = {c: to_numpy(table.column(c), spec.column(c)) for c in cols}
+        if memory is not None:
+            memory.fill(key, arrays)
+            yield memory.view(key, lo, hi)
+        else:
+            yield Piece({c: a[lo:hi] for c, a in arrays.items()}, hi - lo, None)
+
+
+def in_order(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str]) -> Iterator[Dict[str, np.ndarray]]:
+    """Batches in the pieces' row order: slices, except a batch that spans two pieces."""
+    carry: Optional[Dict[str, np.ndarray]] = None
+    for piece in pieces:
+        arrays, n = piece.arrays, piece.rows
+        if carry is not None:
+            have = len(carry[cols[0]])
+            take = min(batch_size - have, n)
+            carry = {c: np.concatenate([carry[c], arrays[c][:take]]) for c in cols}
+            arrays = {c: a[take:] for c, a in arrays.items()}
+            n -= take
+            if have + take < batch_size:
+                continue
+            yield carry
+            carry = None
+        full = n - n % batch_size
+        for start in range(0, full, batch_size):
+            yield {c: a[start:start + batch_size] for c, a in arrays.items()}
+        if full < n:
+            carry = {c: a[full:] for c, a in arrays.items()}
+    if carry is not None:
+        yield carry
+
+
+def shuffled(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str], window_rows: int,
+             rng: np.random.Generator, memory: Optional[SplitMemory]) -> Iterator[Dict[str, np.ndarray]]:
+    """Batches of rows drawn at random from windows of ``window_rows`` rows; the fewer than
+    ``batch_size`` rows a window leaves join the next one. Rows inside a batch keep their
+    order in the window (locality); which rows form a batch is random. With the split in
+    memory the batches are the same, gathered from the split's arrays."""
+    if memory is not None:
+        yield from _shuffled_in_memory(pieces, batch_size, cols, window_rows, rng, memory)
+        return
+    window: List[Piece] = []
+    rows = 0
+    pieces = iter(pieces)
+    piece = next(pieces, None)
+    while piece is not None:
+        window.append(piece)
+        rows += piece.rows
+        piece = next(pieces, None)
+        if rows < window_rows and piece is not None:
+            continue
+        perm = rng.permutation(rows)
+        full = rows if piece is None else rows - rows % batch_size
+        bounds = np.cumsum([0] + [p.rows for p in window])
+        for start in range(0, full, batch_size):
+            yield _gather(window, bounds, np.sort(perm[start:start + batch_size]), cols)
+        if full < rows:
+            window = [Piece(_gather(window, bounds, np.sort(perm[full:]), cols), rows - full, None)]
+            rows -= full
+        else:
+            window, rows = [], 0
+
+
+def _shuffled_in_memory(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str], window_rows: int,
+                        rng: np.random.Generator, memory: SplitMemory) -> Iterator[Dict[str, np.ndarray]]:
+    """shuffled() over row numbers of the split's arrays: one gather per column and batch."""
+    where_parts: List[np.ndarray] = []
+    rows = 0
+    pieces = iter(pieces)
+    piece = next(pieces, None)
+    while piece is not None:
+        assert piece.start is not None
+        where_parts.append(np.arange(piece.start, piece.start + piece.rows))
+        rows += piece.rows
+        piece = next(pieces, None)
+        if rows < window_rows and piece is not None:
+            continue
+        where = np.concatenate(where_parts)
+        perm = rng.permutation(rows)
+        full = rows if piece is None else rows - rows % batch_size
+        for start in range(0, full, batch_size):
+            idx = where[np.sort(perm[start:start + batch_size])]  # the same rows, in the same order, as _gather
+            yield {c: memory.arrays[c][idx] for c in cols}
+        where_parts = [where[np.sort(perm[full:])]] if full < rows else []
+        rows -= full
+
+
+def _gather(window: List[Piece], bounds: np.ndarray, rows: np.ndarray, cols: Sequence[str]) -> Dict[str, np.ndarray]:
+    """The window's ``rows`` (sorted indices over its pieces, in order) as one array per column."""
+    if len(window) == 1:
+        return {c: window[0].arrays[c][rows] for c in cols}
+    cuts = list(np.searchsorted(rows, bounds[1:-1])) + [len(rows)]
+    out = {}
+    for c in cols:
+        first = window[0].arrays[c]
+        dest = np.empty((len(rows),) + first.shape[1:], dtype=first.dtype)
+        start = 0
+        for j, end in enumerate(cuts):
+            if end > start:
+                np.take(window[j].arrays[c], rows[start:end] - bounds[j], axis=0, out=dest[start:end])
+            start = end
+        out[c] = dest
+    return out
+
+
+def as_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
+    """Numeric numpy arrays as torch tensors (zero-copy); bytes and tensors stay as they are."""
+    import torch
+
+    out = {}
+    for name, value in batch.items():
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            value = torch.from_numpy(value)
+        out[name] = value
+    return out
+
+
+def prefetched(source: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Run ``source`` in a background thread, ``depth`` items ahead (decoding releases the GIL)."""
+    q: "queue.Queue" = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce():
+        try:
+            for item in source:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(done)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            q.put(exc)
+
+    thread = threading.Thread(target=produce, name="sparkring-prefetch", daemon=True)
+    thread.start()
+
+    def consume():
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+
+    return consume()
