@@ -257,3 +257,16 @@ def rank_one_finishes_later(delay):
     if sr.rank() == 1:
         time.sleep(delay)
     return sr.rank()
+
+
+def secret_visibility():
+    """Whether the run's secret is in this rank's environment or a child's; then report an event."""
+    import subprocess
+    import sys
+
+    from sparkring.runner import report
+
+    child = subprocess.run([sys.executable, "-c", "import os; print('SPARKRING_SECRET' in os.environ)"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    reported = report({"rank": sr.rank()})
+    return {"in_rank": "SPARKRING_SECRET" in os.environ, "in_child": child == "True", "reported": reported}

@@ -220,3 +220,19 @@ def test_spark_submit_runs_the_cli_entry_point():
                           env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "weights identical on all ranks: True" in proc.stdout
+
+
+def test_the_run_secret_is_not_left_for_user_code_and_its_children(spark):
+    events = []
+    results = run(rank_fns.secret_visibility, num_proc=2, on_event=lambda rank, e: events.append(rank))
+    assert results == [{"in_rank": False, "in_child": False, "reported": True}] * 2
+    assert sorted(events) == [0, 1]
+
+
+def test_runs_leave_no_channel_threads_behind_in_the_driver(spark):
+    def channel_threads():
+        return [t for t in threading.enumerate() if t.name == "sparkring-channel"]
+
+    for _ in range(3):
+        assert run(rank_fns.whoami, num_proc=2)
+    assert channel_threads() == []

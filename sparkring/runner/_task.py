@@ -201,6 +201,8 @@ def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, port
         _env.MASTER_ADDR: master_ip, _env.MASTER_PORT: str(ports[0]), _env.BACKEND: spec.backend,
         _env.SECRET: spec.secret.hex(), _env.ATTEMPT: str(attempt),
         _env.START_TIMEOUT: str(spec.start_timeout), _env.PARENT_PID: str(os.getpid()),
+        # a rank blocked in a collective fails with the run's timeout, not gloo's 30 minutes
+        **({_env.TIMEOUT: str(spec.timeout)} if spec.timeout is not None else {}),
         # Everything this task can import, the worker can import (py-files, zips, tests).
         "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
         "PYTHONUNBUFFERED": "1",

@@ -89,6 +89,10 @@ def main(workdir: str) -> None:
 
     with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
+    from . import channel
+
+    if os.environ.get(_env.SECRET):
+        channel.take_secret()  # before any user code runs
     try:
         import torch
 

@@ -127,6 +127,11 @@ class DriverChannel:
     def close(self) -> None:
         self._closed = True
         try:
+            # close() alone does not wake a thread blocked in accept() on Linux: shutdown does
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
             self._sock.close()
         except OSError:
             pass
@@ -134,6 +139,8 @@ class DriverChannel:
             conns, self._conns = self._conns, []
         for conn in conns:
             conn.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
 
 class Connection:
@@ -194,8 +201,26 @@ def report_raw(message: Dict[str, Any]) -> bool:
             return True
         if _worker_conn is None:
             host, port = address.rsplit(":", 1)
-            _worker_conn = connect(host.strip("[]"), int(port), bytes.fromhex(os.environ[_env.SECRET]))
+            _worker_conn = connect(host.strip("[]"), int(port), take_secret())
         return _worker_conn.send(message)
+
+
+_worker_secret: Optional[bytes] = None
+
+
+def take_secret() -> bytes:
+    """The run's secret, read once from the rank's environment and removed from it, so that
+    the user's code and the processes it starts do not inherit it.
+
+    >>> take_secret()  # doctest: +SKIP
+    b'...'
+    """
+    global _worker_secret
+    if _worker_secret is None:
+        _worker_secret = bytes.fromhex(os.environ.pop(_env.SECRET))
+    else:
+        os.environ.pop(_env.SECRET, None)
+    return _worker_secret
 
 
 def report(payload: Dict[str, Any]) -> bool:
