@@ -5,11 +5,12 @@
 from typing import Any
 
 from .errors import (ChannelError, ConfigurationError, DataError, HorovodInternalError, MismatchError,
-                     NotInitializedError, RankFailedError, RankTimeoutError, SparkRingError, StoreError)
+                     NotInitializedError, RankFailedError, RankTimeoutError, SparkRingError, StoreError,
+                     TrainingError)
 
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
-           "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError"]
+           "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError"]
 __version__ = "0.1.0"
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should

@@ -49,6 +49,26 @@ class RankTimeoutError(SparkRingError, TimeoutError):
         super().__init__(message)
 
 
+class TrainingError(RankFailedError):
+    """Training went wrong on a rank (a non-finite loss): the reason names the epoch, step and
+    rank; the last good checkpoint is kept, so fitting again with the same runId resumes.
+
+    >>> try:
+    ...     est.fit(df)
+    ... except TrainingError as e:
+    ...     print(e.reason)  # doctest: +SKIP
+    non-finite loss nan at epoch 3, step 120 on rank 1
+    """
+
+    def __init__(self, rank: int, remote_traceback: str, reason: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        self.exit_code = None
+        self.reason = reason
+        SparkRingError.__init__(self, f"{reason}; the last good checkpoint is kept (fit again with the same "
+                                      f"runId to resume, or set onNonFinite='skip_step')\n{remote_traceback}")
+
+
 class NotInitializedError(SparkRingError):
     """A collective was called before ``init()`` (or after ``shutdown()``)."""
 

@@ -70,3 +70,25 @@ class RecordEpochs:
 
 def first_value(output, label):
     return output[:, 0].mean()
+
+
+class NaNAt(torch.nn.Module):
+    """An MLP whose output turns NaN on ``rank`` at the given forward calls (0-based)."""
+
+    def __init__(self, rank, calls, d=8, classes=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(d, classes)
+        self.rank = rank
+        self.calls = set(calls)
+        self.n = 0
+
+    def forward(self, x):
+        import sparkring.collective as sr
+
+        out = self.lin(x)
+        if self.training:
+            if sr.rank() == self.rank and self.n in self.calls:
+                out = out * float("nan")
+            self.n += 1
+        return out

@@ -287,3 +287,25 @@ def test_rank_zero_writes_tensorboard_scalars_to_the_run_logs(spark, store):
     acc.Reload()
     assert {"loss", "val_loss"} <= set(acc.Tags()["scalars"])
     assert [e.step for e in acc.Scalars("loss")] == [0, 1, 2]
+
+
+def test_non_finite_loss_raises_training_error_keeping_the_last_good_checkpoint(spark, store):
+    from sparkring import TrainingError
+    from sparkring.estimator.training import checkpoint_names
+
+    df = H.classification_df(spark)  # 480 rows: 15 steps of 16 per rank and epoch
+    est = _estimator(store, model=H.NaNAt(rank=1, calls=[15 + 2]), runId="nan-run", epochs=3)
+    with pytest.raises(TrainingError, match=r"non-finite loss nan at epoch 1, step 2 on rank 1") as info:
+        est.fit(df)
+    assert info.value.rank == 1
+    assert checkpoint_names(store, "nan-run") == ["epoch-00000.pt"]
+    resumed = _estimator(store, model=H.NaNAt(rank=1, calls=[]), runId="nan-run", epochs=3).fit(df)
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2]
+
+
+def test_skip_step_skips_non_finite_updates_on_every_rank_and_counts_them(spark, store):
+    df = H.classification_df(spark)
+    model = _estimator(store, model=H.NaNAt(rank=1, calls=[3, 20]), onNonFinite="skip_step", epochs=2).fit(df)
+    assert [h["skipped_steps"] for h in model.history] == [1, 1]
+    assert all(torch.isfinite(p).all() for p in model.getModel().parameters())
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in model.history)

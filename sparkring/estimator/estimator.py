@@ -14,12 +14,13 @@ from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import DataError, FeatureSpec, Store, prepare
 from ..data.store import check_run_id
+from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, launch, plan
 from . import losses
 from .model import SparkRingModel
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
-from .training import TrainConfig, train_rank
+from .training import TrainConfig, non_finite_reason, train_rank
 
 
 class _Progress:
@@ -96,7 +97,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                  validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
                  inferenceBatchSize=1024, keepData=False, timeout=None, streamLogs=True, modelInputs=None,
                  inputShapes=None, transformFn=None, transformFnInference=None, readerWorkers=None,
-                 lossWeights=None):
+                 lossWeights=None, onNonFinite="raise"):
         super().__init__()
         self._hold_data = False
         self._prepared = None
@@ -166,6 +167,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             fn = self.getOrDefault(name)
             if fn is not None and not callable(fn):
                 raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
+        if self.getOrDefault("onNonFinite") not in ("raise", "skip_step"):
+            raise ConfigurationError(f"onNonFinite={self.getOrDefault('onNonFinite')!r}: use 'raise' or 'skip_step'")
         if self.getOrDefault("gradientCompression") not in ("none", "fp16"):
             raise ConfigurationError(f"gradientCompression={self.getOrDefault('gradientCompression')!r}: "
                                      "use 'none' or 'fp16'")
@@ -310,11 +313,16 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
             use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0,
             transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
-            multi_head=len(labels) > 1)
+            multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step")
         progress = _Progress(verbose)
         try:
             results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
                              verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=progress)
+        except RankFailedError as exc:
+            reason = non_finite_reason(exc.remote_traceback)
+            if reason is None:
+                raise
+            raise TrainingError(exc.rank, exc.remote_traceback, reason) from None
         finally:
             progress.close()
         trained = copy.deepcopy(self.getOrDefault("model")).cpu()

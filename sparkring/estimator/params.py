@@ -100,6 +100,9 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
     readerWorkers = _param("readerWorkers", "processes per rank that run transformFn ahead of the step "
                                             "(default: the cores per rank - 1, 1 to 4; 0 runs it inline)",
                            _to_optional_int)
+    onNonFinite = _param("onNonFinite", "raise (TrainingError naming epoch, step and rank; the last good checkpoint "
+                                        "is kept) | skip_step (every rank skips that update; history counts "
+                                        "skipped_steps)", TypeConverters.toString)
     lossWeights = _param("lossWeights", "weight of each head's loss in the total (default: 1 each)",
                          _to_loss_weights)
     sampleWeightCol = _param("sampleWeightCol", "column of per-row loss weights (optional)",
@@ -147,7 +150,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                          inferenceBatchSize=1024, keepData=False, metrics=None, valBatchSize=None,
                          numProc=None, optimizer=None, loss=None, model=None, timeout=None,
                          streamLogs=True, modelInputs=None, inputShapes=None, transformFn=None,
-                         transformFnInference=None, readerWorkers=None, lossWeights=None)
+                         transformFnInference=None, readerWorkers=None, lossWeights=None, onNonFinite="raise")
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import os
 import random
 import re
@@ -51,6 +52,7 @@ class TrainConfig:
     transform_fn: Optional[Callable] = None
     reader_workers: Optional[int] = None
     multi_head: bool = False
+    skip_non_finite: bool = False
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -66,6 +68,31 @@ def default_reader_workers(local_size: int) -> int:
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
     return max(1, min(4, cores // max(1, local_size) - 1))
+
+
+NON_FINITE = "non-finite loss"
+
+
+def non_finite_reason(remote_traceback: str) -> Optional[str]:
+    """The reason line of a rank that stopped on a non-finite loss, or None for other failures."""
+    marker = f"FloatingPointError: {NON_FINITE}"
+    for line in reversed(remote_traceback.splitlines()):
+        if line.startswith(marker):
+            return line[len("FloatingPointError: "):]
+    return None
+
+
+def _grads_finite(model: torch.nn.Module) -> bool:
+    """Whether every gradient is finite (one host sync for the whole model)."""
+    sums = []
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce().values()
+        sums.append(g.detach().float().abs().sum())
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
 
 
 def _add_note(exc: BaseException, note: str) -> None:
@@ -286,6 +313,7 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         _seed_epoch(cfg.seed, epoch, rank)
         model.train()
         sums = torch.zeros(step.width(), dtype=torch.float64)
+        skipped = 0
         last_report = 0.0
         for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, size, epoch, steps,
                                                cfg.shuffle, True, workers)):
@@ -296,11 +324,27 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                 for g, lr in zip(opt.param_groups, base_lrs):
                     g["lr"] = lr * factor
             loss, heads, ys, head_losses = step(model, batch, f"epoch {epoch}, training batch {i}")
+            figures = step.figures(loss, heads, ys, head_losses)
+            finite = math.isfinite(figures[0])
+            if not finite and not cfg.skip_non_finite:
+                raise FloatingPointError(f"{NON_FINITE} {figures[0] / figures[1]:g} at epoch {epoch}, step {i} on "
+                                         f"rank {rank}")
+            # every rank goes through backward (its gradients take part in the allreduce); with
+            # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
             (loss / cfg.backward_passes_per_step).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
-                opt.step()
+                if cfg.skip_non_finite:
+                    opt.synchronize()
+                    if _grads_finite(model):
+                        with opt.skip_synchronize():
+                            opt.step()
+                    else:
+                        skipped += 1
+                else:
+                    opt.step()
                 opt.zero_grad()
-            sums += torch.tensor(step.figures(loss, heads, ys, head_losses), dtype=torch.float64)
+            if finite:
+                sums += torch.tensor(figures, dtype=torch.float64)
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
                 report({"kind": "step", "epoch": epoch, "step": i + 1, "steps": steps,
@@ -309,6 +353,8 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
         for j, name in enumerate(cfg.log_names()):
             logs[name] = float(totals[2 + j] / totals[1])
+        if cfg.skip_non_finite:
+            logs["skipped_steps"] = skipped
         if val_steps:
             logs.update(_validate(cfg, step, model, rank, size, epoch, val_steps, workers))
         stop = False
