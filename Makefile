@@ -1,4 +1,4 @@
-# make test | make demo | make bench  -- each creates .venv on first use.
+# make test | make lint | make demo | make bench  -- each creates .venv on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test demo bench java clean
+.PHONY: test lint demo bench java clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ java:
 
 test: java $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check sparkring benchmarks examples tests
 
 demo: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) examples/digits.py

@@ -180,7 +180,7 @@ def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(x.shape[1], 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    for epoch in range(epochs):
+    for _ in range(epochs):
         perm = torch.randperm(len(x))
         for i in range(steps):
             idx = perm[i * batch_size:(i + 1) * batch_size]

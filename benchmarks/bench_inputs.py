@@ -175,6 +175,7 @@ def bench_decode_pool(spark, rows, reps, tmp, store, n=12_000, batch=64):
 
 def bench_sparse(spark, rows, reps):
     import bench_fns
+
     from sparkring import run
 
     r = run(bench_fns.sparse_vs_dense_embedding, num_proc=2, verbose=0)[0]
@@ -187,11 +188,11 @@ def bench_sparse(spark, rows, reps):
 
 def bench_recommender_fit(spark, rows, reps, tmp, n=200_000):
     """fit() on the recommender vs a hand-written TorchDistributor + DDP + pyarrow loop."""
+    import bench_fns
     import numpy as np
     import torch
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    import bench_fns
     from sparkring import SparkRingEstimator, Store
 
     rng = np.random.default_rng(0)

@@ -16,10 +16,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
+import bench_fns  # noqa: E402
 from bench_inputs import bench_inputs, bench_recommender_fit, bench_sparse  # noqa: E402
 from common import Row, alternate, spark_session, timed, write_table  # noqa: E402
-
-import bench_fns  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,10 +41,10 @@ def bench_connect(spark, rows, reps, tmp, n=200_000):
     """Spark Connect against the same work on a classic session, and against Spark's
     TorchDistributor on the same Connect session."""
     import torch
+    from connect_server import ConnectServer
     from pyspark.ml.torch.distributor import TorchDistributor
     from pyspark.sql import SparkSession
 
-    from connect_server import ConnectServer
     from sparkring import SparkRingEstimator, Store, run
 
     src = os.path.join(tmp, "connect_source")

@@ -4,9 +4,19 @@
 """
 from typing import Any
 
-from .errors import (ChannelError, ConfigurationError, DataError, HorovodInternalError, MismatchError,
-                     NotInitializedError, RankFailedError, RankTimeoutError, SparkRingError, StoreError,
-                     TrainingError)
+from .errors import (
+    ChannelError,
+    ConfigurationError,
+    DataError,
+    HorovodInternalError,
+    MismatchError,
+    NotInitializedError,
+    RankFailedError,
+    RankTimeoutError,
+    SparkRingError,
+    StoreError,
+    TrainingError,
+)
 
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",

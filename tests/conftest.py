@@ -15,7 +15,6 @@ import os
 import sys
 
 import pytest
-
 from connect_server import ConnectServer
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -140,8 +139,28 @@ def connect_url(spark_connect):
     return _sessions.server.url
 
 
+SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_cluster": "cluster",
+                    "spark_connect": "connect", "connect_url": "connect"}
+# Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
+PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Group tests by the session they use so each session starts once."""
+    """Mark what is slow (a Spark session, processes of its own) and what needs MPI or a
+    cluster, so ``-m "not slow"`` is the fast layer; group tests by the session they use so
+    each session starts once."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        sessions = {SESSION_FIXTURES[n] for n in names if n in SESSION_FIXTURES}
+        if sessions or item.module.__name__ in PROCESS_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if "cluster" in sessions:
+            item.add_marker(pytest.mark.cluster)
+        if "connect" in sessions:
+            item.add_marker(pytest.mark.connect)
+        if item.module.__name__ == "test_mpi" or "mpi" in item.name:
+            item.add_marker(pytest.mark.mpi)
+
     def key(item):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):

@@ -126,7 +126,7 @@ def adasum_of_rank_vectors(seed=0):
 
 def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
     """Every reduce op while ranks drop out, then a second round with gathers and broadcasts."""
-    r, n = hvd.rank(), hvd.size()
+    r = hvd.rank()
     out = {k: [] for k in ("sum", "avg", "min", "max", "prod", "big")}
     for _ in range(steps_by_rank[r]):
         v = torch.tensor([float(r + 1)] * 3)

@@ -1,12 +1,11 @@
 """sparkring.collective on two real ranks (local[2]) and in a single process."""
 import pytest
+import rank_fns
 import torch
+from spawn import spawn_ranks
 
 import sparkring.collective as sr
 from sparkring import run
-
-import rank_fns
-from spawn import spawn_ranks
 
 
 def _assert_state_close(a, b, atol):
@@ -146,6 +145,7 @@ def test_collective_before_init_says_to_call_init():
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.slow
 def test_out_of_place_allreduce_of_large_odd_tensors_matches_a_direct_computation(size):
     results = spawn_ranks("rank_fns", "large_out_of_place_allreduce", size)
     xs = torch.stack([r["x"] for r in results])

@@ -1,11 +1,9 @@
 """Horovod conformance: horovod.torch's contract, run the way Horovod's own tests run it
 (ranks as processes on gloo, every result against a direct computation)."""
+import conformance_fns
 import pytest
 import torch
-
 from spawn import spawn_ranks
-
-import conformance_fns
 
 
 def _ranks(fn_name, size=2, **kwargs):
@@ -45,7 +43,6 @@ def test_gradients_flow_through_collectives_as_in_horovod(size):
     weights = [float(r + 1) for r in range(size)]
     total_w = sum(weights)
     for rank, g in enumerate(results):
-        w = weights[rank]
         # allreduce: the gradient is the allreduce (same op) of the upstream gradients
         torch.testing.assert_close(g["allreduce_sum"], torch.full((4,), total_w, dtype=f64))
         torch.testing.assert_close(g["allreduce_avg"], torch.full((4,), total_w / size, dtype=f64))

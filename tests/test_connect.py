@@ -5,17 +5,16 @@ import subprocess
 import sys
 import time
 
+import est_helpers as H
 import psutil
 import pytest
+import rank_fns
 import torch
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions as F
 
 from sparkring import RankFailedError, RankTimeoutError, SparkRingEstimator, Store, run
-
-import est_helpers as H
-import rank_fns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.connect
@@ -199,9 +198,9 @@ def test_connect_session_refuses_more_ranks_than_slots_and_unscheduled_gpus_befo
 
 
 def test_torch_distributor_runs_a_ddp_function_on_connect(spark_connect):
-    from sparkring import TorchDistributor
-
     import ddp_fns
+
+    from sparkring import TorchDistributor
 
     out = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False, spark=spark_connect).run(
         ddp_fns.spark_style_train, 0.1)

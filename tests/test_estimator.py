@@ -5,6 +5,7 @@ import sys
 import threading
 import time
 
+import est_helpers as H
 import pytest
 import torch
 from pyspark.ml import Pipeline, PipelineModel
@@ -14,8 +15,6 @@ from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
 from sparkring import ConfigurationError, RankFailedError, SparkRingEstimator, SparkRingModel, Store
 from sparkring.data import DataError
-
-import est_helpers as H
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -232,6 +231,7 @@ def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spa
     assert cv_model.bestModel.transform(df).count() == 240
 
 
+@pytest.mark.slow
 def test_spark_submit_digits_example_on_local_cluster():
     import pyspark
 

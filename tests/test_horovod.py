@@ -4,14 +4,13 @@ import re
 import subprocess
 import sys
 
+import hvd_fns
 import pytest
 import torch
+from spawn import spawn_ranks
 
 from sparkring import run
 from sparkring.collective._adasum import adasum_pair
-
-import hvd_fns
-from spawn import spawn_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,14 +1,13 @@
 """Model inputs on real Spark: several inputs, int64 ids, shapes, bytes + transformFn, several heads."""
 import os
 
+import input_helpers as H
 import numpy as np
 import pytest
 import torch
 
 from sparkring import ConfigurationError, RankFailedError, SparkRingEstimator, SparkRingModel, Store
 from sparkring.data import DataError, prepare
-
-import input_helpers as H
 
 pytestmark = pytest.mark.slow
 

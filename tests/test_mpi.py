@@ -4,15 +4,14 @@ import subprocess
 import sys
 import time
 
+import hvd_fns
 import psutil
 import pytest
+import rank_fns
 import torch
 
 import sparkring.collective as sr
 from sparkring import RankFailedError, run
-
-import hvd_fns
-import rank_fns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,9 +135,9 @@ def test_mpi_rank_failure_reaches_the_driver_and_no_launcher_or_rank_survives(sp
 
 
 def test_estimator_fit_on_mpi_learns_the_same_weights_as_on_gloo(spark, tmp_path):
-    from sparkring import SparkRingEstimator, Store
-
     import est_helpers as H
+
+    from sparkring import SparkRingEstimator, Store
 
     df = H.classification_df(spark)
     models = {}

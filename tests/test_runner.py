@@ -8,12 +8,11 @@ import types
 
 import psutil
 import pytest
+import rank_fns
 import torch
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, run
 from sparkring.runner import channel, plan
-
-import rank_fns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,6 +185,7 @@ def _cli_env():
     return env
 
 
+@pytest.mark.slow
 def test_cli_runs_a_script_on_every_rank_and_returns_its_exit_status():
     script = os.path.join(ROOT, "examples", "hello_ring.py")
     ok = subprocess.run([sys.executable, "-m", "sparkring", "run", "-np", "2", "--master", "local[2]", script,
@@ -207,6 +207,7 @@ def test_cluster_gpus_come_from_task_resources_and_ranks_span_executors(spark_cl
     assert _wait_no_workers() == []
 
 
+@pytest.mark.slow
 def test_spark_submit_runs_the_cli_entry_point():
     import pyspark
 

@@ -4,12 +4,11 @@ import subprocess
 import sys
 import time
 
+import ddp_fns
 import pytest
 import torch
 
 from sparkring import RankFailedError, TorchDistributor, run
-
-import ddp_fns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DDP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "ddp_fifteen_lines.py")

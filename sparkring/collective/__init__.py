@@ -6,20 +6,66 @@
 """
 from ..errors import HorovodInternalError, MismatchError, NotInitializedError
 from ._checks import check_same_shapes
-from ._runtime import (backend, ccl_built, cross_rank, cross_size,
-                       cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_initialized, local_rank,
-                       local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, nccl_enabled,
-                       rank, rocm_built, shutdown, size)
-from .functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-                        broadcast_parameters)
-from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce, allreduce_,
-                  allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
-                  broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
-                  grouped_allreduce, grouped_allreduce_, grouped_reducescatter, grouped_reducescatter_async,
-                  join, poll, reducescatter, reducescatter_async, sparse_allreduce_async, synchronize)
 from ._optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._runtime import (
+    backend,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    nccl_enabled,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
 from .compression import Compression
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
+    synchronize,
+)
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [

@@ -88,7 +88,7 @@ class Backend(abc.ABC):
         outside). Transports without subgroups say so."""
         raise NotImplementedError(f"process sets are not supported on backend={self.name!r} yet; use gloo or nccl")
 
-    def release(self) -> None:
+    def release(self) -> None:  # noqa: B027 - nothing to let go of unless a subgroup holds resources
         """Let go of a subgroup made by ``subgroup`` (its process set is being removed)."""
 
     def group_rank(self, global_rank: int) -> int:

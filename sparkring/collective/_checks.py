@@ -17,7 +17,6 @@ import torch
 from ..errors import MismatchError
 from . import _runtime
 
-
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "broadcast_object", "reducescatter",
          "allgather_object")
 # What Horovod refuses while a rank has joined ("... is not supported with Join at this time");

@@ -11,7 +11,7 @@ a communicator from independently launched processes.
 from __future__ import annotations
 
 import datetime
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch

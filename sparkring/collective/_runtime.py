@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Optional
 
 import torch
 
-from ..errors import HorovodInternalError, NotInitializedError
+from ..errors import NotInitializedError
 from . import _env
 from ._backend import Backend
 

@@ -2,7 +2,7 @@
 and an optimizer's state, from one root to every rank."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Mapping, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 

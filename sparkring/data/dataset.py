@@ -6,8 +6,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from . import reader, reuse
-from .reader import (SplitMemory, as_torch, decoded_pieces, in_order, plan_rows, prefetched, row_bytes, share,
-                     shuffled)
+from .reader import SplitMemory, as_torch, decoded_pieces, in_order, plan_rows, prefetched, row_bytes, share, shuffled
 from .spec import FeatureSpec
 from .transform import transformed
 

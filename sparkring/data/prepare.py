@@ -7,7 +7,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from . import reuse as reuse_cache
-from .dataset import Dataset, METADATA_FILE
+from .dataset import METADATA_FILE, Dataset
 from .spec import TENSOR, ColumnSpec, DataError, FeatureSpec, tensor_profile, to_stored
 from .store import Store
 

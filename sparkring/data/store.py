@@ -14,7 +14,6 @@ import pyarrow.fs as pafs
 
 from ..errors import ConfigurationError, StoreError
 
-
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 

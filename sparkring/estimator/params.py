@@ -4,8 +4,7 @@ from __future__ import annotations
 from typing import Any, List, Union
 
 from pyspark.ml.param import Param, Params, TypeConverters
-from pyspark.ml.param.shared import (HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol,
-                                     HasSeed)
+from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed
 
 
 def _identity(value: Any) -> Any:

@@ -4,8 +4,8 @@
 >>> run(lambda: 42, num_proc=2)  # doctest: +SKIP
 [42, 42]
 """
-from .channel import report
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from .channel import report
 from .launch import launch, run
 from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, plan
 

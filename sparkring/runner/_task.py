@@ -23,8 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from ..collective import _env
 from ..errors import ChannelError
 from . import channel
-from ._process import (dump_stacks, free_ports, interface_of, kill_tree, mpi_network_env, resolve,
-                       start_worker)
+from ._process import dump_stacks, free_ports, interface_of, kill_tree, mpi_network_env, resolve, start_worker
 from .failures import is_secondary
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;

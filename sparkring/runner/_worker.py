@@ -96,7 +96,7 @@ def main(workdir: str) -> None:
     try:
         import torch
 
-        import sparkring.collective as sr
+        import sparkring.collective  # noqa: F401 - loaded before the user's code: its first call only joins the ring
 
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():

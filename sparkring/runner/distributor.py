@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict, List, Optional, Union
 import cloudpickle
 
 from ..collective import _env
-from ._process import dump_stacks, free_ports, kill_tree
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError
+from ._process import dump_stacks, free_ports, kill_tree
 from .launch import ScriptMain, _active_spark, run
 
 

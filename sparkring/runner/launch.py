@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import cloudpickle
 
+from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import DriverChannel
-from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .plan import RUN_NAMES, LaunchPlan, plan
 from .session import JobTag, wait_for_slots
 
