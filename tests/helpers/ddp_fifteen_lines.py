@@ -1,8 +1,6 @@
 """The 15-line DDP script of the torchrun issue: env:// init, DDP over a Linear, five steps."""
-import torch
-import torch.distributed as dist
+import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
 dist.init_process_group("gloo", init_method="env://")
 torch.manual_seed(0)
 model = DDP(torch.nn.Linear(4, 2))
