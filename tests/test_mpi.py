@@ -178,3 +178,16 @@ def test_process_sets_work_on_mpi_as_on_gloo(spark):
         assert m["gather"].tolist() == [rank] and m["removed"] == [True, True] and m["global"].tolist() == [2.0]
         assert "outsider" in m
         _assert_same(m, g)
+
+
+def test_mpi_runs_leave_dev_shm_as_they_found_it(spark):
+    from sparkring.runner._process import mpi_shm_segments
+
+    before = mpi_shm_segments()
+    assert len(run(rank_fns.whoami, num_proc=2, backend="mpi")) == 2
+    with pytest.raises(RankFailedError):
+        run(rank_fns.fail_on_rank, args=(1,), num_proc=2, backend="mpi")
+    deadline = time.monotonic() + 20  # the failed run's other task cleans up as it ends
+    while mpi_shm_segments() - before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert mpi_shm_segments() - before == set()

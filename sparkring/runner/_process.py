@@ -2,6 +2,7 @@
 under mpiexec), dump its Python stacks, kill it with everything it started."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -9,9 +10,11 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 from ..collective import _env
+
+log = logging.getLogger(__name__)
 
 WORKER_MODULE = "sparkring.runner._worker"
 
@@ -188,6 +191,65 @@ def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
     if iface:
         env.update({"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface})
     return env
+
+
+SHM_DIR = "/dev/shm"
+MPI_SHM_PREFIX = "mpich_shm_"
+
+
+def mpi_shm_segments() -> Set[str]:
+    """Names of MPICH's shared-memory segments in /dev/shm now."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(MPI_SHM_PREFIX)}
+    except OSError:
+        return set()
+
+
+def remove_orphan_segments(before: Set[str], older_than_s: Optional[float] = None) -> int:
+    """Unlink the MPICH segments made since ``before`` (or, with ``older_than_s``, any that
+    old) that no process maps any more.
+
+    Ranks end with os._exit (and killed ranks never finalize), so MPICH cannot unlink its
+    segments; executors that live for weeks would fill /dev/shm. A segment still mapped by a
+    live process (another run's rank on this host) is left alone; MPICH maps a segment as it
+    creates it, so an unmapped one that is a minute old belongs to nobody.
+    """
+    new = mpi_shm_segments() - before
+    if older_than_s is not None:
+        now = time.time()
+        new = {n for n in new if _age(n, now) >= older_than_s}
+    if not new:
+        return 0
+    in_use: Set[str] = set()
+    marker = f"{SHM_DIR}/{MPI_SHM_PREFIX}"
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(marker)
+                    if at >= 0:
+                        in_use.add(line[at + len(SHM_DIR) + 1:].split()[0])
+        except OSError:
+            continue
+    removed = 0
+    for name in new - in_use:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed += 1
+        except OSError:
+            pass
+    if removed:
+        log.debug("removed %d MPI shared-memory segment(s) the ranks left in %s", removed, SHM_DIR)
+    return removed
+
+
+def _age(name: str, now: float) -> float:
+    try:
+        return now - os.stat(os.path.join(SHM_DIR, name)).st_mtime
+    except OSError:
+        return 0.0
 
 
 def start_worker(workdir: str, env: Dict[str, str]):

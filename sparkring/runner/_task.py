@@ -23,7 +23,17 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from ..collective import _env
 from ..errors import ChannelError
 from . import channel
-from ._process import dump_stacks, free_ports, interface_of, kill_tree, mpi_network_env, resolve, start_worker
+from ._process import (
+    dump_stacks,
+    free_ports,
+    interface_of,
+    kill_tree,
+    mpi_network_env,
+    mpi_shm_segments,
+    remove_orphan_segments,
+    resolve,
+    start_worker,
+)
 from .failures import is_secondary
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
@@ -275,6 +285,10 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     env = _rank_env(spec, ctx, rank, hosts, my_ip, ports, attempt, live, workdir)
     aborted: Dict[str, str] = {}
     proc = None
+    shm_before = None
+    if spec.backend == "mpi":
+        remove_orphan_segments(set(), older_than_s=60.0)  # what killed tasks of earlier runs left
+        shm_before = mpi_shm_segments()
     try:
         with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
             f.write(spec.payload)
@@ -366,6 +380,13 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
                 os.killpg(proc.pid, signal.SIGKILL)  # anything the worker left behind
             except (ProcessLookupError, PermissionError):
                 pass
+        if shm_before is not None:
+            if proc is not None:
+                try:
+                    proc.wait(timeout=5)
+                except Exception:  # noqa: BLE001 - leave the segments of a process that will not go
+                    pass
+            remove_orphan_segments(shm_before)
         for conn in (driver, control):
             if conn is not None:
                 conn.close()
