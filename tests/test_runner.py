@@ -179,6 +179,41 @@ def test_channel_binds_the_given_address_and_drops_unsigned_frames():
         server.close()
 
 
+def test_channel_refuses_replayed_reflected_and_forged_frames():
+    import socket as socket_module
+
+    got = []
+    secret = b"k" * 32
+    server = channel.DriverChannel("127.0.0.1", secret, lambda m, c: got.append(m))
+    try:
+        good = channel.connect(*server.address, secret=secret)
+        assert good.send({"t": "log", "line": "first"})
+        # what an eavesdropper captured: the same bytes the client just sent (frame 0 of that connection)
+        captured = channel.encode_frame(secret, channel.frame_context(good._nonce, channel.CLIENT, 0),
+                                        {"t": "log", "line": "first"})
+        replay = socket_module.create_connection(server.address)
+        replay.recv(channel.NONCE_LEN)
+        replay.sendall(captured)  # on a new connection: another nonce
+        again = channel.connect(*server.address, secret=secret)
+        again.sock.sendall(captured)  # a frame 0 from another connection, on this one's frame 0
+        assert good.send({"t": "log", "line": "second"})
+        deadline = time.time() + 5
+        while time.time() < deadline and (len(got) < 2 or server.rejected < 2):
+            time.sleep(0.05)
+        assert got == [{"t": "log", "line": "first"}, {"t": "log", "line": "second"}]
+        assert server.rejected == 2
+        good.sock.sendall(captured)  # the same frame twice on its own connection: out of place
+        deadline = time.time() + 5
+        while time.time() < deadline and server.rejected < 3:
+            time.sleep(0.05)
+        assert server.rejected == 3 and len(got) == 2
+        for conn in (good, again):
+            conn.close()
+        replay.close()
+    finally:
+        server.close()
+
+
 def _cli_env():
     env = dict(os.environ)
     env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)

@@ -181,7 +181,7 @@ def _connect_driver(spec: TaskSpec) -> Optional[channel.Connection]:
         return None
     try:
         return channel.connect(spec.driver_host, spec.driver_port, spec.secret, timeout=spec.connect_timeout)
-    except OSError:
+    except (OSError, ChannelError):
         return None
 
 
@@ -306,7 +306,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
         def listen(conn: channel.Connection) -> None:
             try:
                 while True:
-                    msg = channel.recv_frame(conn.sock, spec.secret)
+                    msg = conn.recv()
                     if msg is None:
                         if conn is control and proc.poll() is None:  # task 0 is gone: so is the stage
                             aborted.setdefault("reason", "task 0 of the stage is gone")

@@ -3,6 +3,10 @@
 Written by hand because the channel must bind to the driver's own address, speak only
 to holders of the run's secret, and push aborts back to tasks; Spark's accumulators and
 py4j offer none of that while a job runs.
+
+Each frame's MAC covers, besides the body, a nonce the server sends when it accepts the
+connection, the sender's side and the frame's sequence number on that connection: a
+captured frame replayed on another connection, reflected back, or sent twice is refused.
 """
 from __future__ import annotations
 
@@ -19,19 +23,25 @@ from ..collective import _env
 from ..errors import ChannelError
 
 _HEADER = struct.Struct(">I")
+_SEQ = struct.Struct(">Q")
 _MAC_LEN = 32
+NONCE_LEN = 16
 MAX_FRAME = 64 * 1024 * 1024
+CLIENT, SERVER = b"C", b"S"
 
 
+def _sign(secret: bytes, context: bytes, body: bytes) -> bytes:
+    return hmac.new(secret, context + body, hashlib.sha256).digest()
 
 
-def _sign(secret: bytes, body: bytes) -> bytes:
-    return hmac.new(secret, body, hashlib.sha256).digest()
+def frame_context(nonce: bytes, side: bytes, seq: int) -> bytes:
+    """What a frame's MAC covers besides its body: the connection, the sender's side, its place."""
+    return nonce + side + _SEQ.pack(seq)
 
 
-def send_frame(sock: socket.socket, secret: bytes, message: Dict[str, Any]) -> None:
+def encode_frame(secret: bytes, context: bytes, message: Dict[str, Any]) -> bytes:
     body = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(_MAC_LEN + len(body)) + _sign(secret, body) + body)
+    return _HEADER.pack(_MAC_LEN + len(body)) + _sign(secret, context, body) + body
 
 
 def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
@@ -45,7 +55,7 @@ def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket, secret: bytes) -> Optional[Dict[str, Any]]:
+def recv_frame(sock: socket.socket, secret: bytes, context: bytes) -> Optional[Dict[str, Any]]:
     """The next verified message, or None when the peer closed the connection."""
     header = _recv_exact(sock, _HEADER.size)
     if header is None:
@@ -57,8 +67,9 @@ def recv_frame(sock: socket.socket, secret: bytes) -> Optional[Dict[str, Any]]:
     if frame is None:
         return None
     mac, body = frame[:_MAC_LEN], frame[_MAC_LEN:]
-    if not hmac.compare_digest(mac, _sign(secret, body)):
-        raise ChannelError("frame signature does not match this run's secret")
+    if not hmac.compare_digest(mac, _sign(secret, context, body)):
+        raise ChannelError("frame signature does not match this run's secret, this connection and its place "
+                           "(forged or replayed)")
     return json.loads(body)
 
 
@@ -96,7 +107,13 @@ class DriverChannel:
                 sock, _ = self._sock.accept()
             except OSError:
                 return
-            conn = Connection(sock, self.secret)
+            nonce = os.urandom(NONCE_LEN)
+            try:
+                sock.sendall(nonce)
+            except OSError:
+                sock.close()
+                continue
+            conn = Connection(sock, self.secret, nonce, SERVER)
             with self._lock:
                 self._conns.append(conn)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
@@ -104,7 +121,7 @@ class DriverChannel:
     def _serve(self, conn: "Connection") -> None:
         try:
             while True:
-                msg = recv_frame(conn.sock, self.secret)
+                msg = conn.recv()
                 if msg is None:
                     break
                 self._handler(msg, conn)
@@ -144,21 +161,34 @@ class DriverChannel:
 
 
 class Connection:
-    """One socket speaking signed frames; ``info`` holds what the peer said about itself."""
+    """One socket speaking signed, sequenced frames; ``info`` holds what the peer said about itself."""
 
-    def __init__(self, sock: socket.socket, secret: bytes):
+    def __init__(self, sock: socket.socket, secret: bytes, nonce: bytes, side: bytes):
         self.sock = sock
         self.secret = secret
         self.info: Dict[str, Any] = {}
+        self._nonce = nonce
+        self._side = side
+        self._peer = SERVER if side == CLIENT else CLIENT
+        self._sent = 0
+        self._received = 0
         self._send_lock = threading.Lock()
 
     def send(self, message: Dict[str, Any]) -> bool:
         try:
             with self._send_lock:
-                send_frame(self.sock, self.secret, message)
+                frame = encode_frame(self.secret, frame_context(self._nonce, self._side, self._sent), message)
+                self._sent += 1
+                self.sock.sendall(frame)
             return True
         except OSError:
             return False
+
+    def recv(self) -> Optional[Dict[str, Any]]:
+        """The peer's next message (verified in its place), or None when it closed the connection."""
+        msg = recv_frame(self.sock, self.secret, frame_context(self._nonce, self._peer, self._received))
+        self._received += 1
+        return msg
 
     def close(self) -> None:
         try:
@@ -175,9 +205,13 @@ def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Conne
     >>> conn.send({"t": "log", "line": "hi"})  # doctest: +SKIP
     """
     sock = socket.create_connection((host, port), timeout=timeout)
-    sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return Connection(sock, secret)
+    nonce = _recv_exact(sock, NONCE_LEN)  # the server speaks first: this connection's nonce
+    if nonce is None:
+        sock.close()
+        raise ChannelError(f"the channel at {host}:{port} closed the connection before its nonce")
+    sock.settimeout(None)
+    return Connection(sock, secret, nonce, CLIENT)
 
 
 _worker_conn: Optional[Connection] = None
