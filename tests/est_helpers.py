@@ -46,6 +46,22 @@ class FailOnce:
             raise RuntimeError(f"injected failure at epoch {epoch}")
 
 
+class KillOnce:
+    """Kills its own rank with SIGKILL (as the OOM killer would) at the end of ``epoch``, the
+    first time only (a marker file remembers)."""
+
+    def __init__(self, marker, epoch):
+        self.marker = marker
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs, model):
+        import signal
+
+        if epoch == self.epoch and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 class RecordEpochs:
     """Appends one line per epoch to a file: proof the callback ran, where and when."""
 

@@ -270,3 +270,14 @@ def secret_visibility():
                            capture_output=True, text=True, check=True).stdout.strip()
     reported = report({"rank": sr.rank()})
     return {"in_rank": "SPARKRING_SECRET" in os.environ, "in_child": child == "True", "reported": reported}
+
+
+def killed_on_rank(bad_rank):
+    """``bad_rank`` dies of SIGKILL (as from the OOM killer); the others wait in a collective."""
+    import signal
+
+    if sr.rank() == bad_rank:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    sr.allreduce(torch.ones(1))
+    time.sleep(120)

@@ -167,6 +167,17 @@ def test_fit_resumes_from_last_checkpoint_after_rank_failure(spark_retry, store,
     _assert_same_weights(resumed, reference, atol=1e-5)
 
 
+def test_fit_resumes_with_the_uninterrupted_weights_after_a_rank_is_killed(spark_retry, store, tmp_path):
+    df = H.classification_df(spark_retry)
+    reference = _estimator(store, runId="reference-kill", keepData=True).fit(df)
+    killed = _estimator(store, runId="killed", keepData=True,
+                        callbacks=[H.KillOnce(str(tmp_path / "killed-once"), epoch=1)])
+    resumed = killed.fit(df)  # SIGKILL mid-fit; Spark reruns the stage; training resumes at epoch 1
+    assert (tmp_path / "killed-once").exists()
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
+    _assert_same_weights(resumed, reference, atol=1e-5)
+
+
 def test_fit_again_with_the_same_run_id_resumes_after_a_failed_fit(spark, store, tmp_path):
     df = H.classification_df(spark)
     reference = _estimator(store, runId="ref2", keepData=True).fit(df)

@@ -272,3 +272,12 @@ def test_runs_leave_no_channel_threads_behind_in_the_driver(spark):
     for _ in range(3):
         assert run(rank_fns.whoami, num_proc=2)
     assert channel_threads() == []
+
+
+def test_a_rank_killed_by_sigkill_is_named_with_its_signal_and_usual_cause(spark):
+    started = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"(?s)rank 1's worker process was killed by signal 9 \(SIGKILL\).*"
+                                              r"out-of-memory killer") as info:
+        run(rank_fns.killed_on_rank, args=(1,), num_proc=2)
+    assert info.value.rank == 1
+    assert time.monotonic() - started < 30

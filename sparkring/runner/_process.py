@@ -193,6 +193,30 @@ def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
     return env
 
 
+def describe_exit(code: Optional[int]) -> str:
+    """How a worker process ended, in words; a SIGKILL names its usual cause.
+
+    >>> describe_exit(-9)[:40]
+    'was killed by signal 9 (SIGKILL): on a b'
+    """
+    if code is None:
+        return "did not exit"
+    # a negative code is a signal (Popen, waitstatus); 128+N is a signal relayed by a shell or mpiexec
+    sig = -code if code < 0 else (code - 128 if 128 < code < 160 else None)
+    if sig is None:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(sig).name
+    except ValueError:
+        name = f"signal {sig}"
+    text = f"was killed by signal {sig} ({name})"
+    if sig == signal.SIGKILL:
+        text += (": on a busy host that is most often the kernel's out-of-memory killer (see dmesg); give "
+                 "executors more memory (spark.executor.memory, spark.executor.pyspark.memory) or lower "
+                 "batchSize")
+    return text
+
+
 SHM_DIR = "/dev/shm"
 MPI_SHM_PREFIX = "mpich_shm_"
 

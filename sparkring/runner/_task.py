@@ -24,6 +24,7 @@ from ..collective import _env
 from ..errors import ChannelError
 from . import channel
 from ._process import (
+    describe_exit,
     dump_stacks,
     free_ports,
     interface_of,
@@ -353,7 +354,8 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
                 with open(err_path) as f:
                     tb = f.read()
             else:
-                tb = (f"worker process exited with code {proc.returncode}; last output:\n" + "\n".join(tail))
+                tb = (f"rank {rank}'s worker process {describe_exit(proc.returncode)}; last output:\n"
+                      + "\n".join(tail))
             error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit",
                      "exit_code": proc.returncode, "traceback": tb, "secondary": is_secondary(tb)}
         if error is not None:
