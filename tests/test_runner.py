@@ -11,7 +11,7 @@ import pytest
 import rank_fns
 import torch
 
-from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, run
+from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,3 +281,17 @@ def test_a_rank_killed_by_sigkill_is_named_with_its_signal_and_usual_cause(spark
         run(rank_fns.killed_on_rank, args=(1,), num_proc=2)
     assert info.value.rank == 1
     assert time.monotonic() - started < 30
+
+
+def test_cancelling_the_spark_jobs_from_another_thread_stops_the_run_and_its_ranks(spark):
+    timer = threading.Timer(4.0, spark.sparkContext.cancelAllJobs)
+    timer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(SparkRingError, match="the Spark job of this run was cancelled"):
+            run(rank_fns.hang_on_rank, args=(0,), num_proc=2)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - started < 40
+    assert _wait_no_workers(10) == []
+    assert run(rank_fns.whoami, num_proc=2)  # the session still runs the next one

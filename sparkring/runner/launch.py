@@ -23,6 +23,7 @@ from .plan import RUN_NAMES, LaunchPlan, plan
 from .session import JobTag, wait_for_slots
 
 log = logging.getLogger(__name__)
+_CANCELLED = "SPARK_JOB_CANCELLED"
 _SLOTS_CHECK = "BarrierJobSlotsNumberCheckFailed"
 
 
@@ -318,8 +319,11 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
             raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
                                    f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
                                    "number of ranks", list(range(num_proc))) from None
+        if "error" in outcome and _CANCELLED in str(outcome["error"]):
+            raise SparkRingError("the Spark job of this run was cancelled (cancelAllJobs, a job group or tag "
+                                 "cancel, or the Spark UI); its ranks were stopped") from outcome["error"]
         if "error" in outcome:
-            raise SparkRingError(f"the barrier stage failed before any rank reported: {outcome['error']}") \
+            raise SparkRingError(f"the barrier stage failed before any rank reported an error: {outcome['error']}") \
                 from outcome["error"]
     finally:
         channel.close()
