@@ -295,3 +295,34 @@ def test_cancelling_the_spark_jobs_from_another_thread_stops_the_run_and_its_ran
     assert time.monotonic() - started < 40
     assert _wait_no_workers(10) == []
     assert run(rank_fns.whoami, num_proc=2)  # the session still runs the next one
+
+
+def test_ranks_exit_when_the_driver_process_dies(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "from pyspark.sql import SparkSession\n"
+        "spark = SparkSession.builder.master('local[2]').config('spark.driver.host', '127.0.0.1')"
+        ".config('spark.ui.enabled', 'false').getOrCreate()\n"
+        "import rank_fns\n"
+        "from sparkring import run\n"
+        "run(rank_fns.hang_on_rank, args=(0,), num_proc=2, verbose=0)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    driver = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        ranks = []
+        while time.monotonic() < deadline and len(ranks) < 2:
+            ranks = [p for p in psutil.process_iter(["name"]) if (p.info.get("name") or "").startswith("sparkring-r")]
+            time.sleep(0.5)
+        assert len(ranks) == 2, "the ranks never started"
+        driver.kill()  # the driver's Python process only: its JVM and the tasks must notice
+        gone = time.monotonic()
+        _, alive = psutil.wait_procs(ranks, timeout=30)
+        assert alive == [], f"ranks still alive {time.monotonic() - gone:.0f} s after the driver died"
+    finally:
+        try:
+            os.killpg(driver.pid, 9)
+        except ProcessLookupError:
+            pass
