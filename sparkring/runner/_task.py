@@ -303,6 +303,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
 
         cause: Dict[str, Any] = {}
         cause_known = threading.Event()
+        died_first = threading.Event()
 
         def listen(conn: channel.Connection) -> None:
             try:
@@ -317,6 +318,10 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
                         cause.update(msg["error"])
                         cause_known.set()
                     elif msg.get("t") == "abort" and not aborted:
+                        if proc.poll() is not None and proc.returncode != 0:
+                            # this rank had died already (a peer's "connection closed" beat its
+                            # report to the driver): it is the cause, and still reports its end
+                            died_first.set()
                         aborted["reason"] = msg.get("reason", "the run was aborted")
                         if msg.get("dump"):
                             outbox.send({"t": "stacks", "rank": rank, "attempt": attempt,
@@ -346,9 +351,9 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
             error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "timeout",
                      "traceback": (f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
                                    f"where its threads were:\n{stacks}")}
-        elif aborted and spec.attempts > 1:
+        elif aborted and spec.attempts > 1 and not died_first.is_set():
             raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
-        elif not aborted and proc.returncode != 0:
+        elif (not aborted or died_first.is_set()) and proc.returncode != 0:
             err_path = os.path.join(workdir, "error.txt")
             if os.path.exists(err_path):
                 with open(err_path) as f:
