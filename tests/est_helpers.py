@@ -43,23 +43,19 @@ class FailOnce:
     def on_epoch_end(self, epoch, logs, model):
         if epoch == self.epoch and not os.path.exists(self.marker):
             open(self.marker, "w").close()
-            raise RuntimeError(f"injected failure at epoch {epoch}")
+            self.fail(epoch)
+
+    def fail(self, epoch):
+        raise RuntimeError(f"injected failure at epoch {epoch}")
 
 
-class KillOnce:
-    """Kills its own rank with SIGKILL (as the OOM killer would) at the end of ``epoch``, the
-    first time only (a marker file remembers)."""
+class KillOnce(FailOnce):
+    """Kills its own rank with SIGKILL (as the OOM killer would) instead of raising."""
 
-    def __init__(self, marker, epoch):
-        self.marker = marker
-        self.epoch = epoch
-
-    def on_epoch_end(self, epoch, logs, model):
+    def fail(self, epoch):
         import signal
 
-        if epoch == self.epoch and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class RecordEpochs:

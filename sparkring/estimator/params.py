@@ -11,21 +11,19 @@ def _identity(value: Any) -> Any:
     return value
 
 
-def _to_columns(value: Any) -> Union[str, List[str]]:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(f"featuresCol must be a column name or a non-empty list of names, got {value!r}")
+def _names_converter(what: str):
+    """A converter to one column name or a non-empty list of them; ``what`` says what the list means."""
+    def convert(value: Any) -> Union[str, List[str]]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise TypeError(f"{what}: give a column name or a non-empty list of names, got {value!r}")
+    return convert
 
 
-def _to_names(value: Any) -> Union[str, List[str]]:
-    """labelCol / predictionCol: one column name, or one per model head."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(f"give a column name or a non-empty list of names (one per model head), got {value!r}")
+_to_columns = _names_converter("featuresCol")
+_to_names = _names_converter("labelCol/predictionCol (one name per model head)")
 
 
 def _to_model_inputs(value: Any):
