@@ -271,7 +271,7 @@ def test_steps_per_epoch_linear_lr_scaling_and_multi_output_regression(spark, st
                              learningRateScaling="linear", store=store, runId="scaled", verbose=0)
     model = est.fit(df)
     ckpt = torch.load(io.BytesIO(store.read_bytes(store.checkpoint_path("scaled", "epoch-00001.pt"))),
-                      weights_only=False)
+                      weights_only=True)
     assert ckpt["optimizer"]["param_groups"][0]["lr"] == pytest.approx(0.2)  # 0.1 x 2 ranks
     assert ckpt["optimizer"]["state"] == {}  # plain SGD
     out = model.transform(df)

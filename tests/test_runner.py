@@ -157,6 +157,37 @@ def test_dynamic_allocation_and_unscheduled_gpus_are_refused_with_the_fix():
     assert plan(_fake_session("local-cluster[3,2,512]", **{"spark.task.cpus": "2"})).num_proc == 3
 
 
+@pytest.mark.parametrize("setting", ["spark.ssl.enabled", "spark.network.crypto.enabled", "spark.authenticate"])
+def test_secured_clusters_are_refused_unless_the_user_accepts_plain_rank_traffic(setting):
+    with pytest.raises(ConfigurationError, match=rf"{setting}=true: .* Set spark.sparkring.ignoreSsl=true"):
+        plan(_fake_session("local[2]", **{setting: "true"}), 2)
+    accepted = plan(_fake_session("local[2]", **{setting: "true", "spark.sparkring.ignoreSsl": "true"}), 2)
+    assert accepted.num_proc == 2 and accepted.facts.secured_by == (setting,)
+
+
+SECURED_RUN = """
+import sys, sparkring
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.master("local[1]").config("spark.driver.host", "127.0.0.1")
+         .config("spark.authenticate", "true").getOrCreate())
+try:
+    sparkring.run(lambda: 1, num_proc=1)
+except sparkring.ConfigurationError as exc:
+    print("refused:", exc)
+spark.conf.set("spark.sparkring.ignoreSsl", "true")
+print("result:", sparkring.run(lambda: 41 + 1, num_proc=1, verbose=0))
+spark.stop()
+"""
+
+
+def test_a_session_with_spark_authenticate_refuses_then_runs_after_the_opt_in():
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, "-c", SECURED_RUN], capture_output=True, text=True, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: spark.authenticate=true: this cluster secures Spark's own traffic" in proc.stdout
+    assert "result: [42]" in proc.stdout
+
+
 def test_channel_binds_the_given_address_and_drops_unsigned_frames():
     got = []
     server = channel.DriverChannel("127.0.0.1", b"k" * 32, lambda m, c: got.append(m))

@@ -288,5 +288,6 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         spec = metadata.get("featureSpec")
         self.featureSpec = FeatureSpec.from_dict(spec) if spec else None
         self.outputShapes = metadata.get("outputShapes")
-        state = torch.load(io.BytesIO(store.read_bytes(store.path("state_dict.pt"))), map_location="cpu")
+        state = torch.load(io.BytesIO(store.read_bytes(store.path("state_dict.pt"))), map_location="cpu",
+                           weights_only=True)
         self.getModel().load_state_dict(state)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import logging
 import math
 import os
 import random
@@ -19,6 +20,8 @@ from sparkring.data import FeatureSpec
 from sparkring.runner import report
 
 from . import losses
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})\.pt$")
 
@@ -168,8 +171,10 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
     for name in reversed(checkpoint_names(store, run_id)):
         try:
             data = store.read_bytes(store.checkpoint_path(run_id, name))
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-        except Exception:  # noqa: BLE001 - a damaged file: fall back to the one before
+            # tensors, numbers and strings only: no pickled code runs when a checkpoint loads
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - a damaged file: fall back to the one before
+            log.warning("checkpoint %s of run %s cannot be loaded (%s); trying the one before", name, run_id, exc)
             continue
     return None
 
@@ -177,9 +182,8 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
 def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited) -> None:
     buf = io.BytesIO()
     torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "history": history, "seed": cfg.seed, "stopped": stopped, "early_stopping": (best, waited),
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                        "python": random.getstate()}}, buf)
+                "history": history, "seed": cfg.seed, "stopped": stopped, "early_stopping": (best, waited)},
+               buf)
     cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, f"epoch-{epoch:05d}.pt"), buf.getvalue())
     # keep the two newest: the latest, and the one before in case the latest is cut short
     for old in checkpoint_names(cfg.store, cfg.run_id)[:-2]:

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 from ..collective._runtime import BACKENDS as TRANSPORTS
 from ..errors import ConfigurationError
-from .session import SessionFacts, session_facts
+from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, session_facts
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,20 @@ def _check_gpus(facts: SessionFacts, names: ParamNames) -> None:
             "with spark.executor.resource.gpu.amount so Spark schedules one GPU per task")
 
 
+def _check_security(facts: SessionFacts) -> None:
+    if not facts.secured_by:
+        return
+    settings = " and ".join(f"{key}=true" for key in facts.secured_by)
+    if not facts.plain_traffic_accepted:
+        raise ConfigurationError(
+            f"{settings}: this cluster secures Spark's own traffic, but sparkring's rank-to-rank traffic "
+            "(gloo, NCCL or MPI tensors) is neither encrypted nor authenticated, and its driver channel is "
+            f"signed (HMAC-SHA256) but not encrypted. Set {ACCEPT_PLAIN_TRAFFIC}=true (spark-submit --conf, "
+            "or spark.conf.set) if the network between executors is trusted and you accept that")
+    log.warning("%s, but %s=true: rank traffic is not encrypted (accepted by the user)", settings,
+                ACCEPT_PLAIN_TRAFFIC)
+
+
 def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
          stream: bool = True, names: ParamNames = RUN_NAMES) -> LaunchPlan:
     """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
@@ -116,9 +130,7 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     if slots is None:
         log.info("session %s does not report its slots; Spark itself refuses a barrier stage larger than "
                  "the cluster", facts.master)
-    if facts.encrypted or facts.authenticated:
-        log.warning("Spark encrypts/authenticates its own traffic here; sparkring's driver channel signs "
-                    "every frame (HMAC-SHA256) but does not encrypt it")
+    _check_security(facts)
     attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
     result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=backend, attempts=attempts,
                         stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,

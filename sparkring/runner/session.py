@@ -28,6 +28,14 @@ def _conf(spark, key: str, default: Optional[str] = None) -> Optional[str]:
     return default if value is None else value
 
 
+# Spark settings that say the cluster's traffic must be encrypted or authenticated. sparkring's
+# rank-to-rank traffic (gloo, NCCL, MPI) is neither, so a run refuses to start under them unless the
+# user opts in with ACCEPT_PLAIN_TRAFFIC (the name follows TorchDistributor's
+# pytorch.spark.distributor.ignoreSsl).
+SECURITY_SETTINGS = ("spark.ssl.enabled", "spark.network.crypto.enabled", "spark.authenticate")
+ACCEPT_PLAIN_TRAFFIC = "spark.sparkring.ignoreSsl"
+
+
 def _flag(spark, key: str) -> bool:
     return (_conf(spark, key, "false") or "false").strip().lower() == "true"
 
@@ -55,8 +63,8 @@ class SessionFacts:
     driver_gpus: Tuple[str, ...]    # local mode, classic session: what the driver discovered
     driver_gpu_script: Optional[str]  # local mode, Connect: the tasks run it themselves
     driver_host: str                # where tasks reach the process that called run()
-    encrypted: bool                 # spark.ssl.enabled / spark.network.crypto.enabled
-    authenticated: bool             # spark.authenticate
+    secured_by: Tuple[str, ...]     # the security settings that are on (SECURITY_SETTINGS)
+    plain_traffic_accepted: bool    # ACCEPT_PLAIN_TRAFFIC=true: the user accepts unencrypted rank traffic
 
     @property
     def local(self) -> bool:
@@ -184,8 +192,8 @@ def session_facts(spark) -> SessionFacts:
         max_stage_attempts=int(_conf(spark, "spark.stage.maxConsecutiveAttempts", "4") or 4),
         slots=slots, gpu_slots=gpu_slots, driver_gpus=driver_gpus, driver_gpu_script=script,
         driver_host=_driver_host(spark, connect),
-        encrypted=_flag(spark, "spark.ssl.enabled") or _flag(spark, "spark.network.crypto.enabled"),
-        authenticated=_flag(spark, "spark.authenticate"))
+        secured_by=tuple(key for key in SECURITY_SETTINGS if _flag(spark, key)),
+        plain_traffic_accepted=_flag(spark, ACCEPT_PLAIN_TRAFFIC))
 
 
 def discover_gpus(script: Optional[str]) -> Tuple[str, ...]:
