@@ -24,6 +24,7 @@ test: java $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparkring benchmarks examples tests
+	$(VENV)/bin/mypy
 
 demo: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) examples/digits.py

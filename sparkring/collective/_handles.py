@@ -1,7 +1,7 @@
 """Handles of asynchronous collectives as the public API returns them."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,7 +28,7 @@ class PostHandle(Handle):
 class DoneHandle(Handle):
     """An operation that finished when it was issued (empty tensors, blocking paths)."""
 
-    def __init__(self, result: torch.Tensor):
+    def __init__(self, result: Any):  # a tensor, or a list/tuple of them (grouped, with splits)
         self._result = result
 
     def wait(self):

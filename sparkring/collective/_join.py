@@ -62,7 +62,8 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "Recipe":
         fields = {f.name for f in dataclasses.fields(cls)}
-        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in fields}
+        values: Dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items()
+                                  if k in fields}
         return cls(**values)
 
 

@@ -62,7 +62,8 @@ def _bytes(tensor: torch.Tensor) -> np.ndarray:
 
 
 class _MPIHandle(Handle):
-    def __init__(self, request, result: torch.Tensor, target: torch.Tensor, work: torch.Tensor):
+    def __init__(self, request, result: torch.Tensor, target: Optional[torch.Tensor],
+                 work: Optional[torch.Tensor]):
         self._request = request
         self._result = result
         self._target = target
@@ -72,7 +73,7 @@ class _MPIHandle(Handle):
         if self._request is not None:
             self._request.Wait()
             self._request = None
-            if self._work is not self._target:
+            if self._target is not None and self._work is not None and self._work is not self._target:
                 self._target.copy_(self._work)
             self._work = self._target = None
         return self._result
@@ -93,12 +94,12 @@ class MPIBackend(Backend):
 
     name = "mpi"
 
-    def __init__(self, rank: int, size: int, master_addr: Optional[str], master_port: Optional[int],
+    def __init__(self, rank: int, size: int, master_addr: Optional[str], master_port: Optional[str],
                  timeout_s: float):
         MPI = _mpi()
         self.rank = rank
         self.size = size
-        self._master = (master_addr, int(master_port)) if master_addr and size > 1 else None
+        self._master = (master_addr, int(master_port)) if master_addr and master_port and size > 1 else None
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._store = None
         self._results = ResultBuffers()

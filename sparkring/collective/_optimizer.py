@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _checks, _runtime, ops
+from ._backend import Handle
 from ._sparse import allreduce_sparse_grads
 from .compression import Compression
 from .process_sets import ProcessSet, backend_of
@@ -22,9 +23,13 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 
 class _Bucket:
     def __init__(self, params: List[torch.nn.Parameter]):
+        self.reset(params)
+
+    def reset(self, params: List[torch.nn.Parameter]) -> None:
+        """Hold ``params`` (and nothing in flight): at creation, and when one leaves the bucket."""
         self.params = params
         self.pending = set(id(p) for p in params)
-        self.handle = None
+        self.handle: Optional[Handle] = None
         self.buffer: Optional[torch.Tensor] = None
         self._offsets = [0]
         for p in params[:-1]:
@@ -100,7 +105,9 @@ class _DistributedOptimizerMixin:
     def _sr_make_buckets(params, bucket_bytes) -> List[_Bucket]:
         # Reverse registration order approximates the order backward produces grads,
         # so the first bucket fills first; a small first bucket starts communication early.
-        buckets, current, current_bytes = [], [], 0
+        buckets: List[_Bucket] = []
+        current: List[torch.nn.Parameter] = []
+        current_bytes = 0
         limit = min(FIRST_BUCKET_BYTES, bucket_bytes)
         for p in reversed(params):
             nbytes = p.numel() * p.element_size()
@@ -139,7 +146,7 @@ class _DistributedOptimizerMixin:
         the same: it is the same model)."""
         if any(q is p for q in bucket.params):
             rest = [q for q in bucket.params if q is not p]
-            bucket.__init__(rest)
+            bucket.reset(rest)
             for q in rest:
                 if self._sr_passes[id(q)] >= self._sr_bpps:
                     bucket.pending.discard(id(q))
@@ -243,7 +250,8 @@ class _DistributedOptimizerMixin:
             raise RuntimeError(
                 "DistributedOptimizer.zero_grad() was called while gradient allreduces are "
                 "still in flight; call step() or synchronize() after backward() first")
-        return super(self.__class__, self).zero_grad(set_to_none)
+        # the wrapped optimizer class's own zero_grad (this mixin sits in front of it)
+        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
@@ -269,7 +277,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizerMixin.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
-    wrapped = cls.__new__(cls)
+    wrapped: Any = object.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._sr_setup(named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, bucket_bytes, sparse_as_dense, process_set)

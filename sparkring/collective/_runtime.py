@@ -14,7 +14,7 @@ from . import _env
 from ._backend import Backend
 
 if TYPE_CHECKING:
-    from ._join import Recipe
+    from ._join import Joiner, Recipe
 
 
 class _State:
@@ -25,7 +25,7 @@ class _State:
     local_size = 1
     cross_rank = 0
     cross_size = 1
-    joiner = None  # _join.Joiner when the ring has more than one rank
+    joiner: Optional["Joiner"] = None  # when the ring has more than one rank
     lock = threading.Lock()
 
 
@@ -210,8 +210,10 @@ def active_set_backend() -> Optional[Backend]:
 
 def global_rank() -> int:
     """This process's rank in the global ring, also inside a process set."""
-    current()
-    return state.backend.rank
+    current()  # raises NotInitializedError before init()
+    backend = state.backend
+    assert backend is not None
+    return backend.rank
 
 
 def in_subset() -> bool:

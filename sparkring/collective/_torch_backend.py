@@ -32,6 +32,20 @@ _REDUCE_TAG, _GATHER_TAG, _SWAP_TAG = 0, 1, 2
 _COMBINE = {"sum": torch.add, "min": torch.minimum, "max": torch.maximum, "product": torch.mul}
 
 
+def _isend(tensor: torch.Tensor, dst: int, group, tag: int = 0) -> dist.Work:
+    work = dist.isend(tensor, dst, group=group, tag=tag)
+    if work is None:  # torch returns None to ranks outside the group; ours are always inside
+        raise RuntimeError(f"isend to {dst}: this rank is not in the group")
+    return work
+
+
+def _irecv(tensor: torch.Tensor, src: int, group, tag: int = 0) -> dist.Work:
+    work = dist.irecv(tensor, src, group=group, tag=tag)
+    if work is None:
+        raise RuntimeError(f"irecv from {src}: this rank is not in the group")
+    return work
+
+
 class _TorchHandle(Handle):
     def __init__(self, work, tensor: torch.Tensor):
         self._work = work
@@ -51,7 +65,7 @@ class TorchBackend(Backend):
     """torch.distributed process group (gloo or nccl) of ``size`` ranks."""
 
     def __init__(self, name: str, rank: int, size: int, master_addr: Optional[str],
-                 master_port: Optional[int], timeout_s: float, start_timeout_s: float):
+                 master_port: Optional[str], timeout_s: float, start_timeout_s: float):
         self._owns_group = not dist.is_initialized()
         if not self._owns_group:  # the user's own init_process_group came first: use its group
             name = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
@@ -63,11 +77,14 @@ class TorchBackend(Backend):
         if name == "nccl" and self._owns_group:
             torch.cuda.set_device(0)  # the runner narrows CUDA_VISIBLE_DEVICES to this rank's GPU
         self._start_timeout = datetime.timedelta(seconds=start_timeout_s)
-        self._master = (master_addr, int(master_port)) if master_addr else None
-        if size == 1 and not master_addr:
+        self._master = (master_addr, int(master_port)) if master_addr and master_port else None
+        store: dist.Store
+        if self._master is None:
+            if size > 1:
+                raise ValueError(f"a ring of {size} ranks needs a master address and port")
             store = dist.HashStore()
         else:
-            store = rendezvous_store(master_addr, int(master_port), size, rank, self._start_timeout)
+            store = rendezvous_store(self._master[0], self._master[1], size, rank, self._start_timeout)
         self._store = store
         self._results = ResultBuffers()
         self._scratch_bytes: Optional[torch.Tensor] = None
@@ -133,8 +150,8 @@ class TorchBackend(Backend):
         theirs = self._scratch(flat.numel(), flat.dtype)
         # send before receiving: measured 1.07-1.22x gloo's allreduce at 1-4 MB this way,
         # 0.8-0.9x with the receive posted first (the ring is the other way round)
-        sent = dist.isend(flat, self._global[peer], group=self._group, tag=_SWAP_TAG)
-        received = dist.irecv(theirs, self._global[peer], group=self._group, tag=_SWAP_TAG)
+        sent = _isend(flat, self._global[peer], group=self._group, tag=_SWAP_TAG)
+        received = _irecv(theirs, self._global[peer], group=self._group, tag=_SWAP_TAG)
         received.wait()
         # rank 0's operand first on both ranks: min/max of signed zeros or NaNs depend on order
         first, second = (flat, theirs) if self.rank == 0 else (theirs, flat)
@@ -167,24 +184,24 @@ class TorchBackend(Backend):
         # receiver asks for it (measured 5-10% at 16 MB).
         # reduce-scatter: partials from the left land in the result itself and are combined
         # there in place (no staging buffers: 5-10% less memory traffic at 16 MB)
-        jobs = [(step, a, m, dist.irecv(out[a:a + m], left, group=group, tag=reduce_tag))
+        jobs = [(step, a, m, _irecv(out[a:a + m], left, group=group, tag=reduce_tag))
                 for step in range(n - 1) for a, m in segments((rank - step - 1) % n)]
         # allgather: final chunks arrive in the result too. With three or more ranks such a
         # region also held a partial sent on to the right; the final value only exists once
         # that partial went all the way round, so the send has read it long before.
-        gathers = [(step, a, m, dist.irecv(out[a:a + m], left, group=group, tag=gather_tag))
+        gathers = [(step, a, m, _irecv(out[a:a + m], left, group=group, tag=gather_tag))
                    for step in range(n - 1) for a, m in segments((rank - step) % n)]
-        sends = [dist.isend(flat[a:a + m], right, group=group, tag=reduce_tag) for a, m in segments(rank)]
+        sends = [_isend(flat[a:a + m], right, group=group, tag=reduce_tag) for a, m in segments(rank)]
         for step, a, m, work in jobs:
             work.wait()
             partial = out[a:a + m]
             combine(flat[a:a + m], partial, out=partial)
             # the last step's result is final: it starts the allgather at once
-            sends.append(dist.isend(partial, right, group=group, tag=reduce_tag if step < n - 2 else gather_tag))
+            sends.append(_isend(partial, right, group=group, tag=reduce_tag if step < n - 2 else gather_tag))
         for step, a, m, work in gathers:
             work.wait()
             if step < n - 2:
-                sends.append(dist.isend(out[a:a + m], right, group=group, tag=gather_tag))
+                sends.append(_isend(out[a:a + m], right, group=group, tag=gather_tag))
         for work in sends:
             work.wait()
 
@@ -206,7 +223,7 @@ class TorchBackend(Backend):
                 if shift == 0:
                     outputs[self.rank].copy_(inputs[self.rank])
                     continue
-                send = dist.isend(inputs[dst].contiguous(), self._global[dst], group=self._group)
+                send = _isend(inputs[dst].contiguous(), self._global[dst], group=self._group)
                 dist.recv(outputs[src], self._global[src], group=self._group)
                 send.wait()
         else:

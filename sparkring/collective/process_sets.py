@@ -12,6 +12,7 @@ import functools
 from typing import Dict, List, Optional, Sequence, Union
 
 from . import _runtime
+from ._backend import Backend
 
 
 class ProcessSet:
@@ -25,7 +26,7 @@ class ProcessSet:
     def __init__(self, ranks: Sequence[int]):
         self.ranks: List[int] = sorted(int(r) for r in ranks)
         self.process_set_id: Optional[int] = None
-        self._backend = None
+        self._backend: Optional[Backend] = None
 
     def _is_global(self) -> bool:
         return self is global_process_set

@@ -45,14 +45,18 @@ class SyncBatchNorm(_BatchNorm):
         total = stats[-1]
         mean = stats[:channels] / total
         var = stats[channels:2 * channels] / total - mean * mean
-        if self.track_running_stats and self.running_mean is not None:
+        running_mean, running_var, tracked = self.running_mean, self.running_var, self.num_batches_tracked
+        if self.track_running_stats and running_mean is not None and running_var is not None:
             with torch.no_grad():
-                if self.num_batches_tracked is not None:
-                    self.num_batches_tracked += 1
-                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                if tracked is not None:
+                    tracked += 1
+                if self.momentum is not None:
+                    momentum = self.momentum
+                else:  # cumulative moving average, as BatchNorm with momentum=None
+                    momentum = 1.0 / float(tracked) if tracked is not None else 0.0
                 unbiased = var * total / (total - 1).clamp_min(1)
-                self.running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
-                self.running_var.mul_(1 - momentum).add_(momentum * unbiased.detach())
+                running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
+                running_var.mul_(1 - momentum).add_(momentum * unbiased.detach())
         shape = [1, channels] + [1] * (input.dim() - 2)
         out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:

@@ -5,7 +5,7 @@ import copy
 import sys
 import threading
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 from pyspark import keyword_only
@@ -28,7 +28,7 @@ class _Progress:
 
     def __init__(self, verbose: int):
         self.verbose = verbose
-        self.bar = None
+        self.bar: Optional[Any] = None  # tqdm's bar while an epoch runs
         self.epochs = 0
         self.lock = threading.Lock()
         self.lines: List[str] = []
@@ -87,20 +87,35 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     >>> model.transform(test_df).select("prediction").show()  # doctest: +SKIP
     """
 
+    _input_kwargs: Dict[str, Any]  # set by pyspark's keyword_only
+
     @keyword_only
-    def __init__(self, *, model=None, optimizer=None, loss=None, metrics=None, featuresCol="features",
-                 labelCol="label", predictionCol="prediction", probabilityCol="probability",
-                 rawPredictionCol="rawPrediction", sampleWeightCol=None, batchSize=32, valBatchSize=None,
-                 epochs=1, numProc=None, validation=None, shuffle=True, seed=0, backend="auto", useGpu=None,
-                 store=None, runId=None, backwardPassesPerStep=1, gradientCompression="none",
-                 learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
-                 validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
-                 inferenceBatchSize=1024, keepData=False, timeout=None, streamLogs=True, modelInputs=None,
-                 inputShapes=None, transformFn=None, transformFnInference=None, readerWorkers=None,
-                 lossWeights=None, onNonFinite="raise"):
+    def __init__(self, *, model: Optional[torch.nn.Module] = None,
+                 optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
+                 loss: Union[str, Callable[..., Any], Sequence[Union[str, Callable[..., Any]]], None] = None,
+                 metrics: Optional[Dict[str, Union[str, Callable[..., Any]]]] = None,
+                 featuresCol: Union[str, Sequence[str]] = "features", labelCol: Union[str, Sequence[str]] = "label",
+                 predictionCol: Union[str, Sequence[str]] = "prediction", probabilityCol: str = "probability",
+                 rawPredictionCol: str = "rawPrediction", sampleWeightCol: Optional[str] = None,
+                 batchSize: int = 32, valBatchSize: Optional[int] = None, epochs: int = 1,
+                 numProc: Optional[int] = None, validation: Union[float, str, None] = None, shuffle: bool = True,
+                 seed: int = 0, backend: str = "auto", useGpu: Optional[bool] = None,
+                 store: Union[str, Store, None] = None, runId: Optional[str] = None, backwardPassesPerStep: int = 1,
+                 gradientCompression: str = "none", learningRateScaling: str = "none", warmupEpochs: float = 0.0,
+                 trainStepsPerEpoch: Optional[int] = None, validationStepsPerEpoch: Optional[int] = None,
+                 callbacks: Optional[Sequence[Any]] = None, earlyStopping: Optional[Dict[str, Any]] = None,
+                 verbose: int = 1, inferenceBatchSize: int = 1024, keepData: bool = False,
+                 timeout: Optional[float] = None, streamLogs: bool = True,
+                 modelInputs: Union[Sequence[Union[str, Sequence[str]]], Dict[str, Union[str, Sequence[str]]],
+                                    None] = None,
+                 inputShapes: Union[Dict[str, Sequence[int]], Sequence[int], None] = None,
+                 transformFn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
+                 transformFnInference: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
+                 readerWorkers: Optional[int] = None, lossWeights: Optional[Sequence[float]] = None,
+                 onNonFinite: str = "raise") -> None:
         super().__init__()
         self._hold_data = False
-        self._prepared = None
+        self._prepared: Optional[Any] = None
         self._set(**{k: v for k, v in self._input_kwargs.items()})
 
     @keyword_only

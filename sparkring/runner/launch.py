@@ -130,7 +130,7 @@ class _RunState:
                 timed_out = msg.get("kind") == "timeout"
                 reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
                 self.channel.broadcast({"t": "abort", "reason": reason, "dump": timed_out},
-                                       where=lambda c: c.info.get("task") and c.info.get("attempt") == attempt
+                                       where=lambda c: bool(c.info.get("task")) and c.info.get("attempt") == attempt
                                        and c.info.get("rank") != rank)
 
     def _print(self, rank: int, stream: Optional[str], line: str) -> None:
@@ -291,6 +291,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                 failed_attempts = len(state.errors)
             if failure is None and launch_plan.attempts > 1 and failed_attempts >= launch_plan.attempts:
                 err = state.first_error()
+                assert err is not None  # every attempt failed
                 failure = (_timeout_error(state, num_proc, timeout) if err.get("kind") == "timeout"
                            else _rank_failed(err))
             if failure is not None:
@@ -335,7 +336,7 @@ def _rank_failed(err: Dict[str, Any]) -> RankFailedError:
     return RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""), err.get("exit_code"))
 
 
-def _timeout_error(state: _RunState, num_proc: int, timeout: float, wait: bool = True) -> RankTimeoutError:
+def _timeout_error(state: _RunState, num_proc: int, timeout: Optional[float], wait: bool = True) -> RankTimeoutError:
     """Name the ranks that ran out of time, with where every rank's threads were."""
     attempt = max(state.timeouts)
     deadline = time.monotonic() + (3 if wait else 0)  # live: the other ranks' stack dumps are on their way
@@ -352,8 +353,9 @@ def _timeout_error(state: _RunState, num_proc: int, timeout: float, wait: bool =
     parts = [timed[r] for r in ranks]
     parts += [f"rank {r} was stopped with them; where its threads were:\n{stacks[r]}"
               for r in sorted(stacks) if r not in timed]
+    limit = f"timeout={timeout:g}s" if timeout is not None else "their collective timeout"
     return RankTimeoutError(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} exceeded "
-                            f"timeout={timeout:g}s and {'were' if len(ranks) > 1 else 'was'} killed\n\n"
+                            f"{limit} and {'were' if len(ranks) > 1 else 'was'} killed\n\n"
                             + "\n\n".join(parts), ranks)
 
 
