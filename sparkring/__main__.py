@@ -58,13 +58,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
     from sparkring.runner.launch import ScriptMain
-    from sparkring.runner.plan import CLI_NAMES
+    from sparkring.runner.plan import CLI_NAMES, check_timeouts
 
+    try:  # mistakes in the command line fail before a Spark session starts
+        check_timeouts(args.timeout, args.start_timeout, CLI_NAMES)
+        script = ScriptMain(args.script, args.script_args)
+    except ConfigurationError as e:
+        print(f"sparkring: {e}", file=sys.stderr)
+        return 2
     spark, owned = _session(args.master, args.num_proc, args.remote)
     try:
-        if args.timeout is not None and args.timeout <= 0:
-            raise ConfigurationError(f"--timeout={args.timeout:g}: it must be positive (seconds)")
-        script = ScriptMain(args.script, args.script_args)
         launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
                            stream=args.stream, names=CLI_NAMES)
         launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,

@@ -10,35 +10,12 @@ import psutil
 import pytest
 import rank_fns
 import torch
+from leftovers import wait_no_workers
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _live_workers():
-    """Rank workers still alive: the pids the last run reported, plus anything named like one."""
-    from sparkring.runner.launch import last_worker_pids
-
-    alive = set()
-    for pid in last_worker_pids():
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.add(pid)
-        except psutil.NoSuchProcess:
-            pass
-    for p in psutil.process_iter(["name", "cmdline"]):
-        if (p.info.get("name") or "").startswith("sparkring-r") or "sparkring.runner._worker" in (p.info.get("cmdline") or []):
-            alive.add(p.pid)
-    return sorted(alive)
-
-
-def _wait_no_workers(timeout=10):
-    deadline = time.time() + timeout
-    while time.time() < deadline and _live_workers():
-        time.sleep(0.2)
-    return _live_workers()
 
 
 def test_run_returns_results_ordered_by_rank_with_ranks_layout(spark):
@@ -51,7 +28,7 @@ def test_run_returns_results_ordered_by_rank_with_ranks_layout(spark):
 
     assert sorted(last_worker_pids()) == sorted(r["pid"] for r in results)
     assert results[0]["cuda"] == ""  # no GPU asked: no GPU visible
-    assert _wait_no_workers() == []
+    assert wait_no_workers() == []
 
 
 def test_fifty_megabyte_results_come_back_whole(spark):
@@ -70,7 +47,7 @@ def test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_
     assert "ValueError: boom on purpose in rank 1" in info.value.remote_traceback
     assert "fail_on_rank" in info.value.remote_traceback
     assert elapsed < 30, f"failure took {elapsed:.1f}s to reach the driver"
-    assert _wait_no_workers() == []
+    assert wait_no_workers() == []
     # the session is still usable after a failed run
     assert [r["rank"] for r in run(rank_fns.whoami, num_proc=2)] == [0, 1]
 
@@ -86,7 +63,7 @@ def test_rank_exceeding_timeout_fails_the_run_naming_the_rank(spark):
     rank1 = text[text.index("rank 1 "):]
     rank1 = rank1[:rank1.index("rank 0 ")] if "rank 0 " in rank1 else rank1
     assert "in hang_on_rank" in rank1
-    assert _wait_no_workers() == []
+    assert wait_no_workers() == []
 
 
 def test_logs_stream_live_to_the_driver_while_ranks_run(spark, tmp_path, capsys):
@@ -270,7 +247,7 @@ def test_cluster_gpus_come_from_task_resources_and_ranks_span_executors(spark_cl
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["cuda"] in ("0", "1") for r in results)
     assert all(r["omp"] == "1" for r in results)
-    assert _wait_no_workers() == []
+    assert wait_no_workers() == []
 
 
 @pytest.mark.slow
@@ -324,7 +301,7 @@ def test_cancelling_the_spark_jobs_from_another_thread_stops_the_run_and_its_ran
     finally:
         timer.cancel()
     assert time.monotonic() - started < 40
-    assert _wait_no_workers(10) == []
+    assert wait_no_workers(10) == []
     assert run(rank_fns.whoami, num_proc=2)  # the session still runs the next one
 
 

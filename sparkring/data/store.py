@@ -101,7 +101,13 @@ class Store:
     def fs(self) -> pafs.FileSystem:
         if self._fs is None:
             if "://" in self.url:
-                self._fs, self._root = _open_filesystem(self.url, self.storage_options)
+                try:
+                    self._fs, self._root = _open_filesystem(self.url, self.storage_options)
+                except (ValueError, ImportError) as exc:  # an unknown scheme, or its package is missing
+                    scheme = self.url.split("://", 1)[0]
+                    raise StoreError(f"store {self.url!r}: the scheme {scheme!r} cannot be opened ({exc}); use a "
+                                     "local path, file://, hdfs:// or a scheme an installed fsspec package "
+                                     "serves (s3fs for s3://, gcsfs for gs://, adlfs for abfs://)") from exc
             else:
                 self._fs, self._root = pafs.LocalFileSystem(), self.url
             self._root = self._root.rstrip("/") or "/"

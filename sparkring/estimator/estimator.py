@@ -15,10 +15,10 @@ from pyspark.ml.util import MLReadable, MLWritable
 from ..data import DataError, FeatureSpec, Store, prepare
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
-from ..runner import ESTIMATOR_NAMES, ConfigurationError, launch, plan
+from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan
 from . import losses
 from .model import SparkRingModel
-from .params import SparkRingParams
+from .params import OBJECT_PARAMS, SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 from .training import TrainConfig, non_finite_reason, train_rank
 
@@ -145,6 +145,11 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
             raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
                                      "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
+        check_timeouts(self.getOrDefault("timeout"), None, ESTIMATOR_NAMES)
+        # what ships to the ranks, checked here so that a lock or an open file in the model
+        # is named before the data is written
+        check_picklable({name: self.getOrDefault(name) for name in OBJECT_PARAMS
+                         if self.isDefined(name) and self.getOrDefault(name) is not None})
         labels = self.labelColumns()
         loss_list = self.lossList()
         if any(loss is None for loss in loss_list):

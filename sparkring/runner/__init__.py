@@ -7,7 +7,9 @@
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .channel import report
 from .launch import launch, run
-from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, plan
+from .pickling import check_picklable
+from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
 
-__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report",
+__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable",
+           "check_timeouts",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -17,9 +17,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import cloudpickle
 
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from . import pickling
 from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import DriverChannel
-from .plan import RUN_NAMES, LaunchPlan, plan
+from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
 from .session import JobTag, wait_for_slots
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,12 @@ class ScriptMain:
     def __init__(self, path: str, argv: Sequence[str] = ()):
         self.path = os.path.abspath(path)
         self.argv = [str(a) for a in argv]
-        with open(self.path) as f:  # fail on the driver, not on every rank
-            f.read(1)
+        try:
+            with open(self.path) as f:  # fail on the driver, not on every rank
+                f.read(1)
+        except OSError as exc:
+            raise ConfigurationError(f"script {path!r} cannot be read ({exc.strerror}): pass the path of a "
+                                     "Python file that exists on the driver") from exc
 
     def __call__(self) -> int:
         sys.argv = [self.path] + self.argv
@@ -186,8 +191,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     >>> run(fn, num_proc=2)  # doctest: +SKIP
     [0.5, 0.5]
     """
-    if timeout is not None and timeout <= 0:
-        raise ConfigurationError(f"timeout={timeout}: it must be positive (seconds) or None")
+    check_timeouts(timeout, start_timeout, RUN_NAMES)
     if isinstance(fn, (str, os.PathLike)):
         fn, args, kwargs = ScriptMain(str(fn), list(args)), (), None
     elif not callable(fn):
@@ -210,11 +214,14 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     """
     num_proc = launch_plan.num_proc
     facts = launch_plan.facts
+    named: Dict[str, Any] = {"fn": fn}
+    named.update({f"args[{i}]": arg for i, arg in enumerate(args)})
+    named.update({f"kwargs[{key!r}]": value for key, value in (kwargs or {}).items()})
+    payload = pickling.dumps((fn, tuple(args), kwargs or {}), named)
     if not facts.connect and not facts.local and not wait_for_slots(spark, num_proc, start_timeout):
         raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
                                f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
                                "number of ranks", list(range(num_proc)))
-    payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
     secret = os.urandom(32)
     state = _RunState(num_proc, verbose, on_event)
     channel = DriverChannel(launch_plan.driver_host, secret, state.handle)

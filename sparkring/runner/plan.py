@@ -24,11 +24,22 @@ class ParamNames:
     num_proc: str = "num_proc"
     use_gpu: str = "use_gpu"
     backend: str = "backend"
+    timeout: str = "timeout"
+    start_timeout: str = "start_timeout"
 
 
 RUN_NAMES = ParamNames()
 ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend")
-CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend")
+CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", timeout="--timeout",
+                       start_timeout="--start-timeout")
+
+
+def check_timeouts(timeout: Optional[float], start_timeout: Optional[float], names: ParamNames) -> None:
+    """Both limits are seconds > 0 (``timeout=None``: no limit on the ranks' run time)."""
+    for name, value in ((names.timeout, timeout), (names.start_timeout, start_timeout)):
+        if value is not None and not value > 0:
+            raise ConfigurationError(f"{name}={value:g}: it must be a positive number of seconds"
+                                     + (" or None (no limit)" if name == names.timeout else ""))
 
 
 @dataclass(frozen=True)

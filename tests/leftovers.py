@@ -1,0 +1,83 @@
+"""What a run may leave behind, measured with psutil: rank workers, mpiexec, threads, open
+files and listening sockets of the driver and of its executors (the JVMs and Python workers
+it started)."""
+import threading
+import time
+from dataclasses import dataclass
+
+import psutil
+
+
+def live_workers():
+    """Rank workers still alive: the pids the last run reported, plus anything named like one."""
+    from sparkring.runner.launch import last_worker_pids
+
+    alive = set()
+    for pid in last_worker_pids():
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    for p in psutil.process_iter(["name", "cmdline", "status"]):
+        name, cmdline = p.info.get("name") or "", p.info.get("cmdline") or []
+        if p.info.get("status") == psutil.STATUS_ZOMBIE:
+            continue
+        if name.startswith("sparkring-r") or "sparkring.runner._worker" in cmdline or name in ("mpiexec", "hydra_pmi_proxy"):
+            alive.add(p.pid)
+    return sorted(alive)
+
+
+def wait_no_workers(timeout=10):
+    deadline = time.time() + timeout
+    while time.time() < deadline and live_workers():
+        time.sleep(0.2)
+    return live_workers()
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Counts that must not grow from one run to the next."""
+
+    driver_threads: int       # Python threads of this process
+    driver_fds: int           # open file descriptors of this process
+    listening: int            # listening TCP sockets of this process and every process under it
+    processes: int            # live processes under this one (JVMs, Python workers, ranks)
+    workers: int              # rank workers and mpiexec anywhere on the machine
+
+    def grown(self, before: "Footprint", slack_fds: int = 0):
+        """The fields that grew since ``before`` (file descriptors allow ``slack_fds``)."""
+        grown = {name: (getattr(before, name), getattr(self, name)) for name in self.__dataclass_fields__
+                 if getattr(self, name) > getattr(before, name) + (slack_fds if name == "driver_fds" else 0)}
+        return grown
+
+
+def footprint() -> Footprint:
+    me = psutil.Process()
+    tree = [me] + me.children(recursive=True)
+    listening = 0
+    for p in tree:
+        try:
+            listening += sum(1 for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    alive = [p for p in tree[1:] if _alive(p)]
+    return Footprint(driver_threads=threading.active_count(), driver_fds=me.num_fds(), listening=listening,
+                     processes=len(alive), workers=len(live_workers()))
+
+
+def settled_footprint(before: Footprint, timeout=15, slack_fds=0) -> Footprint:
+    """The footprint once threads and processes of the last run had time to end (or ``timeout``)."""
+    deadline = time.time() + timeout
+    now = footprint()
+    while now.grown(before, slack_fds) and time.time() < deadline:
+        time.sleep(0.5)
+        now = footprint()
+    return now
+
+
+def _alive(p):
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
