@@ -41,39 +41,43 @@ class Footprint:
 
     driver_threads: int       # Python threads of this process
     driver_fds: int           # open file descriptors of this process
+    driver_listening: int     # listening TCP sockets of this process
     listening: int            # listening TCP sockets of this process and every process under it
     processes: int            # live processes under this one (JVMs, Python workers, ranks)
     workers: int              # rank workers and mpiexec anywhere on the machine
 
-    def grown(self, before: "Footprint", slack_fds: int = 0):
-        """The fields that grew since ``before`` (file descriptors allow ``slack_fds``)."""
-        grown = {name: (getattr(before, name), getattr(self, name)) for name in self.__dataclass_fields__
-                 if getattr(self, name) > getattr(before, name) + (slack_fds if name == "driver_fds" else 0)}
-        return grown
+    def grown(self, before: "Footprint", slack_fds: int = 0, fields=None):
+        """The ``fields`` (default: all) that grew since ``before``; file descriptors allow ``slack_fds``."""
+        names = fields or tuple(self.__dataclass_fields__)
+        return {name: (getattr(before, name), getattr(self, name)) for name in names
+                if getattr(self, name) > getattr(before, name) + (slack_fds if name == "driver_fds" else 0)}
 
 
 def footprint() -> Footprint:
     me = psutil.Process()
     tree = [me] + me.children(recursive=True)
-    listening = 0
-    for p in tree:
-        try:
-            listening += sum(1 for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
+    listening = [_listening(p) for p in tree]
     alive = [p for p in tree[1:] if _alive(p)]
-    return Footprint(driver_threads=threading.active_count(), driver_fds=me.num_fds(), listening=listening,
-                     processes=len(alive), workers=len(live_workers()))
+    return Footprint(driver_threads=threading.active_count(), driver_fds=me.num_fds(),
+                     driver_listening=listening[0], listening=sum(listening), processes=len(alive),
+                     workers=len(live_workers()))
 
 
-def settled_footprint(before: Footprint, timeout=15, slack_fds=0) -> Footprint:
+def settled_footprint(before: Footprint, timeout=15, slack_fds=0, fields=None) -> Footprint:
     """The footprint once threads and processes of the last run had time to end (or ``timeout``)."""
     deadline = time.time() + timeout
     now = footprint()
-    while now.grown(before, slack_fds) and time.time() < deadline:
+    while now.grown(before, slack_fds, fields) and time.time() < deadline:
         time.sleep(0.5)
         now = footprint()
     return now
+
+
+def _listening(p) -> int:
+    try:
+        return sum(1 for c in p.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
 
 
 def _alive(p):

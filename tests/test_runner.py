@@ -105,17 +105,6 @@ def test_local_mode_gpus_are_assigned_by_local_rank(spark):
     assert all(r["backend"] == "gloo" for r in results)  # no CUDA here: auto falls back
 
 
-def test_num_proc_larger_than_slots_is_refused_before_any_job(spark):
-    jobs_before = spark.sparkContext.statusTracker().getJobIdsForGroup(None)
-    with pytest.raises(ConfigurationError, match="num_proc=3 is larger than the 2 concurrent task slots"):
-        run(rank_fns.whoami, num_proc=3)
-    with pytest.raises(ConfigurationError, match="num_proc=0"):
-        run(rank_fns.whoami, num_proc=0)
-    with pytest.raises(ConfigurationError, match="backend='tcp'"):
-        run(rank_fns.whoami, num_proc=2, backend="tcp")
-    assert spark.sparkContext.statusTracker().getJobIdsForGroup(None) == jobs_before
-
-
 def _fake_session(master, **conf):
     """A classic-looking session that only answers spark.conf.get (what plan() reads)."""
     conf = dict(conf, **{"spark.master": master})
