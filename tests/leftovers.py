@@ -85,3 +85,23 @@ def _alive(p):
         return p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def ctrl_c_when_ranks_run(count=2, timeout=90):
+    """Send this process SIGINT (what Ctrl-C does) once ``count`` rank workers run; returns the thread."""
+    import os
+    import signal
+
+    def wait_then_interrupt():
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            ranks = [p for p in psutil.process_iter(["name"]) if (p.info.get("name") or "").startswith("sparkring-r")]
+            if len(ranks) >= count:
+                time.sleep(1.0)  # inside training, past the start-up
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=wait_then_interrupt, daemon=True)
+    thread.start()
+    return thread

@@ -8,6 +8,7 @@ import time
 import est_helpers as H
 import pytest
 import torch
+from leftovers import ctrl_c_when_ranks_run, wait_no_workers
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
@@ -72,6 +73,16 @@ def test_regression_on_a_list_of_numeric_columns_with_sample_weights(spark, stor
     assert dict(out.dtypes)["prediction"] == "double"
     row = out.orderBy("id").first()
     assert row.prediction == pytest.approx(row.y, abs=0.1)
+
+
+def test_ctrl_c_during_fit_stops_its_ranks_and_the_next_fit_works(spark, store):
+    df = H.classification_df(spark)
+    ctrl_c_when_ranks_run(2)
+    with pytest.raises(KeyboardInterrupt):
+        _estimator(store, epochs=2000, runId="interrupted").fit(df)
+    assert wait_no_workers(10) == []
+    model = _estimator(store, epochs=1, runId="after-interrupt").fit(df)
+    assert [h["epoch"] for h in model.history] == [0]
 
 
 def test_regression_shape_mismatch_names_both_shapes(spark, store):

@@ -10,7 +10,7 @@ import psutil
 import pytest
 import rank_fns
 import torch
-from leftovers import wait_no_workers
+from leftovers import ctrl_c_when_ranks_run, wait_no_workers
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
@@ -292,6 +292,16 @@ def test_cancelling_the_spark_jobs_from_another_thread_stops_the_run_and_its_ran
     assert time.monotonic() - started < 40
     assert wait_no_workers(10) == []
     assert run(rank_fns.whoami, num_proc=2)  # the session still runs the next one
+
+
+def test_ctrl_c_during_run_stops_its_ranks_and_the_next_run_works(spark):
+    ctrl_c_when_ranks_run(2)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        run(rank_fns.hang_on_rank, args=(0,), num_proc=2, verbose=0)
+    assert time.monotonic() - started < 60
+    assert wait_no_workers(10) == []
+    assert [r["rank"] for r in run(rank_fns.whoami, num_proc=2, verbose=0)] == [0, 1]
 
 
 def test_ranks_exit_when_the_driver_process_dies(tmp_path):

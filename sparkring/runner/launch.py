@@ -333,6 +333,14 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
         if "error" in outcome:
             raise SparkRingError(f"the barrier stage failed before any rank reported an error: {outcome['error']}") \
                 from outcome["error"]
+    except KeyboardInterrupt:
+        # Ctrl-C: classic PySpark's own SIGINT handler cancels every job of the context, a
+        # Connect client cancels nothing; stop exactly this run's ranks and job either way
+        log.info("interrupted: stopping the ranks and cancelling the Spark job of this run")
+        channel.broadcast({"t": "abort", "reason": "the driver was interrupted (KeyboardInterrupt)"})
+        tag.cancel()
+        worker.join(30)
+        raise
     finally:
         channel.close()
         _last_worker_pids[:] = state.pids
