@@ -74,8 +74,22 @@ class NotInitializedError(SparkRingError):
 
 
 class HorovodInternalError(SparkRingError):
-    """A collective failed inside the transport (a peer went away, the ring broke); as in
-    Horovod, elastic code catches it to restart from a checkpoint."""
+    """A collective failed inside the transport because a peer rank went away (the ring
+    broke); as in Horovod, elastic code catches it to restart from a checkpoint. Raised by
+    gloo/NCCL rings; an MPI ring aborts instead (MPI's errors are fatal by default)."""
+
+
+# How a transport reports that *another* rank went away under a collective.
+PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "was stopped:")
+
+
+def is_peer_loss(text: str) -> bool:
+    """True for an error text that only says a peer rank went away.
+
+    >>> is_peer_loss("RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    True
+    """
+    return any(sign in text for sign in PEER_LOSS_SIGNS)
 
 
 class MismatchError(SparkRingError, ValueError):

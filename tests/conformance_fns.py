@@ -1,4 +1,7 @@
 """Rank functions for the Horovod conformance tests (run through tests/spawn.py)."""
+import os
+import time
+
 import torch
 
 import sparkring.collective as hvd
@@ -269,3 +272,20 @@ def process_sets_tour():
         out["after_remove"] = str(exc)
     out["global_sum"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, process_set=hvd.global_process_set)
     return out
+
+
+def peer_loss():
+    """Rank 1 leaves the ring abruptly; rank 0's next collective raises HorovodInternalError."""
+    import threading
+
+    hvd.allreduce(torch.ones(4))
+    if hvd.rank() == 1:
+        threading.Timer(1.0, os._exit, args=(0,)).start()  # after its answer reached the test
+        return "left"
+    time.sleep(2.0)
+    try:
+        hvd.allreduce(torch.ones(1 << 16), name="after_the_loss")
+    except hvd.HorovodInternalError as exc:
+        return {"type": type(exc).__name__, "runtime": isinstance(exc, RuntimeError), "message": str(exc),
+                "cause": type(exc.__cause__).__name__}
+    return "no error"

@@ -58,6 +58,22 @@ class KillOnce(FailOnce):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillExecutorOnce(FailOnce):
+    """Kills the JVM of the executor this rank runs in (as a lost node or the OOM killer would):
+    rank 0's executor dies with all its tasks and Python workers."""
+
+    def fail(self, epoch):
+        import signal
+
+        import psutil
+
+        for parent in psutil.Process().parents():
+            if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in parent.cmdline():
+                parent.send_signal(signal.SIGKILL)
+                time.sleep(60)  # dies with its executor
+        raise AssertionError("no executor JVM above this rank: not on a cluster session?")
+
+
 class RecordEpochs:
     """Appends one line per epoch to a file: proof the callback ran, where and when."""
 

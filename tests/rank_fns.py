@@ -281,3 +281,19 @@ def killed_on_rank(bad_rank):
         os.kill(os.getpid(), signal.SIGKILL)
     sr.allreduce(torch.ones(1))
     time.sleep(120)
+
+
+def lose_executor_of_rank0(marker):
+    """Rank 0 kills its executor's JVM once (a lost node); the run then needs the slot back."""
+    import signal
+
+    import psutil
+
+    if sr.rank() == 0 and not os.path.exists(marker):
+        open(marker, "w").close()
+        for parent in psutil.Process().parents():
+            if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in parent.cmdline():
+                parent.send_signal(signal.SIGKILL)
+        time.sleep(60)
+    sr.barrier()
+    return sr.rank()

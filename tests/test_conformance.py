@@ -161,3 +161,11 @@ def test_process_sets_run_collectives_among_their_ranks_only():
         torch.testing.assert_close(results[rank]["weights"], model.weight.detach(), atol=1e-6, rtol=0)
     assert results[1]["alone"].item() == 5.0
     assert "rank 1 is not in" in results[1]["outsider"]
+
+
+def test_a_peer_that_goes_away_raises_horovod_internal_error_on_the_survivor():
+    survivor, left = _ranks("peer_loss")
+    assert left == "left"
+    assert survivor["type"] == "HorovodInternalError" and survivor["runtime"] and survivor["cause"] == "RuntimeError"
+    assert survivor["message"].startswith("the collective ring broke: a peer rank went away ([")
+    assert "Connection closed by peer" in survivor["message"]

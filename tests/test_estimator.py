@@ -150,6 +150,26 @@ def test_fit_resumes_with_the_uninterrupted_weights_after_a_rank_is_killed(spark
     _assert_same_weights(resumed, reference, atol=1e-5)
 
 
+def test_fit_completes_with_the_uninterrupted_weights_after_an_executor_is_lost(spark_cluster, tmp_path):
+    store = Store(str(tmp_path / "store"))
+    df = H.classification_df(spark_cluster)
+    reference = _estimator(store, runId="reference-lost", keepData=True).fit(df)
+    executors_before = _executor_ids(spark_cluster)
+    lost = _estimator(store, runId="executor-lost", keepData=True,
+                      callbacks=[H.KillExecutorOnce(str(tmp_path / "executor-killed"), epoch=1)])
+    resumed = lost.fit(df)  # the standalone worker starts a new executor; Spark reruns the stage
+    assert (tmp_path / "executor-killed").exists()
+    assert _executor_ids(spark_cluster) != executors_before  # one executor really was replaced
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
+    _assert_same_weights(resumed, reference, atol=1e-5)
+    assert wait_no_workers(10) == []
+
+
+def _executor_ids(spark):
+    infos = spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()
+    return sorted(f"{infos[i].host()}:{infos[i].port()}" for i in range(len(infos)))
+
+
 def test_fit_again_with_the_same_run_id_resumes_after_a_failed_fit(spark, store, tmp_path):
     df = H.classification_df(spark)
     reference = _estimator(store, runId="ref2", keepData=True).fit(df)

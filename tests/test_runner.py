@@ -1,5 +1,6 @@
 """sparkring.run on real Spark barrier stages: results, failures, timeouts, logs, GPUs."""
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -154,9 +155,14 @@ def test_a_session_with_spark_authenticate_refuses_then_runs_after_the_opt_in():
     assert "result: [42]" in proc.stdout
 
 
+def _messages_into(got):
+    """A channel handler keeping what peers sent (not the channel's own word that one left)."""
+    return lambda message, conn: got.append(message) if message.get("t") != channel.CONNECTION_CLOSED else None
+
+
 def test_channel_binds_the_given_address_and_drops_unsigned_frames():
     got = []
-    server = channel.DriverChannel("127.0.0.1", b"k" * 32, lambda m, c: got.append(m))
+    server = channel.DriverChannel("127.0.0.1", b"k" * 32, _messages_into(got))
     try:
         assert server.address[0] == "127.0.0.1"
         with pytest.raises(ValueError):
@@ -181,7 +187,7 @@ def test_channel_refuses_replayed_reflected_and_forged_frames():
 
     got = []
     secret = b"k" * 32
-    server = channel.DriverChannel("127.0.0.1", secret, lambda m, c: got.append(m))
+    server = channel.DriverChannel("127.0.0.1", secret, _messages_into(got))
     try:
         good = channel.connect(*server.address, secret=secret)
         assert good.send({"t": "log", "line": "first"})
@@ -302,6 +308,66 @@ def test_ctrl_c_during_run_stops_its_ranks_and_the_next_run_works(spark):
     assert time.monotonic() - started < 60
     assert wait_no_workers(10) == []
     assert [r["rank"] for r in run(rank_fns.whoami, num_proc=2, verbose=0)] == [0, 1]
+
+
+LOST_FOR_GOOD = """
+import os, sys, threading, time
+import psutil
+from pyspark.sql import SparkSession
+spark = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.driver.host", "127.0.0.1")
+         .config("spark.executor.memory", "512m").config("spark.ui.enabled", "false")
+         .config("spark.deploy.maxExecutorRetries", "1000")
+         .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"]).getOrCreate())
+import rank_fns, sparkring
+marker = sys.argv[1]
+
+def executors():
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in p.cmdline():
+                found.append(p)
+        except psutil.Error:  # gone, or a zombie of a killed one
+            pass
+    return found
+
+while len(executors()) < 2:
+    time.sleep(0.2)
+first = {p.pid for p in executors()}
+
+def node_stays_down():
+    # once rank 0 killed its executor, every executor started after it dies at once: the node is gone
+    while not os.path.exists(marker):
+        time.sleep(0.2)
+    survivors = first
+    end = time.time() + 90
+    while time.time() < end:
+        for p in executors():
+            if p.pid not in survivors:
+                p.kill()
+        time.sleep(0.2)
+
+threading.Thread(target=node_stays_down, daemon=True).start()
+started = time.monotonic()
+try:
+    sparkring.run(rank_fns.lose_executor_of_rank0, args=(marker,), num_proc=2, start_timeout=20, verbose=0)
+except sparkring.RankTimeoutError as exc:
+    print(f"after {time.monotonic() - started:.0f}s:", str(exc).splitlines()[0])
+spark.stop()
+"""
+
+
+def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slots_named(tmp_path):
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", LOST_FOR_GOOD, str(tmp_path / "lost")], capture_output=True,
+                          text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert re.search(r"after \d+s: attempt 1 of the barrier stage failed \(.*\) and Spark did not start the 2 ranks "
+                     r"again within start_timeout=20s: the cluster lacks 2 free task slots", line), proc.stdout
+    assert int(line.split()[1].rstrip("s:")) < 90
+    assert wait_no_workers(30) == []
 
 
 def test_ranks_exit_when_the_driver_process_dies(tmp_path):

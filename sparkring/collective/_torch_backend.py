@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
+from ..errors import HorovodInternalError, SparkRingError, is_peer_loss
 from ._backend import Backend, Handle
 from ._buffers import ResultBuffers
 from ._store import client_store, rendezvous_store
@@ -46,6 +48,29 @@ def _irecv(tensor: torch.Tensor, src: int, group, tag: int = 0) -> dist.Work:
     return work
 
 
+def _peer_loss_raises_horovod_internal_error(cls):
+    """Every public method of ``cls`` turns a transport error that says a peer went away into
+    HorovodInternalError (chained to the original), as Horovod's collectives do."""
+    for name, method in list(vars(cls).items()):
+        if callable(method) and not name.startswith("_"):
+            setattr(cls, name, _translated(method))
+    return cls
+
+
+def _translated(method):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except RuntimeError as exc:
+            if isinstance(exc, SparkRingError) or not is_peer_loss(str(exc)):
+                raise
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise HorovodInternalError(f"the collective ring broke: a peer rank went away ({first_line})") from exc
+    return call
+
+
+@_peer_loss_raises_horovod_internal_error
 class _TorchHandle(Handle):
     def __init__(self, work, tensor: torch.Tensor):
         self._work = work
@@ -61,6 +86,7 @@ class _TorchHandle(Handle):
         return self._work is None or self._work.is_completed()
 
 
+@_peer_loss_raises_horovod_internal_error
 class TorchBackend(Backend):
     """torch.distributed process group (gloo or nccl) of ``size`` ranks."""
 

@@ -30,6 +30,11 @@ MAX_FRAME = 64 * 1024 * 1024
 CLIENT, SERVER = b"C", b"S"
 
 
+# What the channel tells its handler when a peer's connection ends (never read from the wire:
+# a peer sending it would only be taken for a rank that went away, which it can do anyway).
+CONNECTION_CLOSED = "connection-closed"
+
+
 def _sign(secret: bytes, context: bytes, body: bytes) -> bytes:
     return hmac.new(secret, context + body, hashlib.sha256).digest()
 
@@ -134,6 +139,8 @@ class DriverChannel:
             with self._lock:
                 if conn in self._conns:
                     self._conns.remove(conn)
+            if not self._closed:
+                self._handler({"t": CONNECTION_CLOSED}, conn)
 
     def broadcast(self, message: Dict[str, Any], where: Callable[["Connection"], bool] = lambda c: True) -> None:
         with self._lock:

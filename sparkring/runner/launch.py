@@ -19,7 +19,7 @@ import cloudpickle
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from . import pickling
 from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
-from .channel import DriverChannel
+from .channel import CONNECTION_CLOSED, DriverChannel
 from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
 from .session import JobTag, wait_for_slots
 
@@ -83,6 +83,7 @@ class _RunState:
         self.stacks: Dict[int, Dict[int, str]] = {}
         self.done: Dict[int, set] = {}
         self.errors: Dict[int, dict] = {}
+        self.failed_at: Dict[int, float] = {}  # attempt -> when a rank of it failed or went away
         self.pids: List[int] = []
         self.channel: Optional[DriverChannel] = None
         self.detached = False
@@ -107,6 +108,12 @@ class _RunState:
                         self.attempt_started = time.monotonic()
                     self.attempt = max(self.attempt, attempt)
                 self.hello.setdefault(attempt, set()).add(rank)
+        elif kind == CONNECTION_CLOSED:
+            if conn is not None and conn.info.get("task"):
+                rank, attempt = int(conn.info["rank"]), int(conn.info["attempt"])
+                with self.lock:
+                    if rank not in self.done.get(attempt, set()):
+                        self.failed_at.setdefault(attempt, time.monotonic())
         elif kind == "started":
             with self.lock:
                 self.pids.append(int(msg["pid"]))
@@ -129,6 +136,7 @@ class _RunState:
                 if msg.get("kind") == "timeout":
                     self.timeouts.setdefault(attempt, {})[rank] = msg.get("traceback", "")
                 first = attempt not in self.errors
+                self.failed_at.setdefault(attempt, time.monotonic())
                 if first or (self.errors[attempt].get("secondary") and not msg.get("secondary")):
                     self.errors[attempt] = msg  # a rank that only lost its peer yields to the cause
             if first and self.channel is not None and conn is not None:
@@ -296,6 +304,10 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                 failure = RankTimeoutError(f"ranks {running} exceeded timeout={timeout:g}s", running)
             with state.lock:
                 failed_attempts = len(state.errors)
+                failed_at = state.failed_at.get(attempt)
+            if (failure is None and failed_at is not None and launch_plan.attempts > 1 and driver_watches_start
+                    and not state.detached and now - failed_at > start_timeout):
+                failure = _not_restarted(state, attempt, num_proc, start_timeout)
             if failure is None and launch_plan.attempts > 1 and failed_attempts >= launch_plan.attempts:
                 err = state.first_error()
                 assert err is not None  # every attempt failed
@@ -345,6 +357,21 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
         channel.close()
         _last_worker_pids[:] = state.pids
     return _assemble([r for r in rows if r["kind"] == "result"], num_proc)
+
+
+def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout: float) -> RankTimeoutError:
+    """An attempt of the stage failed and Spark has not started the next one: its slots are gone."""
+    err = state.errors.get(attempt)
+    if err is not None:
+        lines = [line for line in str(err.get("traceback", "")).strip().splitlines() if line.strip()]
+        cause = f"rank {err.get('rank')}: {lines[-1].strip() if lines else 'failed'}"
+    else:
+        cause = "a rank's task went away without a word (its executor was lost)"
+    return RankTimeoutError(
+        f"attempt {attempt + 1} of the barrier stage failed ({cause}) and Spark did not start the {num_proc} "
+        f"ranks again within start_timeout={start_timeout:g}s: the cluster lacks {num_proc} free task slots "
+        "(an executor was lost and did not come back, or other jobs hold the slots); add executors or lower "
+        "the number of ranks", list(range(num_proc)))
 
 
 def _rank_failed(err: Dict[str, Any]) -> RankFailedError:
