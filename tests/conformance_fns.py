@@ -289,3 +289,14 @@ def peer_loss():
         return {"type": type(exc).__name__, "runtime": isinstance(exc, RuntimeError), "message": str(exc),
                 "cause": type(exc.__cause__).__name__}
     return "no error"
+
+
+def outcome(fn_name, **kwargs):
+    """("ok", result) or ("error", traceback) of one function here: every rank's outcome reaches
+    the test, also where a rank raising would end the run (sparkring.run on MPI)."""
+    import traceback
+
+    try:
+        return "ok", globals()[fn_name](**kwargs)
+    except Exception:  # noqa: BLE001 - the test reads it
+        return "error", traceback.format_exc()

@@ -1,25 +1,73 @@
 """Horovod conformance: horovod.torch's contract, run the way Horovod's own tests run it
-(ranks as processes on gloo, every result against a direct computation)."""
+(every result against a direct computation), on gloo rings of 2 and 3 spawned processes and
+on MPI rings of 2 ranks started by sparkring.run(backend="mpi") on Spark."""
+from dataclasses import dataclass
+
 import conformance_fns
 import pytest
 import torch
-from spawn import spawn_ranks
+from spawn import spawn_errors, spawn_ranks
+
+from sparkring import run
+
+
+@dataclass(frozen=True)
+class Ring:
+    backend: str
+    size: int
+
+    def __str__(self):
+        return f"{self.backend}-{self.size}"
+
+
+GLOO_2, GLOO_3, MPI_2 = Ring("gloo", 2), Ring("gloo", 3), Ring("mpi", 2)
+RINGS_OF_TWO = [GLOO_2, MPI_2]
+EVERY_RING = [GLOO_2, GLOO_3, MPI_2]
+
+
+@pytest.fixture
+def on(request, _spark_sessions):
+    """Runs a conformance function on the ring the test is parametrized with: results by rank."""
+    ring = request.param
+
+    def ranks(fn_name, **kwargs):
+        if ring.backend == "gloo":
+            return spawn_ranks("conformance_fns", fn_name, ring.size, timeout=90, **kwargs)
+        _spark_sessions.get("local")
+        return run(conformance_fns.__dict__[fn_name], kwargs=kwargs, num_proc=ring.size, backend="mpi", verbose=0)
+
+    def outcomes(fn_name, **kwargs):
+        """(status, traceback or result) by rank, where ranks are expected to raise."""
+        if ring.backend == "gloo":
+            return spawn_errors("conformance_fns", fn_name, ring.size, timeout=30, **kwargs)
+        _spark_sessions.get("local")
+        return run(conformance_fns.outcome, args=(fn_name,), kwargs=kwargs, num_proc=ring.size, backend="mpi",
+                   verbose=0, timeout=60)
+
+    ranks.outcomes = outcomes
+    ranks.ring = ring
+    return ranks
 
 
 def _ranks(fn_name, size=2, **kwargs):
     return spawn_ranks("conformance_fns", fn_name, size, timeout=90, **kwargs)
 
 
-def test_shutdown_then_init_forms_a_new_ring_while_old_objects_are_held():
-    for r in _ranks("reinit_twice"):
+def rings(*choices):
+    return pytest.mark.parametrize("on", choices, ids=str, indirect=True)
+
+
+@rings(*RINGS_OF_TWO)
+def test_shutdown_then_init_forms_a_new_ring_while_old_objects_are_held(on):
+    for r in on("reinit_twice"):
         torch.testing.assert_close(r["first"], torch.full((3,), 2.0))
         torch.testing.assert_close(r["second"], torch.full((3,), 3.0))
         assert r["third"].tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_every_dtype_horovod_supports_matches_a_direct_computation(size):
-    results = _ranks("every_dtype_against_a_direct_computation", size)
+@rings(*EVERY_RING)
+def test_every_dtype_horovod_supports_matches_a_direct_computation(on):
+    results = on("every_dtype_against_a_direct_computation")
     for r in results:
         assert set(r) == {str(d) for d in conformance_fns.DTYPES}
         for dtype, ops in r.items():
@@ -28,17 +76,19 @@ def test_every_dtype_horovod_supports_matches_a_direct_computation(size):
                 assert torch.equal(got, expected), (dtype, op, got, expected)
 
 
-def test_integer_average_truncates_toward_zero_and_scaling_keeps_the_dtype():
-    for r in _ranks("integer_average_and_scaling"):
+@rings(*RINGS_OF_TWO)
+def test_integer_average_truncates_toward_zero_and_scaling_keeps_the_dtype(on):
+    for r in on("integer_average_and_scaling"):
         assert r["avg"].tolist() == [-4, 4, 10, -10] and r["avg"].dtype == torch.int32
         assert r["pre"].tolist() == [-4, 4, 10, -10]      # trunc(-1.5) + trunc(-3.0) = -1 - 3
         assert r["post"].tolist() == [-4, 4, 10, -10]
         assert r["int16"].dtype == torch.int16 and r["int16"].tolist() == [-9, 9, 21, -21]
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_gradients_flow_through_collectives_as_in_horovod(size):
-    results = _ranks("gradients_through_collectives", size)
+@rings(*EVERY_RING)
+def test_gradients_flow_through_collectives_as_in_horovod(on):
+    results = on("gradients_through_collectives")
+    size = on.ring.size
     f64 = torch.float64
     weights = [float(r + 1) for r in range(size)]
     total_w = sum(weights)
@@ -63,8 +113,9 @@ def test_gradients_flow_through_collectives_as_in_horovod(size):
         torch.testing.assert_close(g["reducescatter"], expected)
 
 
-def test_horovods_async_grouped_and_sparse_functions_exist_and_compute_the_right_thing():
-    r0, r1 = _ranks("missing_functions_tour")
+@rings(*RINGS_OF_TWO)
+def test_horovods_async_grouped_and_sparse_functions_exist_and_compute_the_right_thing(on):
+    r0, r1 = on("missing_functions_tour")
     for r, out in enumerate((r0, r1)):
         assert out["allgather_async"].tolist() == [0, 1, 1]
         assert [t.tolist() for t in out["grouped_allgather"]] == [[0, 1], [[0, 0], [0, 0], [1, 1], [1, 1]]]
@@ -80,10 +131,11 @@ def test_horovods_async_grouped_and_sparse_functions_exist_and_compute_the_right
         dense[0] += 1; dense[1] += 1; dense[5] += 4  # noqa: E702
         torch.testing.assert_close(out["sparse"], dense)
         torch.testing.assert_close(out["sparse_avg"], dense / 2)
-        assert out["flags"] == (True, False, False, False, False)
+        gloo = on.ring.backend == "gloo"
+        assert out["flags"] == (gloo, not gloo, False, False, False)
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@rings(*EVERY_RING)
 @pytest.mark.parametrize("case,needle", [
     ("shape", r"rank 0 called allreduce, shape \(2,\) torch.float32, op Average but rank 1 called allreduce, "
               r"shape \(3,\)"),
@@ -95,29 +147,27 @@ def test_horovods_async_grouped_and_sparse_functions_exist_and_compute_the_right
                        r"shape \(\*, 3\)"),
     ("kind", r"rank 0 called allreduce.* but rank 1 called allgather"),
 ])
-def test_mismatched_arguments_raise_on_every_rank_naming_both_sides(size, case, needle):
+def test_mismatched_arguments_raise_on_every_rank_naming_both_sides(on, case, needle):
     import re
     import time
 
-    from spawn import spawn_errors
-
     started = time.monotonic()
-    outcomes = spawn_errors("conformance_fns", "mismatched", size, timeout=30, case=case)
+    outcomes = on.outcomes("mismatched", case=case)
     for rank, (status, text) in enumerate(outcomes):
         assert status == "error", (case, rank)
         assert "MismatchError" in text and re.search(needle, text), (case, rank, text[-600:])
     assert time.monotonic() - started < 30
 
 
-def test_a_second_in_flight_operation_under_the_same_name_raises():
-    from spawn import spawn_errors
-
-    for status, text in spawn_errors("conformance_fns", "mismatched", 2, timeout=30, case="in_flight_name"):
+@rings(*RINGS_OF_TWO)
+def test_a_second_in_flight_operation_under_the_same_name_raises(on):
+    for status, text in on.outcomes("mismatched", case="in_flight_name"):
         assert status == "error" and "an operation named 'x' is still in flight" in text
 
 
-def test_optimizer_details_fresh_state_horovod_names_and_the_synchronize_warning():
-    r0, r1 = _ranks("optimizer_details")
+@rings(*RINGS_OF_TWO)
+def test_optimizer_details_fresh_state_horovod_names_and_the_synchronize_warning(on):
+    r0, r1 = on("optimizer_details")
     assert r0["adam_step"] == r1["adam_step"] == [1.0, 1.0]
     for a, b in zip(r0["adam_exp_avg"], r1["adam_exp_avg"]):
         torch.testing.assert_close(a, b)
@@ -125,9 +175,10 @@ def test_optimizer_details_fresh_state_horovod_names_and_the_synchronize_warning
     assert r0["warned"] and r1["warned"]
 
 
+@rings(*RINGS_OF_TWO)
 @pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
-def test_sparse_embedding_gradients_train_like_one_process(sparse_as_dense):
-    results = _ranks("sparse_embedding_training", sparse_as_dense=sparse_as_dense)
+def test_sparse_embedding_gradients_train_like_one_process(on, sparse_as_dense):
+    results = on("sparse_embedding_training", sparse_as_dense=sparse_as_dense)
     expected = conformance_fns.sparse_embedding_reference(2)
     for r in results:
         assert r["sparse_grads"] == [not sparse_as_dense] * 3
