@@ -1,18 +1,28 @@
-# make test | make lint | make demo | make bench  -- each creates .venv on first use.
+# make test | make test-compat | make lint | make demo | make bench  -- each creates its venv on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The compat environment: Spark 3.5, pyarrow 15 and petastorm (constraints-compat.txt).
+VENV_COMPAT := .venv-compat
+PY_COMPAT := $(VENV_COMPAT)/bin/python
+STAMP_COMPAT := $(VENV_COMPAT)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test lint demo bench java clean
+.PHONY: test test-compat lint demo bench java clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,mpi]'
 	touch $(STAMP)
+
+$(STAMP_COMPAT): pyproject.toml constraints-compat.txt Makefile
+	$(PYTHON) -m venv $(VENV_COMPAT)
+	$(PY_COMPAT) -m pip install -q --upgrade pip
+	$(PY_COMPAT) -m pip install -q -c constraints-compat.txt -e '.[test,mpi,petastorm]'
+	touch $(STAMP_COMPAT)
 
 java:
 	@command -v java >/dev/null 2>&1 || { echo "error: no 'java' on PATH; Spark needs a Java 17+ runtime (e.g. apt-get install openjdk-17-jre-headless)"; exit 1; }
@@ -21,6 +31,9 @@ java:
 
 test: java $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-compat: java $(STAMP_COMPAT)
+	$(PY_COMPAT) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparkring benchmarks examples tests
@@ -33,4 +46,4 @@ bench: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache build *.egg-info
