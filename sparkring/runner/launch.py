@@ -21,7 +21,7 @@ from . import pickling
 from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import CONNECTION_CLOSED, DriverChannel
 from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
-from .session import JobTag, wait_for_slots
+from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
 
 log = logging.getLogger(__name__)
 _CANCELLED = "SPARK_JOB_CANCELLED"
@@ -222,6 +222,8 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     """
     num_proc = launch_plan.num_proc
     facts = launch_plan.facts
+    if facts.local and not facts.connect:  # the barrier tasks run in this driver's JVM
+        release_barrier_timer_at_exit(spark)
     named: Dict[str, Any] = {"fn": fn}
     named.update({f"args[{i}]": arg for i, arg in enumerate(args)})
     named.update({f"kwargs[{key!r}]": value for key, value in (kwargs or {}).items()})

@@ -246,3 +246,36 @@ class JobTag:
                 self.spark.sparkContext.cancelJobGroup(self.name)
         except Exception as exc:  # noqa: BLE001 - the job may be over already
             log.debug("cancelling jobs tagged %s: %s", self.name, exc)
+
+
+_timer_release_registered = False
+
+
+def release_barrier_timer_at_exit(spark) -> None:
+    """Spark 3.5 keeps a non-daemon ``java.util.Timer`` for barrier() calls in every JVM that
+    ran a barrier task (SPARK-46895 made it a daemon in 4.0). In local mode that JVM is the
+    driver's, so ``spark-submit train.py`` never exits after the script ends. When this Python
+    process exits, cancel that timer (no barrier task can follow then) so the JVM can stop."""
+    global _timer_release_registered
+    import pyspark
+
+    if _timer_release_registered or int(pyspark.__version__.split(".")[0]) >= 4 or is_connect(spark):
+        return
+    _timer_release_registered = True
+    import atexit
+
+    jvm = spark.sparkContext._jvm
+    atexit.register(_cancel_barrier_timer, jvm)
+
+
+def _cancel_barrier_timer(jvm) -> None:
+    try:
+        holder = jvm.java.lang.Class.forName("org.apache.spark.BarrierTaskContext$")
+        module = holder.getField("MODULE$").get(None)
+        for field in holder.getDeclaredFields():  # Scala names it org$apache$spark$...$$timer
+            if field.getType().getName() == "java.util.Timer":
+                field.setAccessible(True)
+                field.get(module).cancel()
+                log.debug("cancelled Spark 3.5's barrier() timer so that the driver JVM can exit")
+    except Exception as exc:  # noqa: BLE001 - the gateway may be gone already: nothing to release
+        log.debug("could not cancel Spark's barrier() timer: %s", exc)
