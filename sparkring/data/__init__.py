@@ -4,8 +4,10 @@
 >>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"])  # doctest: +SKIP
 """
 from .dataset import Dataset
+from .petastorm_reader import READERS, check_reader
 from .prepare import prepare
 from .spec import ColumnSpec, DataError, FeatureSpec, InputSpec
 from .store import Store, StoreError
 
-__all__ = ["Store", "StoreError", "Dataset", "prepare", "DataError", "FeatureSpec", "InputSpec", "ColumnSpec"]
+__all__ = ["Store", "StoreError", "Dataset", "prepare", "DataError", "FeatureSpec", "InputSpec", "ColumnSpec",
+           "READERS", "check_reader"]

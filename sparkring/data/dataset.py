@@ -6,7 +6,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 
 from . import reader, reuse
-from .reader import SplitMemory, as_torch, decoded_pieces, in_order, plan_rows, prefetched, row_bytes, share, shuffled
+from .petastorm_reader import check_reader, petastorm_row_groups
+from .reader import (
+    SplitMemory,
+    arrow_row_groups,
+    as_torch,
+    decoded_pieces,
+    in_order,
+    plan_rows,
+    prefetched,
+    row_bytes,
+    share,
+    shuffled,
+)
 from .spec import FeatureSpec
 from .transform import transformed
 
@@ -78,7 +90,7 @@ class Dataset:
                 epoch: int = 0, drop_last: bool = True, split: str = "train", prefetch: int = 2,
                 cache: Optional[bool] = None, shuffle_buffer: Optional[int] = None,
                 columns: Optional[Sequence[str]] = None, transform: Optional[Callable] = None,
-                workers: int = 0) -> Iterator[Dict[str, Any]]:
+                workers: int = 0, reader: str = "arrow") -> Iterator[Dict[str, Any]]:
         """Yield ``rank``'s batches of one epoch as dicts of torch tensors.
 
         Rows, not files, are split between ranks: the epoch's row order (row groups
@@ -105,6 +117,9 @@ class Dataset:
         ``transform(batch) -> dict`` (see :mod:`sparkring.data.transform`) gets numpy arrays
         and runs before the conversion, in ``workers`` forked processes when > 0.
 
+        ``reader="petastorm"`` reads the row groups through petastorm's ``make_batch_reader``
+        instead of pyarrow: the same rows, order and batches (needs petastorm: Spark 3.5 only).
+
         >>> next(iter(ds.batches(batch_size=2, rank=0, size=2)))["label"]  # doctest: +SKIP
         tensor([1., 0.], dtype=torch.float64)
         """
@@ -114,6 +129,7 @@ class Dataset:
             raise ValueError(f"rank={rank} is outside 0..size-1 (size={size})")
         if split not in ("train", "val"):
             raise ValueError(f"split={split!r}: use 'train' or 'val'")
+        check_reader(reader)
         cols = list(columns) if columns is not None else list(self.columns)
         units = self._units(split)
         if shuffle:
@@ -123,7 +139,7 @@ class Dataset:
         if count == 0:
             return iter(())
         memory = self._memory_for(split, cols, cache)
-        pieces = decoded_pieces(self._open, self.spec, cols, share(units, first, count), memory)
+        pieces = decoded_pieces(self._row_groups(reader, split, cols), share(units, first, count), memory)
         if prefetch > 0:
             pieces = prefetched(pieces, prefetch)
         if shuffle:
@@ -135,6 +151,19 @@ class Dataset:
         if transform is not None:
             out = transformed(out, transform, workers)
         return (as_torch(b) for b in out)
+
+    def _row_groups(self, reader: str, split: str, cols: List[str]):
+        if reader == "arrow":
+            return arrow_row_groups(self._open, self.spec, cols)
+        counts = {f["path"]: len(f["row_groups"]) for f in self.metadata["splits"].get(split, [])}
+        return petastorm_row_groups(self._url, counts, self.spec, cols, self.store.storage_options)
+
+    def _url(self, path: str) -> str:
+        full = f"{self.data_dir}/{path}"
+        local = self.store.local_path(full)
+        if local is not None:
+            return f"file://{local}"
+        return f"{self.store.url.split('://', 1)[0]}://{full}"
 
     def _open(self, path: str):
         import pyarrow.parquet as pq

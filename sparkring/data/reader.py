@@ -100,19 +100,31 @@ def share(units: Sequence[Unit], first: int, count: int) -> List[Tuple[str, int,
     return pieces
 
 
-def decoded_pieces(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
-                   pieces: Sequence[Tuple[str, int, int, int]], memory: Optional[SplitMemory]) -> Iterator[Piece]:
-    """Each piece decoded (from memory when the split is held there, filling it otherwise)."""
+# Reads one row group's columns as numpy arrays of rows: (path, row group index) -> arrays.
+RowGroupReader = Callable[[str, int], Dict[str, np.ndarray]]
+
+
+def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str]) -> RowGroupReader:
+    """The default reader: pyarrow reads the row group, ``to_numpy`` decodes each column."""
     files: Dict[str, Any] = {}
+
+    def read(path: str, rg: int) -> Dict[str, np.ndarray]:
+        if path not in files:
+            files[path] = open_file(path)
+        table = files[path].read_row_group(rg, columns=list(cols))
+        return {c: to_numpy(table.column(c), spec.column(c)) for c in cols}
+    return read
+
+
+def decoded_pieces(read_row_group: RowGroupReader, pieces: Sequence[Tuple[str, int, int, int]],
+                   memory: Optional[SplitMemory]) -> Iterator[Piece]:
+    """Each piece decoded (from memory when the split is held there, filling it otherwise)."""
     for path, rg, lo, hi in pieces:
         key = (path, rg)
         if memory is not None and memory.holds(key):
             yield memory.view(key, lo, hi)
             continue
-        if path not in files:
-            files[path] = open_file(path)
-        table = files[path].read_row_group(rg, columns=list(cols))
-        arrays = {c: to_numpy(table.column(c), spec.column(c)) for c in cols}
+        arrays = read_row_group(path, rg)
         if memory is not None:
             memory.fill(key, arrays)
             yield memory.view(key, lo, hi)

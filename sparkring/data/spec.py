@@ -381,6 +381,11 @@ def flat_values(arr, col: ColumnSpec) -> np.ndarray:
     return current.to_numpy(zero_copy_only=False).astype(np.dtype(col.dtype), copy=False)
 
 
+# Tensors of at most this many bytes per row are stored as Arrow ``binary`` (32-bit offsets),
+# which every Parquet reader (petastorm included) reads; bigger ones as ``large_binary``.
+SMALL_ROW_BYTES = 64 * 1024
+
+
 def to_stored(arr, col: ColumnSpec):
     """A column as prepare writes it: tensors as one fixed-width binary value per row."""
     import pyarrow as pa
@@ -389,8 +394,14 @@ def to_stored(arr, col: ColumnSpec):
         return arr
     values = flat_values(arr, col)
     row_bytes = (values.size // len(arr) if len(arr) else 0) * values.itemsize
-    offsets = np.arange(0, (len(arr) + 1) * row_bytes, max(row_bytes, 1), dtype=np.int64)[:len(arr) + 1]
-    return pa.Array.from_buffers(pa.large_binary(), len(arr), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+    small = row_bytes <= SMALL_ROW_BYTES
+    if small and row_bytes * len(arr) >= 2 ** 31:
+        raise DataError(f"column {col.name!r}: one Arrow batch of {len(arr)} rows holds {row_bytes * len(arr)} bytes "
+                        "(2 GiB at most): lower spark.sql.execution.arrow.maxRecordsPerBatch")
+    offsets = np.arange(0, (len(arr) + 1) * row_bytes, max(row_bytes, 1),
+                        dtype=np.int32 if small else np.int64)[:len(arr) + 1]
+    kind = pa.binary() if small else pa.large_binary()
+    return pa.Array.from_buffers(kind, len(arr), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
 
 
 def to_numpy(column, col: ColumnSpec) -> np.ndarray:

@@ -12,7 +12,7 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..data import DataError, FeatureSpec, Store, prepare
+from ..data import DataError, FeatureSpec, Store, check_reader, prepare
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan
@@ -112,7 +112,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                  transformFn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
                  transformFnInference: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
                  readerWorkers: Optional[int] = None, lossWeights: Optional[Sequence[float]] = None,
-                 onNonFinite: str = "raise") -> None:
+                 onNonFinite: str = "raise", reader: str = "arrow") -> None:
         super().__init__()
         self._hold_data = False
         self._prepared: Optional[Any] = None
@@ -187,6 +187,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             fn = self.getOrDefault(name)
             if fn is not None and not callable(fn):
                 raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
+        check_reader(self.getOrDefault("reader"))
         if self.getOrDefault("onNonFinite") not in ("raise", "skip_step"):
             raise ConfigurationError(f"onNonFinite={self.getOrDefault('onNonFinite')!r}: use 'raise' or 'skip_step'")
         if self.getOrDefault("gradientCompression") not in ("none", "fp16"):
@@ -333,7 +334,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
             use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0,
             transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
-            multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step")
+            multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
+            reader=self.getOrDefault("reader"))
         progress = _Progress(verbose)
         try:
             results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),

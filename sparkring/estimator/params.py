@@ -100,6 +100,9 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
     onNonFinite = _param("onNonFinite", "raise (TrainingError naming epoch, step and rank; the last good checkpoint "
                                         "is kept) | skip_step (every rank skips that update; history counts "
                                         "skipped_steps)", TypeConverters.toString)
+    reader = _param("reader", "how ranks read the prepared data: 'arrow' (default, pyarrow) or 'petastorm' "
+                              "(petastorm's make_batch_reader: the same rows and batches; Spark 3.5 only)",
+                    TypeConverters.toString)
     lossWeights = _param("lossWeights", "weight of each head's loss in the total (default: 1 each)",
                          _to_loss_weights)
     sampleWeightCol = _param("sampleWeightCol", "column of per-row loss weights (optional)",
@@ -147,7 +150,8 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                          inferenceBatchSize=1024, keepData=False, metrics=None, valBatchSize=None,
                          numProc=None, optimizer=None, loss=None, model=None, timeout=None,
                          streamLogs=True, modelInputs=None, inputShapes=None, transformFn=None,
-                         transformFnInference=None, readerWorkers=None, lossWeights=None, onNonFinite="raise")
+                         transformFnInference=None, readerWorkers=None, lossWeights=None, onNonFinite="raise",
+                         reader="arrow")
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)

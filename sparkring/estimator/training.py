@@ -54,6 +54,7 @@ class TrainConfig:
     has_validation: bool = False
     transform_fn: Optional[Callable] = None
     reader_workers: Optional[int] = None
+    reader: str = "arrow"             # data.READERS
     multi_head: bool = False
     skip_non_finite: bool = False
 
@@ -258,7 +259,7 @@ def _run_batches(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, ep
         got = 0
         for batch in cfg.dataset.batches(bs, rank=rank, size=size, shuffle=shuffle, seed=cfg.seed,
                                          epoch=epoch + extra_pass * 100_003, drop_last=drop_last, split=split,
-                                         transform=cfg.transform_fn, workers=workers):
+                                         transform=cfg.transform_fn, workers=workers, reader=cfg.reader):
             yield batch
             got += 1
             produced += 1
