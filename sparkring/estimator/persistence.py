@@ -34,7 +34,7 @@ class SparkRingWriter(MLWriter):
     def saveImpl(self, path: str) -> None:
         inst = self.instance
         json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}
-        DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, extraMetadata=self.extra,
+        DefaultParamsWriter.saveMetadata(inst, path, _metadata_context(self.sparkSession), extraMetadata=self.extra,
                                          paramMap=json_params)
         objects = {name: inst.getOrDefault(name) for name in OBJECT_PARAMS if inst.isSet(name)}
         store = Store(path)
@@ -43,13 +43,21 @@ class SparkRingWriter(MLWriter):
             store.write_bytes(store.path(name), data)
 
 
+def _metadata_context(spark):
+    """What pyspark's DefaultParams metadata functions take: a SparkSession from 4.0 on (also on
+    Connect, which has no SparkContext), a SparkContext before (3.5 calls sc.parallelize)."""
+    import pyspark
+
+    return spark if int(pyspark.__version__.split(".")[0]) >= 4 else spark.sparkContext
+
+
 class SparkRingReader(MLReader):
     def __init__(self, cls):
         super().__init__()
         self.cls = cls
 
     def load(self, path: str):
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = DefaultParamsReader.loadMetadata(path, _metadata_context(self.sparkSession))
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)

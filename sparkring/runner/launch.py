@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import runpy
 import sys
 import threading
@@ -24,7 +25,8 @@ from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
 from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
 
 log = logging.getLogger(__name__)
-_CANCELLED = "SPARK_JOB_CANCELLED"
+# How a cancelled job reads: Spark 4's error class, Spark 3.5's "Job 12 cancelled part of ..."
+_CANCELLED = re.compile(r"SPARK_JOB_CANCELLED|Job \d+ cancelled")
 _SLOTS_CHECK = "BarrierJobSlotsNumberCheckFailed"
 
 
@@ -341,7 +343,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
             raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
                                    f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
                                    "number of ranks", list(range(num_proc))) from None
-        if "error" in outcome and _CANCELLED in str(outcome["error"]):
+        if "error" in outcome and _CANCELLED.search(str(outcome["error"])):
             raise SparkRingError("the Spark job of this run was cancelled (cancelAllJobs, a job group or tag "
                                  "cancel, or the Spark UI); its ranks were stopped") from outcome["error"]
         if "error" in outcome:
