@@ -58,6 +58,17 @@ class KillOnce(FailOnce):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ForwardFails(torch.nn.Module):
+    """A classifier whose forward raises: a rank failure from user code."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        raise RuntimeError("forward fails on purpose")
+
+
 class KillExecutorOnce(FailOnce):
     """Kills the JVM of the executor this rank runs in (as a lost node or the OOM killer would):
     rank 0's executor dies with all its tasks and Python workers."""

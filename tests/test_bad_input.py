@@ -37,15 +37,6 @@ class WithLock(torch.nn.Module):
         return self.body(x)
 
 
-class ForwardRaises(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        raise RuntimeError("this forward fails on purpose")
-
-
 @dataclass
 class Ctx:
     spark: Any
@@ -181,8 +172,8 @@ CASES = [
     Case("fit-labels-out-of-range", lambda c: _fit(c, df=H.classification_df(c.spark, n=96).selectExpr(
         "id", "features", "IF(id % 5 = 0, 7.0, label) AS label")), RankFailedError,
          r"label value 7 is out of range for a model with 3 outputs", before_any_job=False),
-    Case("fit-forward-raises", lambda c: _fit(c, model=ForwardRaises()), RankFailedError,
-         r"(?s)rank \d failed.*RuntimeError: this forward fails on purpose.*sparkring: on rank \d, epoch 0, "
+    Case("fit-forward-raises", lambda c: _fit(c, model=H.ForwardFails()), RankFailedError,
+         r"(?s)rank \d failed.*RuntimeError: forward fails on purpose.*sparkring: on rank \d, epoch 0, "
          r"training batch 0", before_any_job=False),
     # the data layer
     Case("data-string-column", lambda c: prepare(c.spark.createDataFrame([("a", 1.0)], "s string, y double"),

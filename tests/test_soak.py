@@ -4,23 +4,13 @@ with a failing rank, each result checked, and the driver's and executors' footpr
 import est_helpers as H
 import pytest
 import rank_fns
-import torch
 from leftovers import footprint, settled_footprint
 
 from sparkring import RankFailedError, SparkRingEstimator, Store, run
 
 
-class _ForwardFails(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(8, 3)
-
-    def forward(self, x):
-        raise RuntimeError("forward fails on purpose")
-
-
 def _fit(spark, store, run_id, failing):
-    est = SparkRingEstimator(model=_ForwardFails() if failing else H.mlp(), optimizer=H.adam, loss="cross_entropy",
+    est = SparkRingEstimator(model=H.ForwardFails() if failing else H.mlp(), optimizer=H.adam, loss="cross_entropy",
                              batchSize=32, epochs=1, numProc=2, store=store, runId=run_id, verbose=0)
     return est.fit(H.classification_df(spark, n=192))
 
