@@ -1,6 +1,7 @@
 """Run every benchmark side by side with its baseline and rewrite BENCHMARKS.md.
 
     make bench                      # or: python benchmarks/run_all.py [--only launch,allreduce,mpi,...]
+    .venv-compat/bin/python benchmarks/run_all.py --only compat   # petastorm (Spark 3.5 environment)
 """
 from __future__ import annotations
 
@@ -389,8 +390,8 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "inputs", "training",
-                     "transform"):
+        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "compat", "inputs",
+                     "training", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -421,6 +422,13 @@ def main():
             rows = []
             bench_data(spark, rows, args.reps, tmp)
             done("data", rows)
+        if "compat" in only:  # the compat venv only: .venv-compat/bin/python benchmarks/run_all.py --only compat
+            from bench_petastorm import bench_readers
+
+            print("== compat", flush=True)
+            rows = []
+            bench_readers(spark, rows, args.reps, tmp)
+            done("compat", rows)
         if "inputs" in only:
             print("== inputs", flush=True)
             rows = []
