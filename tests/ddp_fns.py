@@ -95,6 +95,21 @@ def spark_style_train(lr):
     return result
 
 
+def one_process_reference(lr, size=2):
+    """What spark_style_train computes on ``size`` ranks, in one process: DDP averages the
+    ranks' gradients, so each step applies the mean of the per-rank gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(IN, OUT)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for rank in range(size):
+            x, y = batch(step, rank)
+            (torch.nn.functional.mse_loss(model(x), y) / size).backward()
+        opt.step()
+    return round(float(model.weight.sum()), 6)
+
+
 class _Branchy(torch.nn.Module):
     """A model with a branch the loss never uses (DDP needs find_unused_parameters)."""
 

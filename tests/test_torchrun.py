@@ -53,13 +53,13 @@ def test_a_rank_raising_inside_ddp_is_named_with_its_traceback(spark):
     assert "bad batch on rank 1" in info.value.remote_traceback
 
 
-def test_torch_distributor_function_matches_sparks_own_on_the_same_function(spark):
-    from pyspark.ml.torch.distributor import TorchDistributor as SparkTorchDistributor
-
+def test_torch_distributor_function_gives_the_weights_of_one_process_training(spark):
+    # Spark's own TorchDistributor is compared in benchmarks/ (side by side on DDP functions), not
+    # here: its torchrun ranks sometimes abort in gloo's teardown at exit ("terminate called
+    # without an active exception") and its barrier job then hangs the suite.
     ours = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(ddp_fns.spark_style_train, 0.1)
-    theirs = SparkTorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
-        ddp_fns.spark_style_train, 0.1)
-    assert ours == theirs and isinstance(ours, float)
+    assert isinstance(ours, float)
+    assert ours == pytest.approx(ddp_fns.one_process_reference(0.1), abs=2e-6)
 
 
 def test_torch_distributor_runs_a_script_with_arguments_and_returns_none(spark, tmp_path):
