@@ -147,6 +147,7 @@ spark.stop()
 """
 
 
+@pytest.mark.slow  # a Spark session in a subprocess
 def test_a_session_with_spark_authenticate_refuses_then_runs_after_the_opt_in():
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
     proc = subprocess.run([sys.executable, "-c", SECURED_RUN], capture_output=True, text=True, env=env, timeout=180)
@@ -357,6 +358,7 @@ spark.stop()
 """
 
 
+@pytest.mark.slow  # a Spark session in a subprocess
 def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slots_named(tmp_path):
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
@@ -370,6 +372,7 @@ def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slo
     assert wait_no_workers(30) == []
 
 
+@pytest.mark.slow  # a Spark session in a subprocess
 def test_ranks_exit_when_the_driver_process_dies(tmp_path):
     script = tmp_path / "driver.py"
     script.write_text(
