@@ -8,6 +8,7 @@ import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from ..data import Store
+from ..runner import spark_major
 from .params import OBJECT_PARAMS
 
 OBJECTS_FILE = "objects.pkl"
@@ -46,9 +47,7 @@ class SparkRingWriter(MLWriter):
 def _metadata_context(spark):
     """What pyspark's DefaultParams metadata functions take: a SparkSession from 4.0 on (also on
     Connect, which has no SparkContext), a SparkContext before (3.5 calls sc.parallelize)."""
-    import pyspark
-
-    return spark if int(pyspark.__version__.split(".")[0]) >= 4 else spark.sparkContext
+    return spark if spark_major() >= 4 else spark.sparkContext
 
 
 class SparkRingReader(MLReader):

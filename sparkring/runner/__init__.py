@@ -9,7 +9,8 @@ from .channel import report
 from .launch import launch, run
 from .pickling import check_picklable
 from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
+from .session import spark_major
 
-__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable",
+__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "spark_major",
            "check_timeouts",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -15,6 +15,13 @@ from typing import Optional, Tuple
 log = logging.getLogger(__name__)
 
 
+def spark_major() -> int:
+    """The installed pyspark's major version (3 or 4): where their APIs differ, one test of it."""
+    import pyspark
+
+    return int(pyspark.__version__.split(".")[0])
+
+
 def is_connect(spark) -> bool:
     """True for a Spark Connect session (no SparkContext, no RDDs)."""
     return type(spark).__module__.startswith("pyspark.sql.connect")
@@ -257,9 +264,7 @@ def release_barrier_timer_at_exit(spark) -> None:
     driver's, so ``spark-submit train.py`` never exits after the script ends. When this Python
     process exits, cancel that timer (no barrier task can follow then) so the JVM can stop."""
     global _timer_release_registered
-    import pyspark
-
-    if _timer_release_registered or int(pyspark.__version__.split(".")[0]) >= 4 or is_connect(spark):
+    if _timer_release_registered or spark_major() >= 4 or is_connect(spark):
         return
     _timer_release_registered = True
     import atexit
