@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The compat environment: Spark 3.5, pyarrow 15 and petastorm (constraints-compat.txt).
+# The compat environment: Spark 3.5, pyarrow 14 and petastorm, with OpenCV so that tests can write
+# petastorm image fields (constraints-compat.txt).
 VENV_COMPAT := .venv-compat
 PY_COMPAT := $(VENV_COMPAT)/bin/python
 STAMP_COMPAT := $(VENV_COMPAT)/.installed
@@ -21,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 $(STAMP_COMPAT): pyproject.toml constraints-compat.txt Makefile
 	$(PYTHON) -m venv $(VENV_COMPAT)
 	$(PY_COMPAT) -m pip install -q --upgrade pip
-	$(PY_COMPAT) -m pip install -q -c constraints-compat.txt -e '.[test,mpi,petastorm]'
+	$(PY_COMPAT) -m pip install -q -c constraints-compat.txt -e '.[test,mpi,petastorm]' opencv-python-headless
 	touch $(STAMP_COMPAT)
 
 java:

@@ -131,3 +131,16 @@ class NaNAt(torch.nn.Module):
                 out = out * float("nan")
             self.n += 1
         return out
+
+
+class MatAndImage(torch.nn.Module):
+    """forward(mat, img): a (4, 4) float matrix and an (8, 8, 3) uint8 image (petastorm codec fields)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.head = torch.nn.Linear(16 + 8 * 8 * 3, 1)
+
+    def forward(self, mat, img):
+        assert mat.shape[1:] == (4, 4) and img.shape[1:] == (8, 8, 3), (mat.shape, img.shape)
+        return self.head(torch.cat([mat.flatten(1), img.float().flatten(1) / 255], dim=1))

@@ -8,6 +8,7 @@ from .petastorm_reader import READERS, check_reader
 from .prepare import prepare
 from .spec import ColumnSpec, DataError, FeatureSpec, InputSpec
 from .store import Store, StoreError
+from .unischema import Codec, petastorm_codecs
 
 __all__ = ["Store", "StoreError", "Dataset", "prepare", "DataError", "FeatureSpec", "InputSpec", "ColumnSpec",
-           "READERS", "check_reader"]
+           "READERS", "check_reader", "Codec", "petastorm_codecs"]

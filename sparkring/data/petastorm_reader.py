@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import ConfigurationError, DataError
 from .reader import RowGroupReader
-from .spec import BYTES, SMALL_ROW_BYTES, TENSOR, ColumnSpec, FeatureSpec
+from .spec import BYTES, CODED, SMALL_ROW_BYTES, TENSOR, ColumnSpec, FeatureSpec, decoded
 
 READERS = ("arrow", "petastorm")
 INSTALL_HINT = ("petastorm imports only with pyarrow < 16 and reads only with pyarrow < 15, so it runs beside "
@@ -63,4 +63,6 @@ def _decoded(chunks, col: ColumnSpec) -> np.ndarray:
         return np.frombuffer(data, dtype=np.dtype(col.dtype)).reshape(n, *col.shape)
     if col.kind == BYTES:
         return values
+    if col.kind == CODED:
+        return decoded(values, col)
     return values.astype(np.bool_ if col.dtype == "bool" else np.dtype(col.dtype), copy=False)

@@ -10,6 +10,7 @@ from . import reuse as reuse_cache
 from .dataset import METADATA_FILE, Dataset
 from .spec import TENSOR, ColumnSpec, DataError, FeatureSpec, tensor_profile, to_stored
 from .store import Store
+from .unischema import petastorm_codecs
 
 VAL_COLUMN = "__sparkring_val"
 TARGET_ROW_GROUP_BYTES = 8 * 1024 * 1024
@@ -222,7 +223,8 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     if spec is None:
         if not columns:
             raise DataError("columns= is empty: name the columns to prepare, e.g. ['features', 'label']")
-        spec = FeatureSpec.build(df.schema, extra=list(dict.fromkeys(columns)))
+        spec = FeatureSpec.build(df.schema, extra=list(dict.fromkeys(columns)),
+                                 codecs=petastorm_codecs(df, store.storage_options))
     validation = _check_validation(df, validation)
     key = _cache_key(df, store, spec, validation, seed) if reuse else None
     cached = reuse_cache.lookup(key)

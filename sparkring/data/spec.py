@@ -6,7 +6,9 @@ Storage: numeric arrays, ML vectors and nested arrays are one binary value per r
 holding the row's raw values (float32, or the integer type of an integer array), fastest to decode into
 torch (4.9M rows/s vs 2.0M for fixed_size_list and 1.4M for list<float>, 200k x 64 floats,
 pyarrow 26) and still readable by plain pyarrow (``np.frombuffer``); the row's shape lives
-here. Scalars keep their Parquet type; binary columns stay bytes for a ``transformFn``.
+here. Scalars keep their Parquet type; binary columns stay bytes for a ``transformFn``, except
+the codec fields of a dataset petastorm wrote (``kind="coded"``), which stay as petastorm
+encoded them and arrive decoded with their Unischema dtype and shape.
 
 >>> spec = FeatureSpec.build(df.schema, inputs=["user", "item", ["age", "income"]], labels=["rating"])
 >>> [i.name for i in spec.inputs], spec.inputs[0].integral  # doctest: +SKIP
@@ -20,8 +22,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from ..errors import DataError
+from .unischema import Codec
 
-SCALAR, TENSOR, BYTES = "scalar", "tensor", "bytes"
+SCALAR, TENSOR, BYTES, CODED = "scalar", "tensor", "bytes", "coded"
 
 _SCALAR_DTYPES = {"tinyint": "int8", "smallint": "int16", "int": "int32", "bigint": "int64",
                   "float": "float32", "double": "float64", "boolean": "bool"}
@@ -37,7 +40,8 @@ class ColumnSpec:
     """How one DataFrame column is stored in Parquet and read back as a numpy array.
 
     ``shape`` is one row's shape: ``()`` for scalars and bytes; tensors' are measured by
-    prepare (every row must have the same).
+    prepare (every row must have the same); coded columns' come from the petastorm Unischema
+    (``()`` where it leaves a dimension free: rows then arrive as arrays for a transformFn).
     """
 
     name: str
@@ -46,6 +50,7 @@ class ColumnSpec:
     levels: int = 0
     vector: bool = False
     shape: Tuple[int, ...] = ()
+    codec: str = ""
 
     @property
     def integral(self) -> bool:
@@ -69,13 +74,22 @@ class ColumnSpec:
     def width(self) -> int:
         return int(np.prod(self.shape)) if self.shape else 1
 
+    @property
+    def decided(self) -> bool:
+        """Whether a row's shape is known before any transformFn runs."""
+        return self.kind == SCALAR or (self.kind in (TENSOR, CODED) and bool(self.shape))
 
-def column_spec(field) -> ColumnSpec:
-    """The ColumnSpec of a Spark StructField; DataError naming the column when it cannot be a tensor."""
+
+def column_spec(field, codec: Optional[Codec] = None) -> ColumnSpec:
+    """The ColumnSpec of a Spark StructField (``codec``: how petastorm encoded it); DataError
+    naming the column when it cannot be a tensor."""
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import types as T
 
     dt = field.dataType
+    if codec is not None and isinstance(dt, T.BinaryType):
+        return ColumnSpec(field.name, CODED, codec.dtype, shape=codec.shape if codec.fixed else (),  # type: ignore[arg-type]
+                          codec=codec.kind)
     integral = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
     numeric = integral + (T.FloatType, T.DoubleType, T.BooleanType)
     if isinstance(dt, numeric):
@@ -137,13 +151,14 @@ class FeatureSpec:
     @classmethod
     def build(cls, schema, inputs: InputsParam = None, labels: Sequence[str] = (), weight: Optional[str] = None,
               shapes: ShapesParam = None, transform: bool = False, features: Sequence[str] = (),
-              extra: Sequence[str] = ()) -> "FeatureSpec":
+              extra: Sequence[str] = (), codecs: Optional[Mapping[str, Codec]] = None) -> "FeatureSpec":
         """The spec for ``schema`` (a Spark StructType).
 
         ``inputs`` is the ``modelInputs`` Param (a list of columns or column lists, or a
         dict name -> column(s)); without it ``features`` (the ``featuresCol`` columns) make
         one float32 input, as before modelInputs existed. ``extra`` columns are stored but
-        feed nothing (e.g. prepare(columns=...)). Raises DataError naming the column.
+        feed nothing (e.g. prepare(columns=...)). ``codecs`` (``unischema.petastorm_codecs``)
+        names the binary columns petastorm encoded. Raises DataError naming the column.
         """
         fields = {f.name: f for f in schema.fields}
         names = list(fields)
@@ -159,7 +174,8 @@ class FeatureSpec:
         missing = [c for c in wanted if c not in fields]
         if missing:
             raise DataError(f"column(s) {missing} are not in the DataFrame; it has {names}")
-        columns = tuple(column_spec(fields[c]) for c in wanted)
+        codecs = codecs or {}
+        columns = tuple(column_spec(fields[c], codecs.get(c)) for c in wanted)
         by_name = {c.name: c for c in columns}
         model_inputs = [replace(inp, integral=inp.integral and by_name[inp.columns[0]].integral)
                         for inp in model_inputs]
@@ -168,11 +184,15 @@ class FeatureSpec:
                 if by_name[c].kind == BYTES and not transform:
                     raise DataError(f"column {c!r} (input {inp.name!r}) is binary: pass transformFn= to decode it "
                                     "into a numeric array (e.g. PNG bytes -> pixels) before the model")
-                if by_name[c].kind == BYTES and len(inp.columns) > 1:
+                if by_name[c].kind == CODED and not by_name[c].shape and not transform:
+                    raise DataError(f"column {c!r} (input {inp.name!r}) holds petastorm arrays whose Unischema "
+                                    "leaves a dimension free: pass transformFn= to bring each batch's rows to one "
+                                    "shape (e.g. resize images)")
+                if by_name[c].kind in (BYTES, CODED) and not by_name[c].shape and len(inp.columns) > 1:
                     raise DataError(f"binary column {c!r} cannot be concatenated with other columns in input "
                                     f"{inp.name!r}: give it an input of its own")
         for c in list(labels) + ([weight] if weight else []):
-            if by_name[c].kind == BYTES:
+            if by_name[c].kind == BYTES or (by_name[c].kind == CODED and not by_name[c].shape):
                 raise DataError(f"column {c!r} is binary; labels and weights must be numeric")
         spec = cls(columns=columns, inputs=tuple(_with_shapes(model_inputs, shapes)), labels=tuple(labels),
                    weight=weight, keyword=keyword, transform=transform)
@@ -203,7 +223,7 @@ class FeatureSpec:
         total = 0
         for name in inp.columns:
             col = self.column(name)
-            if col.kind == BYTES or (col.kind == TENSOR and not col.shape):
+            if not col.decided:
                 return None
             total += col.width()
         return total
@@ -275,7 +295,7 @@ class FeatureSpec:
         for inp in self.inputs:
             for name in inp.columns:
                 col = self.column(name)
-                if col.kind == BYTES or (col.kind == TENSOR and not col.shape):
+                if not col.decided:
                     return None
                 batch[name] = np.zeros((rows,) + tuple(col.shape), dtype=np.dtype(col.dtype))
         return self.model_args(batch)
@@ -439,7 +459,14 @@ def to_numpy(column, col: ColumnSpec) -> np.ndarray:
         return values.reshape(n, *[int(hi or 0) for _, hi in dims])
     if col.kind == BYTES:
         return column.to_numpy(zero_copy_only=False)
+    if col.kind == CODED:
+        return decoded(column.to_numpy(zero_copy_only=False), col)
     arr = column.to_numpy(zero_copy_only=False)
     if col.dtype == "bool":
         return arr.astype(np.bool_)
     return arr.astype(np.dtype(col.dtype), copy=False)
+
+
+def decoded(values, col: ColumnSpec) -> np.ndarray:
+    """A coded column's stored values (bytes as petastorm encoded them), decoded."""
+    return Codec(col.codec, col.dtype, col.shape).decode(values, col.name)

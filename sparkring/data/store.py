@@ -33,7 +33,8 @@ def check_run_id(run_id: str) -> None:
 _OBJECT_STORES = ("S3FileSystem", "GcsFileSystem", "AzureFileSystem")
 
 
-def _open_filesystem(url: str, storage_options: Optional[Dict[str, Any]]):
+def open_filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None):
+    """The pyarrow filesystem of ``url`` (pyarrow's own, else fsspec's) and the path in it."""
     if not storage_options:
         try:
             return pafs.FileSystem.from_uri(url)
@@ -102,7 +103,7 @@ class Store:
         if self._fs is None:
             if "://" in self.url:
                 try:
-                    self._fs, self._root = _open_filesystem(self.url, self.storage_options)
+                    self._fs, self._root = open_filesystem(self.url, self.storage_options)
                 except (ValueError, ImportError) as exc:  # an unknown scheme, or its package is missing
                     scheme = self.url.split("://", 1)[0]
                     raise StoreError(f"store {self.url!r}: the scheme {scheme!r} cannot be opened ({exc}); use a "

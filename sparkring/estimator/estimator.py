@@ -12,7 +12,7 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..data import DataError, FeatureSpec, Store, check_reader, prepare
+from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs, prepare
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan
@@ -226,7 +226,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         try:
             spec = FeatureSpec.build(df.schema, inputs=self.getOrDefault("modelInputs"),
                                      features=self.featureColumns(), labels=labels, weight=weight,
-                                     shapes=self.getOrDefault("inputShapes"), transform=transform_fn is not None)
+                                     shapes=self.getOrDefault("inputShapes"), transform=transform_fn is not None,
+                                     codecs=petastorm_codecs(df))
         except DataError as exc:
             raise ConfigurationError(str(exc)) from None
         validation = self.getOrDefault("validation")

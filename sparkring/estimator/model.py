@@ -14,7 +14,7 @@ import torch
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..data import DataError, FeatureSpec
+from ..data import DataError, FeatureSpec, petastorm_codecs
 from ..data.reader import as_torch
 from ..data.spec import to_numpy
 from ..data.transform import apply as apply_transform
@@ -127,7 +127,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
             try:
                 spec = FeatureSpec.build(dataset.schema, inputs=self.getOrDefault("modelInputs"),
                                          features=self.featureColumns(), shapes=self.getOrDefault("inputShapes"),
-                                         transform=transform_fn is not None)
+                                         transform=transform_fn is not None, codecs=petastorm_codecs(dataset))
             except DataError as exc:
                 raise ValueError(str(exc)) from None
         needed = [c for inp in spec.inputs for c in inp.columns]
