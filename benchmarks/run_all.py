@@ -2,6 +2,7 @@
 
     make bench                      # or: python benchmarks/run_all.py [--only launch,allreduce,mpi,...]
     .venv-compat/bin/python benchmarks/run_all.py --only compat   # petastorm (Spark 3.5 environment)
+    python benchmarks/run_all.py --only versions    # fit() on Spark 4 vs 3.5 (needs .venv-compat)
 """
 from __future__ import annotations
 
@@ -371,7 +372,7 @@ def bench_transform(spark, rows, reps, tmp):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,transform,"
-                                          "connect")
+                                          "versions,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -390,7 +391,7 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "compat", "inputs",
+        for name in ("launch", "distributor", "connect", "allreduce", "mpi", "optimizer", "data", "compat", "versions", "inputs",
                      "training", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
@@ -429,6 +430,13 @@ def main():
             rows = []
             bench_readers(spark, rows, args.reps, tmp)
             done("compat", rows)
+        if "versions" in only:  # the main venv, with .venv-compat beside it
+            from bench_versions import bench_versions
+
+            print("== versions", flush=True)
+            rows = []
+            bench_versions(spark, rows, args.reps, tmp)
+            done("versions", rows)
         if "inputs" in only:
             print("== inputs", flush=True)
             rows = []
