@@ -154,7 +154,7 @@ def connect_url(spark_connect):
 SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_cluster": "cluster",
                     "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
-PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs"}
+PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm"}
 
 
 def pytest_collection_modifyitems(config, items):

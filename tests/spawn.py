@@ -19,10 +19,11 @@ class RankError(AssertionError):
         super().__init__(f"rank {rank} raised:\n{tb}")
 
 
-def _rank_entry(rank, size, port, module, fn_name, kwargs, queue):
+def _rank_entry(rank, size, port, module, fn_name, kwargs, queue, rank_env):
     os.environ.update(SPARKRING_RANK=str(rank), SPARKRING_SIZE=str(size), SPARKRING_MASTER_ADDR="127.0.0.1",
                       SPARKRING_MASTER_PORT=str(port), SPARKRING_BACKEND="gloo", GLOO_SOCKET_IFNAME="lo",
                       OMP_NUM_THREADS="1")
+    os.environ.update((rank_env or {}).get(rank, {}))
     import sparkring.collective as sr
 
     fn = getattr(importlib.import_module(module), fn_name)
@@ -37,13 +38,13 @@ def _rank_entry(rank, size, port, module, fn_name, kwargs, queue):
         sr.shutdown()
 
 
-def _start(module, fn_name, size, kwargs):
+def _start(module, fn_name, size, kwargs, rank_env=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue))
+    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue, rank_env))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -71,10 +72,11 @@ def _collect(procs, queue, size, timeout):
     return got
 
 
-def spawn_ranks(module, fn_name, size, timeout=120, **kwargs):
+def spawn_ranks(module, fn_name, size, timeout=120, rank_env=None, **kwargs):
     """Run ``module.fn_name(**kwargs)`` on ``size`` ranks; results by rank. A rank that
-    raises raises RankError here; ranks that do not answer within ``timeout`` fail the call."""
-    got = _collect(*_start(module, fn_name, size, kwargs), size, timeout)
+    raises raises RankError here; ranks that do not answer within ``timeout`` fail the call.
+    ``rank_env``: rank -> environment variables set before that rank joins the ring."""
+    got = _collect(*_start(module, fn_name, size, kwargs, rank_env), size, timeout)
     errors = {rank: data for rank, (kind, data) in got.items() if kind == "error"}
     if errors:
         first = min(errors)
@@ -82,7 +84,7 @@ def spawn_ranks(module, fn_name, size, timeout=120, **kwargs):
     return [pickle.loads(got[r][1]) for r in range(size)]
 
 
-def spawn_errors(module, fn_name, size, timeout=30, **kwargs):
+def spawn_errors(module, fn_name, size, timeout=30, rank_env=None, **kwargs):
     """Like spawn_ranks, but every rank is expected to raise: (status, traceback or result) by rank."""
-    got = _collect(*_start(module, fn_name, size, kwargs), size, timeout)
+    got = _collect(*_start(module, fn_name, size, kwargs, rank_env), size, timeout)
     return [(kind, data if kind == "error" else pickle.loads(data)) for kind, data in (got[r] for r in range(size))]

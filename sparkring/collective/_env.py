@@ -17,6 +17,8 @@ ATTEMPT = "SPARKRING_ATTEMPT"          # the stage attempt's key
 EVENT_FILE = "SPARKRING_EVENT_FILE"    # where reports go when the driver is out of reach
 PARENT_PID = "SPARKRING_PARENT_PID"    # the task process the worker dies with
 WORKER_START = "SPARKRING_WORKER_START"  # fork | spawn
+SHM = "SPARKRING_SHM"                  # 0: allreduce between ranks of one host through gloo, not shared memory
+HOST_ID = "SPARKRING_HOST_ID"          # the host a rank says it is on (tests simulate several hosts)
 
 
 def torchrun_env(rank: int, size: int, local_rank: int, local_size: int, node_rank: int, nodes: int,

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ..errors import HorovodInternalError, SparkRingError, is_peer_loss
 from ._backend import Backend, Handle
 from ._buffers import ResultBuffers
+from ._shm import HostRing
 from ._store import client_store, rendezvous_store
 
 _OPS = {
@@ -121,6 +122,8 @@ class TorchBackend(Backend):
         # Object collectives on nccl would move pickles through GPU memory; a gloo side
         # group keeps them on CPU and lets barrier() work without a device.
         self._cpu_group = dist.new_group(backend="gloo") if name == "nccl" else None
+        # CPU allreduce between ranks of one host through shared memory (gloo goes through TCP)
+        self._host_ring = HostRing.build(store, rank, size, timeout_s) if name == "gloo" and size > 1 else None
 
     def rendezvous(self):
         return self._store if self.size > 1 else None
@@ -142,7 +145,19 @@ class TorchBackend(Backend):
     def device(self) -> Optional[torch.device]:
         return torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl" else None
 
+    def _on_host_ring(self, tensor: torch.Tensor, op: str) -> bool:
+        return self._host_ring is not None and self._group is None and HostRing.supports(tensor, op)
+
     def allreduce_async(self, tensor, op):
+        ring = self._host_ring
+        if ring is not None and self._on_host_ring(tensor, op):
+            if tensor.is_contiguous():
+                flat = tensor.view(-1)
+                ring.allreduce(flat, flat, op)
+            else:
+                flat = tensor.reshape(-1)
+                tensor.copy_(ring.allreduce(flat, flat, op).view(tensor.shape))
+            return _TorchHandle(None, tensor)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self._group, async_op=True)
         return _TorchHandle(work, tensor)
 
@@ -150,6 +165,8 @@ class TorchBackend(Backend):
         return self._results.like(tensor)
 
     def out_of_place_applies(self, tensor: torch.Tensor) -> bool:
+        if self._on_host_ring(tensor, "sum") and tensor.is_contiguous():
+            return True
         if not (self.name == "gloo" and self.size > 1 and tensor.device.type == "cpu"
                 and tensor.is_contiguous() and tensor.dtype != torch.bool and not tensor.is_complex()):
             return False
@@ -163,6 +180,9 @@ class TorchBackend(Backend):
     def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         flat = tensor.reshape(-1)
         out = self._results.get(flat.numel(), flat.dtype)
+        ring = self._host_ring
+        if ring is not None and self._on_host_ring(tensor, op):
+            return ring.allreduce(flat, out, op).view(tensor.shape)
         if self.out_of_place_algorithm(tensor) == "swap":
             self._swap_reduce(flat, out, _COMBINE[op])
         else:
@@ -288,6 +308,7 @@ class TorchBackend(Backend):
         sub.rank, sub.size = ranks.index(self.rank), len(ranks)
         sub._results = ResultBuffers()
         sub._scratch_bytes = None
+        sub._host_ring = None  # the shared segment belongs to the whole ring
         return sub
 
     def release(self) -> None:
@@ -297,6 +318,9 @@ class TorchBackend(Backend):
                 dist.destroy_process_group(group)
 
     def shutdown(self):
+        if self._host_ring is not None:
+            self._host_ring.close()
+            self._host_ring = None
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 

@@ -1,0 +1,158 @@
+"""Rank functions for the shared-memory allreduce tests (run by tests/spawn.py)."""
+import os
+import signal
+import time
+
+import torch
+
+import sparkring.collective as sr
+from sparkring.collective._runtime import state
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+          torch.int32, torch.int64]
+OPS = {"sum": (sr.Sum, torch.add), "min": (sr.Min, torch.minimum), "max": (sr.Max, torch.maximum),
+       "product": (sr.Product, torch.mul)}
+# 0, 1, odd, a few chunks (the chunk is 4 MiB: 1.5M float64 = 12 MiB)
+SIZES = [0, 1, 7, 1001, 1_500_001]
+
+
+def on_shared_memory():
+    return state.backend._host_ring is not None
+
+
+def hosts_seen():
+    """How many hosts this rank's shared-memory ring spans."""
+    ring = state.backend._host_ring
+    return 0 if ring is None else ring.hosts
+
+
+def _input(rank, n, dtype, op):
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    if dtype.is_floating_point:
+        x = torch.randn(n, generator=g) * (0.5 if op == "product" else 4)
+    else:
+        x = torch.randint(-3 if dtype != torch.uint8 else 0, 4, (n,), generator=g)
+    return x.to(dtype)
+
+
+def every_op_and_dtype(exact=True):
+    """Each result is checked against the direct computation in rank order here (float sums
+    and products within rounding where ``exact`` is False: hosts add their partials first);
+    the results come back so the test compares them across ranks bitwise."""
+    out = {}
+    size = sr.size()
+    for op, (sr_op, combine) in OPS.items():
+        for dtype in DTYPES:
+            sizes = SIZES if op == "sum" else SIZES[:4]
+            for n in sizes:
+                got = sr.allreduce(_input(sr.rank(), n, dtype, op), op=sr_op)
+                want = _input(0, n, dtype, op)
+                for k in range(1, size):
+                    want = combine(want, _input(k, n, dtype, op))
+                assert got.dtype == dtype, (op, dtype, n)
+                if exact or not dtype.is_floating_point or op in ("min", "max"):
+                    assert torch.equal(got, want), (op, dtype, n)
+                else:
+                    # a few units in the last place of values up to ~|16|
+                    ulps = 16 * 4 * torch.finfo(dtype).eps
+                    torch.testing.assert_close(got.double(), want.double(), rtol=ulps, atol=ulps)
+                out[(op, str(dtype), n)] = got
+    # in place, and a non-contiguous input (a transposed matrix)
+    t = _input(sr.rank(), 3000, torch.float32, "sum").reshape(60, 50).t()
+    want = sum(_input(k, 3000, torch.float32, "sum").reshape(60, 50).t() for k in range(size))
+    same = sr.allreduce_(t, op=sr.Sum)
+    assert same is t and not t.is_contiguous()
+    torch.testing.assert_close(t, want, rtol=0, atol=0 if exact else 1e-5)
+    grouped = sr.grouped_allreduce([_input(sr.rank(), 5, torch.float32, "sum"), _input(sr.rank(), 9, torch.int32, "sum")],
+                                   op=sr.Sum)
+    out["grouped"] = grouped
+    out["average"] = sr.allreduce(_input(sr.rank(), 101, torch.float32, "sum"))
+    out["hosts"] = hosts_seen()
+    return on_shared_memory(), out
+
+
+def optimizer_steps():
+    """DistributedOptimizer on an MLP over this ring: the final weights (the test compares
+    them with one process on the whole batch)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    opt = sr.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    sr.broadcast_parameters(net.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+    part = slice(sr.rank() * 64 // sr.size(), (sr.rank() + 1) * 64 // sr.size())
+    for _ in range(5):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[part]), y[part]).backward()
+        opt.step()
+    return on_shared_memory(), {k: v.clone() for k, v in net.state_dict().items()}
+
+
+def optimizer_reference(size):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+    for _ in range(5):
+        opt.zero_grad()
+        # the mean of the ranks' mean losses (equal shares)
+        loss = sum(torch.nn.functional.cross_entropy(net(x[r * 64 // size:(r + 1) * 64 // size]),
+                                                     y[r * 64 // size:(r + 1) * 64 // size]) for r in range(size)) / size
+        loss.backward()
+        opt.step()
+    return net.state_dict()
+
+
+def join_uneven():
+    """Rank r runs 3 + r batches; join() lets the ranks that finish early answer the others'
+    allreduces with zeros."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 1)
+    opt = sr.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    for step in range(3 + sr.rank()):
+        opt.zero_grad()
+        net(torch.full((4, 8), float(step + 1))).sum().backward()
+        opt.step()
+    last = sr.join()
+    return on_shared_memory(), last, net.weight.detach().clone()
+
+
+def rank_dies(rank_that_dies=1):
+    """One rank SIGKILLs itself before the second allreduce; the other must not hang."""
+    sr.allreduce(torch.ones(10), op=sr.Sum)
+    if sr.rank() == rank_that_dies:
+        os.kill(os.getpid(), signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        sr.allreduce(torch.ones(1_000_000), op=sr.Sum)
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    return "no error", "", time.monotonic() - started
+
+
+def rank_is_late(delay, straight_to_the_ring=False):
+    """Rank 1 arrives ``delay`` seconds late at an allreduce (straight to the shared-memory
+    ring: past the argument check, which would time out in gloo first)."""
+    sr.allreduce(torch.ones(10), op=sr.Sum)
+    if sr.rank() == 1:
+        time.sleep(delay)
+    x = torch.ones(10)
+    if straight_to_the_ring:
+        state.backend._host_ring.allreduce(x, x, "sum")
+    else:
+        sr.allreduce(x, op=sr.Sum)
+    return on_shared_memory()
+
+
+def bandwidth(nbytes, reps):
+    """Seconds per allreduce of ``nbytes`` of float32 (median of ``reps``)."""
+    x = torch.ones(nbytes // 4)
+    sr.allreduce(x, op=sr.Sum)
+    times = []
+    for _ in range(reps):
+        sr.barrier()
+        start = time.perf_counter()
+        sr.allreduce(x, op=sr.Sum)
+        times.append(time.perf_counter() - start)
+    return on_shared_memory(), sorted(times)[len(times) // 2]
