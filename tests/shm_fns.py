@@ -156,3 +156,19 @@ def bandwidth(nbytes, reps):
         sr.allreduce(x, op=sr.Sum)
         times.append(time.perf_counter() - start)
     return on_shared_memory(), sorted(times)[len(times) // 2]
+
+
+def ring_in_use():
+    sr.init()
+    return on_shared_memory()
+
+
+class ExpectRing:
+    """An estimator callback (rank 0) that fails the fit unless the ring's shared-memory path
+    is as expected."""
+
+    def __init__(self, expected):
+        self.expected = expected
+
+    def __call__(self, epoch, logs):
+        assert on_shared_memory() == self.expected, f"shared memory in use: {on_shared_memory()}"

@@ -119,3 +119,16 @@ def test_a_small_dev_shm_is_refused_with_the_way_to_raise_it(monkeypatch):
     assert reason.startswith(f"{_shm.SHM_DIR} has 8 MiB free and the ring needs 12 MiB") and "--shm-size" in reason
     monkeypatch.setenv("SPARKRING_SHM", "0")
     assert _shm.unusable_reason(local_size=2) == "SPARKRING_SHM=0"
+
+
+def test_run_and_fit_use_shared_memory_unless_told_not_to(spark):
+    import est_helpers as H
+
+    from sparkring import SparkRingEstimator, run
+
+    assert run(shm_fns.ring_in_use, num_proc=2, verbose=0) == [True, True]
+    assert run(shm_fns.ring_in_use, num_proc=2, verbose=0, shared_memory=False) == [False, False]
+    for shared in (True, False):
+        est = SparkRingEstimator(model=H.mlp(), optimizer=H.adam, loss="cross_entropy", epochs=1, numProc=2,
+                                 verbose=0, sharedMemory=shared, callbacks=[shm_fns.ExpectRing(shared)])
+        assert len(est.fit(H.classification_df(spark, n=64)).history) == 1

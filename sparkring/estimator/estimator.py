@@ -112,7 +112,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                  transformFn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
                  transformFnInference: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
                  readerWorkers: Optional[int] = None, lossWeights: Optional[Sequence[float]] = None,
-                 onNonFinite: str = "raise", reader: str = "arrow") -> None:
+                 onNonFinite: str = "raise", reader: str = "arrow", sharedMemory: bool = True) -> None:
         super().__init__()
         self._hold_data = False
         self._prepared: Optional[Any] = None
@@ -240,7 +240,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         es = self._early_stopping(validation is not None, metrics)
         launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
                            use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
-                           stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES)
+                           stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
+                           shared_memory=self.getOrDefault("sharedMemory"))
         if self.getOrDefault("runId") is not None:
             check_run_id(self.getOrDefault("runId"))
         store = self.getOrDefault("store") or Store()

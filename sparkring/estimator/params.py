@@ -138,6 +138,8 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
     streamLogs = _param("streamLogs", "stream progress and rank output live to the driver; False (or executors "
                                       "that cannot reach it) prints the epoch lines when training ends",
                         TypeConverters.toBoolean)
+    sharedMemory = _param("sharedMemory", "CPU gradient allreduce between ranks of one host through shared memory "
+                                          "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean)
 
     def __init__(self):
         super().__init__()
@@ -151,7 +153,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                          numProc=None, optimizer=None, loss=None, model=None, timeout=None,
                          streamLogs=True, modelInputs=None, inputShapes=None, transformFn=None,
                          transformFnInference=None, readerWorkers=None, lossWeights=None, onNonFinite="raise",
-                         reader="arrow")
+                         reader="arrow", sharedMemory=True)
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import cloudpickle
 
+from ..collective import _env
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from . import pickling
 from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
@@ -186,14 +187,15 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         num_proc: Optional[int] = None, backend: str = "auto", use_gpu: Optional[bool] = None,
         start_timeout: float = 120, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
-        spark=None) -> List[Any]:
+        spark=None, shared_memory: bool = True) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
 
     ``fn`` may also be the path of a Python script, run as ``__main__`` with ``args`` as
     its command line (the Horovod ``horovodrun`` habit); each rank then returns 0.
     ``stream=False`` (or executors that cannot reach this process) turns live output off:
-    logs, events and errors then arrive when the stage ends.
+    logs, events and errors then arrive when the stage ends. ``shared_memory=False`` sends
+    CPU allreduces between ranks of one host through gloo instead of /dev/shm.
 
     >>> import sparkring.collective as sr
     >>> def fn():
@@ -208,7 +210,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
     spark = spark or _active_spark()
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
-                       names=RUN_NAMES)
+                       names=RUN_NAMES, shared_memory=shared_memory)
     return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
                   env=env, verbose=verbose, on_event=on_event)
 
@@ -224,6 +226,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     """
     num_proc = launch_plan.num_proc
     facts = launch_plan.facts
+    shm_env = {} if launch_plan.shared_memory else {_env.SHM: "0"}
     if facts.local and not facts.connect:  # the barrier tasks run in this driver's JVM
         release_barrier_timer_at_exit(spark)
     named: Dict[str, Any] = {"fn": fn}
@@ -242,7 +245,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     secret=secret, num_proc=num_proc, backend=launch_plan.backend, use_gpu=launch_plan.use_gpu,
                     driver_gpus=list(launch_plan.driver_gpus), driver_gpu_script=launch_plan.driver_gpu_script,
                     start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
-                    stream=launch_plan.stream, env=dict(env or {}), task_cpus=launch_plan.task_cpus)
+                    stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus)
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     # Without a live channel expected from the start (a Connect client may be out of the
     # executors' reach), a missing hello is no sign of missing slots: the tasks' own

@@ -61,6 +61,7 @@ class LaunchPlan:
     driver_gpu_script: Optional[str]
     task_cpus: int
     facts: SessionFacts
+    shared_memory: bool = True      # CPU allreduce between ranks of one host through /dev/shm
 
 
 def _check_mpi_installed() -> None:
@@ -101,7 +102,7 @@ def _check_security(facts: SessionFacts) -> None:
 
 
 def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
-         stream: bool = True, names: ParamNames = RUN_NAMES) -> LaunchPlan:
+         stream: bool = True, names: ParamNames = RUN_NAMES, shared_memory: bool = True) -> LaunchPlan:
     """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
     raises ConfigurationError naming the caller's parameter before any Spark job.
 
@@ -145,7 +146,8 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
     result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=backend, attempts=attempts,
                         stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
-                        driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts)
+                        driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts,
+                        shared_memory=bool(shared_memory))
     log.info("launch plan: %d ranks, backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
              result.num_proc, backend, result.use_gpu, attempts, result.driver_host,
              "Connect" if facts.connect else "classic", facts.master)
