@@ -360,3 +360,80 @@ def barrier_arrow_task(batches):
     ctx = BarrierTaskContext.get()
     ctx.allGather(str(ctx.partitionId()))
     yield pa.RecordBatch.from_pydict({"rank": [ctx.partitionId()]})
+
+
+def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
+    """Bus bandwidth (GB/s) of sr.allreduce through shared memory vs dist.all_reduce (gloo) on
+    the same ring, and one memcpy of the same bytes on every rank at once (the physical floor:
+    a 2-rank shared-memory allreduce moves ~3.5x a memcpy's bytes). Alternating blocks,
+    rotating order, medians of per-round ratios."""
+    import statistics
+
+    from sparkring.collective import _runtime
+
+    sr.init()
+    assert _runtime.current()._host_ring is not None, "the shared-memory path is off on this ring"
+    out = []
+    n = sr.size()
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        dst = torch.empty_like(t)
+        methods = {"shm": lambda: sr.allreduce(t, op=sr.Sum), "gloo": lambda: dist.all_reduce(t),
+                   "memcpy": lambda: dst.copy_(t)}
+        for op in methods.values():
+            op()
+            op()
+        start = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(t)
+        iters = torch.tensor([min(2000, max(2, round(block_seconds * 3 / (time.perf_counter() - start))))])
+        dist.broadcast(iters, 0)
+        iters = int(iters)
+        times = {k: [] for k in methods}
+        names = list(methods)
+        for r in range(rounds):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                dist.barrier()
+                begin = time.perf_counter()
+                for _ in range(iters):
+                    methods[k]()
+                times[k].append((time.perf_counter() - begin) / iters)
+        bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
+        row = {"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}}
+        row["shm_bus"], row["gloo_bus"] = bus(row["shm"]), bus(row["gloo"])
+        row["shm/gloo"] = statistics.median(g / s for s, g in zip(times["shm"], times["gloo"]))
+        row["shm/memcpy"] = statistics.median(s / m for s, m in zip(times["shm"], times["memcpy"]))
+        out.append(row)
+    return out
+
+
+def mpi_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
+    """Bus bandwidth (GB/s) of mpi4py's Allreduce (out of place, preallocated result) on the
+    MPI ring sparkring formed."""
+    import statistics
+
+    from mpi4py import MPI
+
+    from sparkring.collective import _runtime
+
+    sr.init()
+    comm = _runtime.current()._comm
+    out = []
+    n = sr.size()
+    for nbytes in sizes:
+        a = torch.ones(nbytes // 4).numpy()
+        result = a.copy()
+        comm.Allreduce(a, result, MPI.SUM)
+        start = time.perf_counter()
+        for _ in range(3):
+            comm.Allreduce(a, result, MPI.SUM)
+        iters = comm.bcast(min(2000, max(2, round(block_seconds * 3 / (time.perf_counter() - start)))), root=0)
+        times = []
+        for _ in range(rounds):
+            comm.Barrier()
+            begin = time.perf_counter()
+            for _ in range(iters):
+                comm.Allreduce(a, result, MPI.SUM)
+            times.append((time.perf_counter() - begin) / iters)
+        out.append({"bytes": nbytes, "bus": 2 * (n - 1) / n * nbytes / statistics.median(times) / 1e9})
+    return out
