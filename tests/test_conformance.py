@@ -217,6 +217,8 @@ def test_process_sets_run_collectives_among_their_ranks_only():
 def test_a_peer_that_goes_away_raises_horovod_internal_error_on_the_survivor():
     survivor, left = _ranks("peer_loss")
     assert left == "left"
-    assert survivor["type"] == "HorovodInternalError" and survivor["runtime"] and survivor["cause"] == "RuntimeError"
-    assert survivor["message"].startswith("the collective ring broke: a peer rank went away ([")
-    assert "Connection closed by peer" in survivor["message"]
+    assert survivor["type"] == "HorovodInternalError" and survivor["runtime"]
+    assert survivor["message"].startswith("the collective ring broke: a peer rank went away (")
+    # ranks on one host meet in shared memory, which sees the process end; gloo sees the socket close
+    assert ("on this host ended while this rank waited" in survivor["message"]
+            or ("Connection closed by peer" in survivor["message"] and survivor["cause"] == "RuntimeError"))
