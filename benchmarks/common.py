@@ -50,10 +50,12 @@ class Row:
             self.met = "yes" if (ratio >= goal_value if higher_is_better else ratio <= goal_value) else "**no**"
 
 
-def write_table(rows: List[Row], path: str, header: str) -> None:
+def write_table(rows: List[Row], path: str, header: str, footer: str = "") -> None:
     lines = [header, "", "| area | measurement | sparkring | baseline | ratio | goal | met |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r.group} | {r.what} | {r.ours} | {r.baseline} | {r.ratio:.2f}x | {r.goal} | {r.met} |")
+    if footer:
+        lines += ["", footer.rstrip()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

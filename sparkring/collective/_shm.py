@@ -27,7 +27,7 @@ import platform
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -103,7 +103,7 @@ class HostRing:
     """Allreduce among the ranks of this host through one shared segment (and, with several
     hosts, over a gloo group of one leader per host). Every rank of the ring builds it together.
 
-    >>> ring = HostRing.build(store, rank, size, timeout_s=1800)  # doctest: +SKIP
+    >>> ring = HostRing.build(rank, size, timeout_s=1800)  # doctest: +SKIP
     >>> ring.allreduce(flat, flat, "sum") if ring else None  # doctest: +SKIP
     """
 
@@ -130,46 +130,41 @@ class HostRing:
 
     # -- building ----------------------------------------------------------------------
     @classmethod
-    def build(cls, store, rank: int, size: int, timeout_s: float, chunk_bytes: int = CHUNK_BYTES) -> Optional["HostRing"]:
+    def build(cls, rank: int, size: int, timeout_s: float, chunk_bytes: int = CHUNK_BYTES) -> Optional["HostRing"]:
         """This rank's HostRing, or None where no host has two ranks or any rank cannot use
         shared memory (then one warning says why). Collective: every rank calls it."""
-        hosts: List[Optional[str]] = [None] * size
-        dist.all_gather_object(hosts, host_id())
-        layouts = HostLayout.of([str(h) for h in hosts])
+        # host ids, and rank 0's token naming this ring's keys in the store (a store may outlive a ring)
+        seen: List[Optional[Tuple[str, str]]] = [None] * size
+        dist.all_gather_object(seen, (host_id(), uuid.uuid4().hex[:12]))
+        layouts = HostLayout.of([str(h[0]) for h in seen])  # type: ignore[index]
         me = layouts[rank]
         if max(len(layout.local_ranks) for layout in layouts) < 2:
             return None
-        reason = unusable_reason(len(me.local_ranks), chunk_bytes)
+        local_rank, local_size = me.local_ranks.index(rank), len(me.local_ranks)
+        nbytes = segment_bytes(local_size, chunk_bytes)
+        name = f"{NAME_PREFIX}{seen[0][1]}-{me.leaders.index(me.local_ranks[0])}"  # type: ignore[index]
+        reason = unusable_reason(local_size, chunk_bytes)
+        mm: Optional[mmap.mmap] = None
+        if reason is None and local_rank == 0:
+            try:
+                mm = _segment(name, nbytes, create=True)
+            except OSError as exc:
+                reason = f"cannot reserve {nbytes / 2**20:.0f} MiB in {SHM_DIR} ({exc})"
         reasons: List[Optional[str]] = [None] * size
         dist.all_gather_object(reasons, reason)
         # every rank takes part in new_group, leader or not (torch's rule)
         leader_group = dist.new_group(me.leaders, backend="gloo") if len(me.leaders) > 1 else None
         bad = [(r, why) for r, why in enumerate(reasons) if why]
         if bad:
+            if mm is not None:
+                mm.close()
+                os.unlink(os.path.join(SHM_DIR, name))
             if rank == 0:
                 logger.warning("allreduce between ranks on one host goes through gloo, not shared memory: rank %d: %s",
                                bad[0][0], bad[0][1])
             return None
-        local_rank, local_size = me.local_ranks.index(rank), len(me.local_ranks)
-        host_index = me.leaders.index(me.local_ranks[0])
-        key = f"sparkring/shm/{host_index}"
-        nbytes = segment_bytes(local_size, chunk_bytes)
-        if local_rank == 0:
-            name = f"{NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                mm = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            store.set(key, name)
-        else:
-            name = store.get(key).decode()
-            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
+        if mm is None:
+            mm = _segment(name, nbytes, create=False)
         pids: List[Optional[int]] = [None] * size
         dist.all_gather_object(pids, os.getpid())  # also: every rank has mapped its segment
         if local_rank == 0:
@@ -309,3 +304,20 @@ def _process_start(pid: int) -> Optional[str]:
     except OSError:  # no /proc to read: alive as far as we can tell
         return "unknown"
     return None if fields[0] in ("Z", "X", "x") else fields[19]
+
+
+def _segment(name: str, nbytes: int, create: bool) -> mmap.mmap:
+    """Map the segment ``name`` (creating it with every page reserved: a full /dev/shm then
+    fails here, not with SIGBUS at the first copy)."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                os.unlink(path)
+                raise
+        return mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)

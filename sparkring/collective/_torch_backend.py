@@ -123,7 +123,7 @@ class TorchBackend(Backend):
         # group keeps them on CPU and lets barrier() work without a device.
         self._cpu_group = dist.new_group(backend="gloo") if name == "nccl" else None
         # CPU allreduce between ranks of one host through shared memory (gloo goes through TCP)
-        self._host_ring = HostRing.build(store, rank, size, timeout_s) if name == "gloo" and size > 1 else None
+        self._host_ring = HostRing.build(rank, size, timeout_s) if name == "gloo" and size > 1 else None
 
     def rendezvous(self):
         return self._store if self.size > 1 else None
