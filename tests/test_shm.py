@@ -102,9 +102,12 @@ def test_a_late_rank_within_the_timeout_is_waited_for_and_past_it_raises(shm_lef
     assert kind == "error" and "HorovodInternalError: shared-memory allreduce: waited 2s at 'arrive'" in tb, tb
 
 
-def test_any_rank_that_cannot_use_shared_memory_sends_every_rank_through_gloo(shm_left_as_found):
+def test_any_rank_that_cannot_use_shared_memory_sends_every_rank_through_gloo(shm_left_as_found, capfd):
     results = spawn_ranks("shm_fns", "every_op_and_dtype", 2, timeout=240, rank_env={1: {"SPARKRING_SHM": "0"}})
     assert [on_shm for on_shm, _ in results] == [False, False]
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "not shared memory" in line]
+    assert warnings == ["allreduce between ranks on one host goes through gloo, not shared memory: rank 1: "
+                        "SPARKRING_SHM=0"]  # one line, from rank 0
 
 
 def test_a_small_dev_shm_is_refused_with_the_way_to_raise_it(monkeypatch):
