@@ -12,8 +12,8 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.int32, torch.int64]
 OPS = {"sum": (sr.Sum, torch.add), "min": (sr.Min, torch.minimum), "max": (sr.Max, torch.maximum),
        "product": (sr.Product, torch.mul)}
-# 0, 1, odd, a few chunks (the chunk is 4 MiB: 1.5M float64 = 12 MiB)
-SIZES = [0, 1, 7, 1001, 1_500_001]
+# 0, 1, odd, larger than the whole segment of 2 ranks (3 chunks of 4 MiB: 2M float64 = 16 MiB)
+SIZES = [0, 1, 7, 1001, 2_000_001]
 
 
 def on_shared_memory():
