@@ -468,7 +468,9 @@ def main():
               "Every ratio compares sparkring with its baseline measured side by side in the same run "
               "(alternating, median of repetitions); ratios > 1 mean sparkring is faster, except the launch "
               "rows (goal <= ...), which are ratios of wall times (lower is better). `results.json` in benchmarks/ keeps "
-              "the raw rows; `--only SECTION` reruns one section.")
+              "the raw rows; `--only SECTION` reruns one section. The `reader=` rows come from the compat environment "
+              "(`.venv-compat/bin/python benchmarks/run_all.py --only compat`; small and noisy); the `versions` row "
+              "runs fit() in each environment's own interpreter.")
     try:
         for name, fn in (("launch", bench_launch), ("distributor", bench_distributor), ("allreduce", bench_allreduce), ("mpi", bench_mpi),
                          ("optimizer", bench_optimizer)):
