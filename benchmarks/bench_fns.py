@@ -36,38 +36,40 @@ def allreduce_bandwidth(sizes, block_seconds=0.1, rounds=21):
         methods = {"raw": lambda: dist.all_reduce(t), "ours": lambda: sr.allreduce(t, op=sr.Sum),
                    "raw_clone": lambda: dist.all_reduce(t.clone()),
                    "ours_inplace": lambda: sr.allreduce_(t, op=sr.Sum), "raw_again": lambda: dist.all_reduce(t)}
-        for op in methods.values():
-            op()
-            op()
-        start = time.perf_counter()
-        for _ in range(3):
-            dist.all_reduce(t)
-        # every rank runs the same number of calls per block, fixed by rank 0's estimate, so
-        # no synchronisation inside the timed loop
-        iters = torch.tensor([min(2000, max(3, round(block_seconds * 3 / (time.perf_counter() - start))))])
-        dist.broadcast(iters, 0)
-        iters = int(iters)
-
-        def measure(op):
-            dist.barrier()
-            begin = time.perf_counter()
-            for _ in range(iters):
-                op()
-            return (time.perf_counter() - begin) / iters
-
-        times = {k: [] for k in methods}
-        names = list(methods)
         # single calls spread over +-25% here: small and mid sizes get twice the rounds
-        for r in range(rounds * 2 if nbytes <= (16 << 20) else rounds):
-            # rotate the order every round: the position in a round has an effect of its own
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                times[k].append(measure(methods[k]))
+        times = _rotating_blocks(methods, lambda: dist.all_reduce(t), rounds * 2 if nbytes <= (16 << 20) else rounds,
+                                 block_seconds, min_iters=3)
         bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
         row = {"bytes": nbytes, **{k: bus(statistics.median(v)) for k, v in times.items()}}
         for ours, base in (("ours", "raw"), ("ours", "raw_clone"), ("ours_inplace", "raw"), ("raw_again", "raw")):
             row[f"{ours}/{base}"] = statistics.median(b / o for o, b in zip(times[ours], times[base]))
         out.append(row)
     return out
+
+
+def _rotating_blocks(methods, calibrate, rounds, block_seconds, min_iters):
+    """Seconds per call of each method: blocks of calls alternate round after round in a
+    rotating order (the position in a round has an effect of its own). Every rank runs the same
+    number of calls per block, fixed by rank 0's estimate, so nothing synchronises inside a block."""
+    for op in methods.values():
+        op()
+        op()
+    start = time.perf_counter()
+    for _ in range(3):
+        calibrate()
+    iters = torch.tensor([min(2000, max(min_iters, round(block_seconds * 3 / (time.perf_counter() - start))))])
+    dist.broadcast(iters, 0)
+    iters = int(iters)
+    times = {k: [] for k in methods}
+    names = list(methods)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            begin = time.perf_counter()
+            for _ in range(iters):
+                methods[k]()
+            times[k].append((time.perf_counter() - begin) / iters)
+    return times
 
 
 def mpi_allreduce_overhead(sizes, block_seconds=0.1, rounds=15):
@@ -380,24 +382,7 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
         dst = torch.empty_like(t)
         methods = {"shm": lambda: sr.allreduce(t, op=sr.Sum), "gloo": lambda: dist.all_reduce(t),
                    "memcpy": lambda: dst.copy_(t)}
-        for op in methods.values():
-            op()
-            op()
-        start = time.perf_counter()
-        for _ in range(3):
-            dist.all_reduce(t)
-        iters = torch.tensor([min(2000, max(2, round(block_seconds * 3 / (time.perf_counter() - start))))])
-        dist.broadcast(iters, 0)
-        iters = int(iters)
-        times = {k: [] for k in methods}
-        names = list(methods)
-        for r in range(rounds):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                dist.barrier()
-                begin = time.perf_counter()
-                for _ in range(iters):
-                    methods[k]()
-                times[k].append((time.perf_counter() - begin) / iters)
+        times = _rotating_blocks(methods, lambda: dist.all_reduce(t), rounds, block_seconds, min_iters=2)
         bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
         row = {"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}}
         row["shm_bus"], row["gloo_bus"] = bus(row["shm"]), bus(row["gloo"])
