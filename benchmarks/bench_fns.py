@@ -47,24 +47,30 @@ def allreduce_bandwidth(sizes, block_seconds=0.1, rounds=21):
     return out
 
 
-def _rotating_blocks(methods, calibrate, rounds, block_seconds, min_iters):
+def _torch_share(value):
+    box = torch.tensor([value])
+    dist.broadcast(box, 0)
+    return int(box)
+
+
+def _rotating_blocks(methods, calibrate, rounds, block_seconds, min_iters, share=_torch_share, barrier=None):
     """Seconds per call of each method: blocks of calls alternate round after round in a
     rotating order (the position in a round has an effect of its own). Every rank runs the same
-    number of calls per block, fixed by rank 0's estimate, so nothing synchronises inside a block."""
+    number of calls per block, fixed by rank 0's estimate (``share`` sends it), so nothing
+    synchronises inside a block."""
+    barrier = barrier or dist.barrier
     for op in methods.values():
         op()
         op()
     start = time.perf_counter()
     for _ in range(3):
         calibrate()
-    iters = torch.tensor([min(2000, max(min_iters, round(block_seconds * 3 / (time.perf_counter() - start))))])
-    dist.broadcast(iters, 0)
-    iters = int(iters)
+    iters = share(min(2000, max(min_iters, round(block_seconds * 3 / (time.perf_counter() - start)))))
     times = {k: [] for k in methods}
     names = list(methods)
     for r in range(rounds):
         for k in names[r % len(names):] + names[:r % len(names)]:
-            dist.barrier()
+            barrier()
             begin = time.perf_counter()
             for _ in range(iters):
                 methods[k]()
@@ -90,21 +96,8 @@ def mpi_allreduce_overhead(sizes, block_seconds=0.1, rounds=15):
         methods = {"raw": lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
                    "raw_new": lambda: comm.Allreduce(a, result, MPI.SUM),
                    "ours": lambda: sr.allreduce(t, op=sr.Sum), "ours_inplace": lambda: sr.allreduce_(t, op=sr.Sum)}
-        for op in methods.values():
-            op()
-        start = time.perf_counter()
-        for _ in range(3):
-            methods["raw"]()
-        iters = comm.bcast(min(2000, max(3, round(block_seconds * 3 / (time.perf_counter() - start)))), root=0)
-        times = {k: [] for k in methods}
-        names = list(methods)
-        for r in range(rounds):
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                comm.Barrier()
-                begin = time.perf_counter()
-                for _ in range(iters):
-                    methods[k]()
-                times[k].append((time.perf_counter() - begin) / iters)
+        times = _rotating_blocks(methods, methods["raw"], rounds, block_seconds, min_iters=3,
+                                 share=lambda v: comm.bcast(v, root=0), barrier=comm.Barrier)
         n = sr.size()
         bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
         row = {"bytes": nbytes, **{k: bus(statistics.median(v)) for k, v in times.items()}}
@@ -389,36 +382,4 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
         row["shm/gloo"] = statistics.median(g / s for s, g in zip(times["shm"], times["gloo"]))
         row["shm/memcpy"] = statistics.median(s / m for s, m in zip(times["shm"], times["memcpy"]))
         out.append(row)
-    return out
-
-
-def mpi_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
-    """Bus bandwidth (GB/s) of mpi4py's Allreduce (out of place, preallocated result) on the
-    MPI ring sparkring formed."""
-    import statistics
-
-    from mpi4py import MPI
-
-    from sparkring.collective import _runtime
-
-    sr.init()
-    comm = _runtime.current()._comm
-    out = []
-    n = sr.size()
-    for nbytes in sizes:
-        a = torch.ones(nbytes // 4).numpy()
-        result = a.copy()
-        comm.Allreduce(a, result, MPI.SUM)
-        start = time.perf_counter()
-        for _ in range(3):
-            comm.Allreduce(a, result, MPI.SUM)
-        iters = comm.bcast(min(2000, max(2, round(block_seconds * 3 / (time.perf_counter() - start)))), root=0)
-        times = []
-        for _ in range(rounds):
-            comm.Barrier()
-            begin = time.perf_counter()
-            for _ in range(iters):
-                comm.Allreduce(a, result, MPI.SUM)
-            times.append((time.perf_counter() - begin) / iters)
-        out.append({"bytes": nbytes, "bus": 2 * (n - 1) / n * nbytes / statistics.median(times) / 1e9})
     return out

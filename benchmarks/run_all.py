@@ -190,8 +190,8 @@ def bench_shm(spark, rows, reps, tmp, n=1_000_000):
 
     sizes = [1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
     shm = run(bench_fns.shm_allreduce_bandwidth, args=(sizes,), num_proc=2, verbose=0)[0]
-    mpi = {r["bytes"]: r["bus"] for r in run(bench_fns.mpi_allreduce_bandwidth, args=(sizes,), num_proc=2,
-                                             backend="mpi", verbose=0)[0]}
+    mpi = {r["bytes"]: r["raw_new"] for r in run(bench_fns.mpi_allreduce_overhead, args=(sizes,), kwargs={"rounds": 9},
+                                                 num_proc=2, backend="mpi", verbose=0)[0]}
     for r in shm:
         label = f"{r['bytes'] >> 20} MB"
         rows.append(Row("shared memory", f"allreduce bus bandwidth {label}, 2 local ranks: shared memory vs gloo "

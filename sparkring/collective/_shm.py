@@ -210,9 +210,10 @@ class HostRing:
                 result = parts[n]
                 if in_numpy:
                     arrays = [p.numpy() for p in parts]
-                    np_combine(arrays[0], arrays[1], out=arrays[n])
-                    for k in range(2, n):
-                        np_combine(arrays[n], arrays[k], out=arrays[n])
+                    with np.errstate(all="ignore"):  # overflow to inf, as torch and gloo do, silently
+                        np_combine(arrays[0], arrays[1], out=arrays[n])
+                        for k in range(2, n):
+                            np_combine(arrays[n], arrays[k], out=arrays[n])
                 else:
                     combine(parts[0], parts[1], out=result)
                     for k in range(2, n):
