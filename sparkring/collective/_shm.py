@@ -7,12 +7,14 @@ that copies at ~6 GB/s; oneCCL and DeepSpeed's CPU allreduces do not ship with t
 
 Per chunk of at most ``chunk_bytes``: every rank copies its part into its slot of the segment
 and raises its arrival flag; each rank reduces its 1/local_size slice of the chunk across the
-slots into the result area (torch ops, rank order fixed, so every rank gets bitwise the same
-result) and raises its reduced flag; with several hosts the host's leader allreduces the
-result with the other leaders; every rank copies the result out. The flags are int64 words in
-the segment, waited on by spinning then yielding — never a message per chunk. A rank that is
-done copying out starts the next chunk's copy-in at once (its slot is free: every rank has
-reduced), overlapping the slower ranks' copy-out. The segment's name is unlinked as soon as every local rank has mapped it: nothing is left in
+slots into the result area (numpy ufuncs on the calling thread, in rank order, so every rank
+gets bitwise the same result) and raises its reduced flag; with several hosts the host's
+leader allreduces the result with the other leaders; every rank copies the result out. The
+flags are int64 words in the segment, waited on by spinning then yielding — never a message
+per chunk. A rank that is done copying out starts the next chunk's copy-in at once (its slot
+is free: every rank has reduced), overlapping the slower ranks' copy-out. Small same-shaped
+allgathers (the cross-rank argument check before every public collective) use the slots too.
+The segment's name is unlinked as soon as every local rank has mapped it: nothing is left in
 /dev/shm after any exit, SIGKILL included.
 
 x86-64 only: its stores become visible in program order (data before flag); elsewhere the
