@@ -178,8 +178,9 @@ class HostRing:
                    hosts=len(me.leaders))
 
     @staticmethod
-    def supports(tensor: torch.Tensor, op: str) -> bool:
-        return tensor.device.type == "cpu" and tensor.dtype in _DTYPES and op in _COMBINE
+    def supports(tensor: torch.Tensor) -> bool:
+        """CPU tensors of the dtypes numpy (or torch, for bfloat16) reduces; every op is."""
+        return tensor.device.type == "cpu" and tensor.dtype in _DTYPES
 
     # -- the allreduce -----------------------------------------------------------------
     def _area(self, index: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -236,9 +237,8 @@ class HostRing:
         return out
 
     def gathers(self, tensor: torch.Tensor) -> bool:
-        """Whether ``allgather`` takes ``tensor``: one host, a CPU tensor that fits one slot."""
-        return (self.hosts == 1 and tensor.device.type == "cpu" and tensor.dtype in _DTYPES
-                and tensor.numel() * tensor.element_size() <= self._chunk)
+        """Whether ``allgather`` takes ``tensor`` (one it supports): one host, and it fits one slot."""
+        return self.hosts == 1 and tensor.numel() * tensor.element_size() <= self._chunk
 
     def allgather(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every local rank's ``tensor`` (same shape on every rank), in rank order: one copy in,

@@ -145,12 +145,15 @@ class TorchBackend(Backend):
     def device(self) -> Optional[torch.device]:
         return torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl" else None
 
-    def _on_host_ring(self, tensor: torch.Tensor, op: str) -> bool:
-        return self._host_ring is not None and self._group is None and HostRing.supports(tensor, op)
+    def _host_ring_for(self, tensor: torch.Tensor) -> Optional[HostRing]:
+        """The shared-memory ring where it takes ``tensor`` (the whole ring's CPU tensors)."""
+        if self._host_ring is not None and self._group is None and HostRing.supports(tensor):
+            return self._host_ring
+        return None
 
     def allreduce_async(self, tensor, op):
-        ring = self._host_ring
-        if ring is not None and self._on_host_ring(tensor, op):
+        ring = self._host_ring_for(tensor)
+        if ring is not None:
             if tensor.is_contiguous():
                 flat = tensor.view(-1)
                 ring.allreduce(flat, flat, op)
@@ -165,7 +168,7 @@ class TorchBackend(Backend):
         return self._results.like(tensor)
 
     def out_of_place_applies(self, tensor: torch.Tensor) -> bool:
-        if self._on_host_ring(tensor, "sum") and tensor.is_contiguous():
+        if self._host_ring_for(tensor) is not None and tensor.is_contiguous():
             return True
         if not (self.name == "gloo" and self.size > 1 and tensor.device.type == "cpu"
                 and tensor.is_contiguous() and tensor.dtype != torch.bool and not tensor.is_complex()):
@@ -180,8 +183,8 @@ class TorchBackend(Backend):
     def allreduce_new(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         flat = tensor.reshape(-1)
         out = self._results.get(flat.numel(), flat.dtype)
-        ring = self._host_ring
-        if ring is not None and self._on_host_ring(tensor, op):
+        ring = self._host_ring_for(tensor)
+        if ring is not None:
             return ring.allreduce(flat, out, op).view(tensor.shape)
         if self.out_of_place_algorithm(tensor) == "swap":
             self._swap_reduce(flat, out, _COMBINE[op])
@@ -252,8 +255,8 @@ class TorchBackend(Backend):
             work.wait()
 
     def allgather_same_shape(self, tensor):
-        ring = self._host_ring
-        if ring is not None and self._group is None and ring.gathers(tensor):
+        ring = self._host_ring_for(tensor)
+        if ring is not None and ring.gathers(tensor):
             return ring.allgather(tensor)
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(out, tensor.contiguous(), group=self._group)

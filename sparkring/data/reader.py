@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .spec import SCALAR, FeatureSpec, to_numpy
+from .spec import FeatureSpec, to_numpy
 
 # What one reader (one rank) keeps decoded in memory: a split decoded for later epochs, and
 # the largest share shuffled as one window.
@@ -84,7 +84,7 @@ def row_bytes(spec: FeatureSpec, cols: Sequence[str]) -> int:
     total = 0
     for c in cols:
         col = spec.column(c)
-        total += 4096 if not col.decided and col.kind != SCALAR else col.width() * np.dtype(col.dtype).itemsize
+        total += 4096 if not col.decided else col.width() * np.dtype(col.dtype).itemsize
     return total
 
 

@@ -68,7 +68,8 @@ class Codec:
             raise DataError(f"column {column!r} holds a value that is not a {self.kind} of the petastorm "
                             f"Unischema ({type(exc).__name__}: {exc})") from exc
         arr = arr.astype(np.dtype(self.dtype), copy=False)
-        if self.shape and len(arr.shape) != len(self.shape) or any(d is not None and d != a for d, a in zip(self.shape, arr.shape)):
+        fits = len(arr.shape) == len(self.shape) and all(d is None or d == a for d, a in zip(self.shape, arr.shape))
+        if self.shape and not fits:
             raise DataError(f"column {column!r} holds a value of shape {list(arr.shape)} but its petastorm "
                             f"Unischema says {list(self.shape)}")
         return arr
