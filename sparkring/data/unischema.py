@@ -6,7 +6,7 @@ Spark 4), while the datasets it wrote outlive it; and because petastorm stores t
 as a pickle, which plain ``pickle.loads`` would let a data file run code with. The unpickler
 here builds only inert stand-ins of petastorm's schema and codec classes and refuses any
 other global. Images decode with Pillow (lossless PNG gives exactly what petastorm's OpenCV
-gives; JPEG may differ by a level where the two libjpeg builds round differently).
+gives; JPEG may differ by up to two levels where the two libjpeg builds round differently).
 
 >>> codecs = petastorm_codecs(spark.read.parquet("file:///data/mnist_petastorm"))  # doctest: +SKIP
 >>> codecs["image"]  # doctest: +SKIP
