@@ -1,4 +1,4 @@
-# make test | make test-compat | make lint | make demo | make bench  -- each creates its venv on first use.
+# make test | make test-compat | make lint | make demo | make bench | make gpu-check  -- each creates its venv on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +11,7 @@ STAMP_COMPAT := $(VENV_COMPAT)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test test-compat lint demo bench java clean
+.PHONY: test test-compat lint demo bench java clean gpu-check
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test: java $(STAMP)
 
 test-compat: java $(STAMP_COMPAT)
 	$(PY_COMPAT) -m pytest -q $(PYTEST_ARGS)
+
+# tests/gpu on this machine's GPUs; GPU_PYTHON: an interpreter with a CUDA build of torch and sparkring
+GPU_PYTHON ?=
+gpu-check: java
+	@if [ -z "$(GPU_PYTHON)" ]; then $(MAKE) --no-print-directory $(STAMP); fi
+	$(or $(GPU_PYTHON),$(PY)) -m pytest -q -m gpu tests/gpu
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparkring benchmarks examples tests

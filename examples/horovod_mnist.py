@@ -27,6 +27,7 @@ parser.add_argument("--fp16-allreduce", action="store_true", default=False)
 parser.add_argument("--use-adasum", action="store_true", default=False)
 parser.add_argument("--train-size", type=int, default=2048)
 parser.add_argument("--checkpoint-dir", default=None)
+parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
 
 
 def synthetic_mnist(n, seed):
@@ -62,6 +63,8 @@ def train(epoch):
     model.train()
     train_sampler.set_epoch(epoch)
     for batch_idx, (data, target) in enumerate(train_loader):
+        if args.cuda:
+            data, target = data.cuda(), target.cuda()
         optimizer.zero_grad()
         output = model(data)
         loss = F.nll_loss(output, target)
@@ -84,6 +87,8 @@ def test():
     test_loss = 0.
     test_accuracy = 0.
     for data, target in test_loader:
+        if args.cuda:
+            data, target = data.cuda(), target.cuda()
         output = model(data)
         test_loss += F.nll_loss(output, target, reduction="sum").item()
         pred = output.data.max(1, keepdim=True)[1]
@@ -98,8 +103,13 @@ def test():
 
 if __name__ == "__main__":
     args = parser.parse_args()
+    args.cuda = not args.no_cuda and torch.cuda.is_available()
     hvd.init()
     torch.manual_seed(args.seed)
+    if args.cuda:
+        # Horovod: pin GPU to local rank.
+        torch.cuda.set_device(hvd.local_rank())
+        torch.cuda.manual_seed(args.seed)
     torch.set_num_threads(1)
 
     train_dataset = synthetic_mnist(args.train_size, seed=1)
@@ -112,6 +122,8 @@ if __name__ == "__main__":
     test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=test_sampler)
 
     model = Net()
+    if args.cuda:
+        model.cuda()
     lr_scaler = hvd.size() if not args.use_adasum else 1
     optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -27,13 +27,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 FAKE_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "fake_gpus.sh")
+REAL_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "cuda_gpus.sh")
 
 MASTERS = {
     "local": "local[2]",
     "retry": "local[2,3]",
     "cluster": "local-cluster[2,1,1024]",
+    "gpu": "local[2]",
 }
-ORDER = ["local", "retry", "cluster", "connect"]
+ORDER = ["local", "retry", "cluster", "gpu", "connect"]
 
 
 def _spark_major() -> int:
@@ -80,6 +82,15 @@ class _Sessions:
             # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
             builder = (builder.config("spark.driver.resource.gpu.amount", "2")
                        .config("spark.driver.resource.gpu.discoveryScript", FAKE_GPU_SCRIPT))
+        if kind == "gpu":
+            # The machine's real GPUs (tests/gpu, make gpu-check). With one GPU two ranks share it
+            # (half a GPU per task: gloo), with two or more each rank has its own (NCCL).
+            import torch
+
+            gpus = torch.cuda.device_count()
+            builder = (builder.config("spark.driver.resource.gpu.amount", str(gpus))
+                       .config("spark.driver.resource.gpu.discoveryScript", REAL_GPU_SCRIPT)
+                       .config("spark.task.resource.gpu.amount", "0.5" if gpus == 1 else "1"))
         if kind == "cluster":
             builder = (builder.config("spark.executor.memory", "768m")
                        .config("spark.worker.resource.gpu.amount", "1")
@@ -139,6 +150,16 @@ def spark_cluster(_spark_sessions):
 
 
 @pytest.fixture
+def spark_gpu(_spark_sessions):
+    """local[2] on the machine's real GPUs (skipped where torch sees none)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: GPU checks run with make gpu-check on a machine with GPUs")
+    return _spark_sessions.get("gpu")
+
+
+@pytest.fixture
 def spark_connect(_spark_sessions, tmp_path_factory):
     """A Spark Connect session on a server process (master local[2,3]) bound to 127.0.0.1."""
     if CONNECT_SERVER_MISSING:
@@ -152,7 +173,7 @@ def connect_url(spark_connect):
 
 
 SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_cluster": "cluster",
-                    "spark_connect": "connect", "connect_url": "connect"}
+                    "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm"}
 
@@ -170,6 +191,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cluster)
         if "connect" in sessions:
             item.add_marker(pytest.mark.connect)
+        if "gpu" in sessions:
+            item.add_marker(pytest.mark.gpu)
         if item.module.__name__ == "test_mpi" or "mpi" in item.name:
             item.add_marker(pytest.mark.mpi)
 
@@ -177,7 +200,7 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
             fixture = {"local": "spark", "retry": "spark_retry", "cluster": "spark_cluster",
-                       "connect": "spark_connect"}[kind]
+                       "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

@@ -297,3 +297,13 @@ def lose_executor_of_rank0(marker):
         time.sleep(60)
     sr.barrier()
     return sr.rank()
+
+
+def gpu_view():
+    """What a rank that was given GPUs sees: its CUDA_VISIBLE_DEVICES, its GPU ordinal, and
+    whether it was spawned (a fresh interpreter runs the worker module) or forked."""
+    with open("/proc/self/cmdline", "rb") as f:
+        cmdline = f.read().replace(b"\0", b" ").decode()
+    return {"rank": sr.rank(), "local_rank": sr.local_rank(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "gpu": os.environ.get("SPARKRING_GPU"), "backend": sr.backend(),
+            "spawned": "sparkring.runner._worker" in cmdline}

@@ -100,10 +100,15 @@ def test_events_reported_by_ranks_reach_on_event(spark):
     assert sorted(got) == sorted([(r, i) for r in (0, 1) for i in range(5)])
 
 
-def test_local_mode_gpus_are_assigned_by_local_rank(spark):
-    results = run(rank_fns.whoami, num_proc=2, use_gpu=True)
-    assert [r["cuda"] for r in results] == ["0", "1"]
-    assert all(r["backend"] == "gloo" for r in results)  # no CUDA here: auto falls back
+def test_local_mode_ranks_see_the_host_gpus_ordered_by_local_rank_and_start_in_a_fresh_interpreter(spark):
+    results = run(rank_fns.gpu_view, num_proc=2, use_gpu=True)
+    # every rank of the host sees the same list, so torch.cuda.set_device(local_rank) picks its own GPU
+    assert [r["cuda"] for r in results] == ["0,1", "0,1"]
+    assert [r["gpu"] for r in results] == ["0", "1"]
+    assert all(r["spawned"] for r in results)  # the reused Spark worker may have touched CUDA: no fork
+    assert all(r["backend"] == "gloo" for r in results)  # this torch has no NCCL: the driver chose gloo
+    cpus = run(rank_fns.gpu_view, num_proc=2, use_gpu=False)
+    assert all(r["cuda"] == "" and r["gpu"] is None and not r["spawned"] for r in cpus)
 
 
 def _fake_session(master, **conf):
@@ -241,8 +246,16 @@ def test_cli_runs_a_script_on_every_rank_and_returns_its_exit_status():
 def test_cluster_gpus_come_from_task_resources_and_ranks_span_executors(spark_cluster):
     results = run(rank_fns.whoami, num_proc=2)  # GPUs are scheduled in this session
     assert [r["rank"] for r in results] == [0, 1]
-    assert all(r["cuda"] in ("0", "1") for r in results)
+    # both executors of local-cluster run on this host and each discovered GPU "0": shared
+    assert all(r["cuda"] == "0" for r in results)
     assert all(r["omp"] == "1" for r in results)
+    assert wait_no_workers() == []
+
+
+def test_nccl_is_refused_when_two_ranks_of_a_host_were_given_the_same_gpu(spark_cluster):
+    with pytest.raises(RankFailedError, match=r"backend='nccl' but ranks on host\(s\) \['127.0.0.1'\] were "
+                                              r"given the same GPU, which NCCL refuses"):
+        run(rank_fns.whoami, num_proc=2, backend="nccl")
     assert wait_no_workers() == []
 
 

@@ -18,6 +18,7 @@ EVENT_FILE = "SPARKRING_EVENT_FILE"    # where reports go when the driver is out
 PARENT_PID = "SPARKRING_PARENT_PID"    # the task process the worker dies with
 WORKER_START = "SPARKRING_WORKER_START"  # fork | spawn
 SHM = "SPARKRING_SHM"                  # 0: allreduce between ranks of one host through gloo, not shared memory
+GPU = "SPARKRING_GPU"                  # the CUDA ordinal of this rank's GPU (in its CUDA_VISIBLE_DEVICES)
 HOST_ID = "SPARKRING_HOST_ID"          # the host a rank says it is on (tests simulate several hosts)
 
 

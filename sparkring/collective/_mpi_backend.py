@@ -57,8 +57,9 @@ def _staged(tensor: torch.Tensor, op: str = "sum") -> Tuple[torch.Tensor, torch.
 
 
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
-    """Raw bytes of a tensor: point-to-point moves any dtype unchanged."""
-    return _as_buffer(tensor.contiguous().view(-1).view(torch.uint8)) if tensor.numel() else np.empty(0, np.uint8)
+    """Raw bytes of a tensor (copied to the host when on a GPU): point-to-point moves any dtype unchanged."""
+    host = tensor.detach().cpu().contiguous()
+    return _as_buffer(host.view(-1).view(torch.uint8)) if host.numel() else np.empty(0, np.uint8)
 
 
 class _MPIHandle(Handle):

@@ -69,8 +69,12 @@ def init(backend: Optional[str] = None) -> None:
         rank = int(env.get(_env.RANK, "0"))
         size = int(env.get(_env.SIZE, "1"))
         name = (backend or env.get(_env.BACKEND) or "auto").lower()
-        if name == "auto":
+        if name == "auto":  # a script run on its own; under the runner the driver decided
             name = "nccl" if torch.cuda.is_available() and env.get("CUDA_VISIBLE_DEVICES") else "gloo"
+        if env.get(_env.GPU) and torch.cuda.is_available():
+            # the runner gives every rank of a host the same CUDA_VISIBLE_DEVICES, ordered by
+            # local rank: this is the rank's own GPU (what set_device(local_rank) picks too)
+            torch.cuda.set_device(int(env[_env.GPU]))
         timeout = float(env.get(_env.TIMEOUT, "1800"))
         start_timeout = float(env.get(_env.START_TIMEOUT, timeout))  # rendezvous
         factory = BACKENDS.get(name)

@@ -49,6 +49,12 @@ def _irecv(tensor: torch.Tensor, src: int, group, tag: int = 0) -> dist.Work:
     return work
 
 
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor of the same values: gloo's point-to-point path would hand a
+    CUDA tensor's device pointer to its TCP transport."""
+    return tensor.detach().to("cpu").contiguous() if tensor.device.type != "cpu" else tensor.contiguous()
+
+
 def _peer_loss_raises_horovod_internal_error(cls):
     """Every public method of ``cls`` turns a transport error that says a peer went away into
     HorovodInternalError (chained to the original), as Horovod's collectives do."""
@@ -101,8 +107,6 @@ class TorchBackend(Backend):
         self.rank = rank
         self.size = size
         timeout = datetime.timedelta(seconds=timeout_s)
-        if name == "nccl" and self._owns_group:
-            torch.cuda.set_device(0)  # the runner narrows CUDA_VISIBLE_DEVICES to this rank's GPU
         self._start_timeout = datetime.timedelta(seconds=start_timeout_s)
         self._master = (master_addr, int(master_port)) if master_addr and master_port else None
         store: dist.Store
@@ -275,17 +279,23 @@ class TorchBackend(Backend):
                 if shift == 0:
                     outputs[self.rank].copy_(inputs[self.rank])
                     continue
-                send = _isend(inputs[dst].contiguous(), self._global[dst], group=self._group)
-                dist.recv(outputs[src], self._global[src], group=self._group)
+                send = _isend(_on_host(inputs[dst]), self._global[dst], group=self._group)
+                self.recv(outputs[src], src)
                 send.wait()
         else:
             dist.all_to_all(outputs, [t.contiguous() for t in inputs], group=self._group)
 
     def send(self, tensor, dst):
-        dist.send(tensor.contiguous(), self._global[dst], group=self._group)
+        dist.send(_on_host(tensor) if self.name == "gloo" else tensor.contiguous(), self._global[dst],
+                  group=self._group)
 
     def recv(self, tensor, src):
-        dist.recv(tensor, self._global[src], group=self._group)
+        if self.name == "gloo" and (tensor.device.type != "cpu" or not tensor.is_contiguous()):
+            staged = torch.empty(tensor.shape, dtype=tensor.dtype)
+            dist.recv(staged, self._global[src], group=self._group)
+            tensor.copy_(staged)
+        else:
+            dist.recv(tensor, self._global[src], group=self._group)
 
     def broadcast_object(self, obj, root_rank):
         box = [obj]

@@ -82,7 +82,9 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
             _checks.agree("allreduce", tensor, op, name=name)
         from ._adasum import adasum_allreduce
 
-        result = adasum_allreduce(tensor, b)
+        # staged like every other op: MPI reads host memory, NCCL device memory (a joined
+        # rank replays on CPU), gloo's point-to-point stages CUDA tensors itself
+        result = adasum_allreduce(to_wire(tensor), b).to(device=tensor.device, dtype=tensor.dtype)
         _runtime.completed(seq)
         if out is not None:
             out.copy_(result)

@@ -39,12 +39,15 @@ class SyncBatchNorm(_BatchNorm):
             return super().forward(input)
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
-        count = torch.tensor([input.numel() / channels], dtype=input.dtype, device=input.device)
-        stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
+        # statistics in float32 at least: in float16 a count or sum of squares past 65504
+        # (N*H*W of one 32x56x56 batch) is inf, and E[x^2] - E[x]^2 cancels badly
+        x = input if input.dtype in (torch.float32, torch.float64) else input.float()
+        count = torch.tensor([input.numel() / channels], dtype=x.dtype, device=input.device)
+        stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
         stats = _AllreduceSum.apply(stats)
         total = stats[-1]
         mean = stats[:channels] / total
-        var = stats[channels:2 * channels] / total - mean * mean
+        var = (stats[channels:2 * channels] / total - mean * mean).clamp_min(0)
         running_mean, running_var, tracked = self.running_mean, self.running_var, self.num_batches_tracked
         if self.track_running_stats and running_mean is not None and running_var is not None:
             with torch.no_grad():
@@ -58,7 +61,7 @@ class SyncBatchNorm(_BatchNorm):
                 running_mean.mul_(1 - momentum).add_(momentum * mean.detach())
                 running_var.mul_(1 - momentum).add_(momentum * unbiased.detach())
         shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
-        return out
+        return out.to(input.dtype)

@@ -1,12 +1,12 @@
 """SparkRingEstimator: fit a torch model on a DataFrame with data-parallel ranks."""
 from __future__ import annotations
 
-import copy
 import sys
 import threading
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
+import cloudpickle
 import torch
 from pyspark import keyword_only
 from pyspark.ml import Estimator
@@ -15,7 +15,7 @@ from pyspark.ml.util import MLReadable, MLWritable
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs, prepare
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
-from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan
+from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan, to_bytes
 from . import losses
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, SparkRingParams
@@ -349,7 +349,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise TrainingError(exc.rank, exc.remote_traceback, reason) from None
         finally:
             progress.close()
-        trained = copy.deepcopy(self.getOrDefault("model")).cpu()
+        # a CPU copy made through the bytes the ranks got: a model on the driver's GPU is not
+        # copied on the GPU first
+        trained = cloudpickle.loads(to_bytes(self.getOrDefault("model")))
         trained.load_state_dict(results[0]["state_dict"])
         model = SparkRingModel()
         self._copyValues(model)

@@ -18,12 +18,14 @@ from ..data import DataError, FeatureSpec, petastorm_codecs
 from ..data.reader import as_torch
 from ..data.spec import to_numpy
 from ..data.transform import apply as apply_transform
+from ..runner import to_bytes
+from ..runner.gpus import device_ordinal
 from . import losses
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 
 _OUT = "__sparkring_out"
-_worker_models: Dict[str, torch.nn.Module] = {}
+_worker_models: Dict[Tuple[str, str], torch.nn.Module] = {}  # (transform, device) -> model
 _worker_lock = threading.Lock()
 
 
@@ -43,33 +45,46 @@ def _ship(spark, data: bytes):
     return _InlineBytes(data) if is_connect(spark) else spark.sparkContext.broadcast(data)
 
 
-def _load_on_worker(key: str, broadcast) -> torch.nn.Module:
-    """Deserialize the model once per Python worker and reuse it for every batch and task."""
+def _load_on_worker(key: str, broadcast, device: torch.device) -> torch.nn.Module:
+    """Deserialize the model once per Python worker and device, and reuse it for every batch
+    and task; the oldest transform's copies go (and their GPU memory with them)."""
     with _worker_lock:
-        model = _worker_models.get(key)
+        model = _worker_models.get((key, str(device)))
         if model is None:
             model = cloudpickle.loads(broadcast.value)
             model.eval()
-            device = _worker_device()
             model.to(device)
-            while len(_worker_models) >= 2:  # bounded: old transforms' models go
-                _worker_models.pop(next(iter(_worker_models)))
-            _worker_models[key] = model
+            while len(_worker_models) >= 2:
+                gone = _worker_models.pop(next(iter(_worker_models)))
+                if next(iter(gone.parameters()), torch.zeros(0)).is_cuda:
+                    del gone
+                    torch.cuda.empty_cache()
+            _worker_models[(key, str(device))] = model
         return model
 
 
-def _worker_device() -> torch.device:
-    if torch.cuda.is_available():
-        try:
-            from pyspark import TaskContext
+def task_device(use_gpu: Optional[bool]) -> torch.device:
+    """Where this Spark task runs the model: the GPU Spark assigned to the task (by the same
+    address rules as the ranks), unless ``useGpu=False``; ``useGpu=True`` insists on one.
 
-            ctx = TaskContext.get()
-            gpus = ctx.resources().get("gpu") if ctx is not None else None
-            if gpus is not None and gpus.addresses:
-                return torch.device("cuda", int(gpus.addresses[0]))
-        except Exception:  # noqa: BLE001 - fall back to the default GPU
-            pass
-        return torch.device("cuda")
+    >>> task_device(False)
+    device(type='cpu')
+    """
+    if use_gpu is False:
+        return torch.device("cpu")
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    gpus = ctx.resources().get("gpu") if ctx is not None else None
+    addresses = list(gpus.addresses) if gpus is not None else []
+    if torch.cuda.is_available():
+        if addresses:
+            return torch.device("cuda", device_ordinal(addresses[0]))
+        if use_gpu:
+            return torch.device("cuda", torch.cuda.current_device())
+    elif use_gpu:
+        raise ValueError("useGpu=True but torch on this executor has no CUDA device: install a CUDA build "
+                         "of torch on the executors, or set useGpu=False for transform")
     return torch.device("cpu")
 
 
@@ -193,12 +208,13 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
-        broadcast = _ship(spark, cloudpickle.dumps(self.getModel().cpu()))
+        broadcast = _ship(spark, to_bytes(self.getModel()))
         key = uuid.uuid4().hex
+        use_gpu = self.getOrDefault("useGpu")
 
         def forward(arrays: Sequence[pa.Array]) -> List[np.ndarray]:
-            model = _load_on_worker(key, broadcast)
-            device = next(iter(model.parameters()), torch.zeros(0)).device
+            device = task_device(use_gpu)
+            model = _load_on_worker(key, broadcast, device)
             batch = {c.name: to_numpy(a, c) for c, a in zip(spec.columns, arrays)}
             if transform_fn is not None:
                 batch = apply_transform(transform_fn, batch)

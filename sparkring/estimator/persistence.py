@@ -8,7 +8,7 @@ import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
 
 from ..data import Store
-from ..runner import spark_major
+from ..runner import spark_major, to_bytes
 from .params import OBJECT_PARAMS
 
 OBJECTS_FILE = "objects.pkl"
@@ -39,7 +39,7 @@ class SparkRingWriter(MLWriter):
                                          paramMap=json_params)
         objects = {name: inst.getOrDefault(name) for name in OBJECT_PARAMS if inst.isSet(name)}
         store = Store(path)
-        store.write_bytes(store.path(OBJECTS_FILE), cloudpickle.dumps(objects))
+        store.write_bytes(store.path(OBJECTS_FILE), to_bytes(objects))
         for name, data in self.blobs.items():
             store.write_bytes(store.path(name), data)
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 import io
 import itertools
 import logging
-import math
 import os
+import queue
 import random
 import re
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -150,18 +151,24 @@ class _Step:
                              f"{list(labels)}: return a tuple with one output per label, in labelCol's order")
         return list(out[:len(labels)])
 
-    def figures(self, total, heads, ys, head_losses) -> List[float]:
-        """Per-batch figures (sums over rows): total loss, rows, then log_names()'s values."""
+    def figures(self, total, heads, ys, head_losses) -> torch.Tensor:
+        """Per-batch figures (sums over rows), float64 on the model's device: total loss, rows,
+        then log_names()'s values. They stay there: the loop adds them up on the device and
+        reads them on the host once per progress report (each read waits for the GPU)."""
         n = heads[0].shape[0]
-        values = [float(total.item()) * n, float(n)]
+
+        def scalar(value) -> torch.Tensor:
+            return torch.as_tensor(value).detach().to(self.device, torch.float64).reshape(()) * n
+
         with torch.no_grad():
+            values = [scalar(total), torch.tensor(float(n), dtype=torch.float64, device=self.device)]
             if not self.cfg.multi_head:
-                values += [float(fn(heads[0].detach(), ys[0])) * n for fn in self.cfg.metrics.values()]
-                return values
-            for head, y, value in zip(heads, ys, head_losses):
-                values.append(float(value.item()) * n)
-                values += [float(fn(head.detach(), y)) * n for fn in self.cfg.metrics.values()]
-        return values
+                values += [scalar(fn(heads[0].detach(), ys[0])) for fn in self.cfg.metrics.values()]
+            else:
+                for head, y, value in zip(heads, ys, head_losses):
+                    values.append(scalar(value))
+                    values += [scalar(fn(head.detach(), y)) for fn in self.cfg.metrics.values()]
+        return torch.stack(values)
 
 
 def checkpoint_names(store, run_id: str) -> List[str]:
@@ -182,13 +189,25 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
 
 def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited) -> None:
     buf = io.BytesIO()
-    torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "history": history, "seed": cfg.seed, "stopped": stopped, "early_stopping": (best, waited)},
-               buf)
+    # on CPU, so that a host without the GPU (or with fewer) loads it
+    torch.save(_on_cpu({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "history": history, "seed": cfg.seed, "stopped": stopped,
+                        "early_stopping": (best, waited)}), buf)
     cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, f"epoch-{epoch:05d}.pt"), buf.getvalue())
     # keep the two newest: the latest, and the one before in case the latest is cut short
     for old in checkpoint_names(cfg.store, cfg.run_id)[:-2]:
         cfg.store.delete(cfg.store.checkpoint_path(cfg.run_id, old))
+
+
+def _on_cpu(obj):
+    """``obj`` with every tensor in its dicts, lists and tuples copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _on_cpu(v)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
 
 
 def _seed_epoch(seed: int, epoch: int, rank: int) -> None:
@@ -252,8 +271,15 @@ class _Tensorboard:
 
 
 def _run_batches(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, epoch: int, steps: int,
-                 shuffle: bool, drop_last: bool, workers: int):
-    """``steps`` batches, starting more passes over the data when one pass has fewer."""
+                 shuffle: bool, drop_last: bool, workers: int, device: torch.device):
+    """``steps`` batches, starting more passes over the data when one pass has fewer (pinned
+    ahead when they go to a GPU)."""
+    batches = _passes(cfg, split, bs, rank, size, epoch, steps, drop_last, shuffle, workers)
+    return pinned(batches) if device.type == "cuda" else batches
+
+
+def _passes(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, epoch: int, steps: int, drop_last: bool,
+            shuffle: bool, workers: int) -> Iterator[Dict[str, Any]]:
     produced = 0
     for extra_pass in itertools.count():
         got = 0
@@ -269,9 +295,58 @@ def _run_batches(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, ep
             return
 
 
+def pinned(batches: Iterator[Dict[str, Any]], pin: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.pin_memory,
+           depth: int = 2) -> Iterator[Dict[str, Any]]:
+    """``batches`` with their tensors copied to page-locked memory on a thread, ``depth``
+    batches ahead: a copy from pinned memory to the GPU runs asynchronously (non_blocking),
+    from ordinary memory it does not. Stopping early stops the thread.
+
+    >>> next(pinned(iter([{"x": torch.ones(2)}]), pin=torch.Tensor.clone))["x"]
+    tensor([1., 1.])
+    """
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def fill() -> None:
+        try:
+            for batch in batches:
+                if not put({k: pin(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - raised again on the training thread
+            put(exc)
+            return
+        put(end)
+
+    thread = threading.Thread(target=fill, name="sparkring-pin", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is end:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
 def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     rank, size = sr.rank(), sr.size()
-    device = torch.device("cuda") if cfg.use_gpu and torch.cuda.is_available() else torch.device("cpu")
+    # the rank's own GPU: sr.init() made it current (see the runner's CUDA_VISIBLE_DEVICES)
+    device = (torch.device("cuda", torch.cuda.current_device()) if cfg.use_gpu and torch.cuda.is_available()
+              else torch.device("cpu"))
     torch.manual_seed(cfg.seed)
     model = cfg.model.to(device)
     opt = _build_optimizer(cfg, model)
@@ -317,11 +392,11 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     for epoch in range(start_epoch, cfg.epochs):
         _seed_epoch(cfg.seed, epoch, rank)
         model.train()
-        sums = torch.zeros(step.width(), dtype=torch.float64)
+        sums = torch.zeros(step.width(), dtype=torch.float64, device=device)
         skipped = 0
         last_report = 0.0
         for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, size, epoch, steps,
-                                               cfg.shuffle, True, workers)):
+                                               cfg.shuffle, True, workers, device)):
             if cfg.lr_scaling == "linear":
                 global_step = (epoch * steps + i) // cfg.backward_passes_per_step
                 warm = max(1.0, cfg.warmup_epochs * steps / cfg.backward_passes_per_step)
@@ -330,10 +405,11 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                     g["lr"] = lr * factor
             loss, heads, ys, head_losses = step(model, batch, f"epoch {epoch}, training batch {i}")
             figures = step.figures(loss, heads, ys, head_losses)
-            finite = math.isfinite(figures[0])
+            # the one host sync of a step: whether training may go on decides the step
+            finite = bool(torch.isfinite(figures[0]))
             if not finite and not cfg.skip_non_finite:
-                raise FloatingPointError(f"{NON_FINITE} {figures[0] / figures[1]:g} at epoch {epoch}, step {i} on "
-                                         f"rank {rank}")
+                raise FloatingPointError(f"{NON_FINITE} {float(figures[0] / figures[1]):g} at epoch {epoch}, "
+                                         f"step {i} on rank {rank}")
             # every rank goes through backward (its gradients take part in the allreduce); with
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
             (loss / cfg.backward_passes_per_step).backward()
@@ -349,12 +425,12 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                     opt.step()
                 opt.zero_grad()
             if finite:
-                sums += torch.tensor(figures, dtype=torch.float64)
+                sums += figures
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
                 report({"kind": "step", "epoch": epoch, "step": i + 1, "steps": steps,
                         "loss": float(sums[0] / sums[1])})
-        totals = sr.allreduce(sums, op=sr.Sum)
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum)
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
         for j, name in enumerate(cfg.log_names()):
             logs[name] = float(totals[2 + j] / totals[1])
@@ -399,13 +475,12 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
 def _validate(cfg: TrainConfig, step: _Step, model, rank: int, size: int, epoch: int, val_steps: int,
               workers: int) -> Dict[str, float]:
     model.eval()
-    sums = torch.zeros(step.width(), dtype=torch.float64)
+    sums = torch.zeros(step.width(), dtype=torch.float64, device=step.device)
     with torch.no_grad():
         for i, batch in enumerate(_run_batches(cfg, "val", cfg.val_batch_size, rank, size, epoch, val_steps, False,
-                                               False, workers)):
-            sums += torch.tensor(step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}")),
-                                 dtype=torch.float64)
-    totals = sr.allreduce(sums, op=sr.Sum)
+                                               False, workers, step.device)):
+            sums += step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}"))
+    totals = sr.allreduce(sums.cpu(), op=sr.Sum)
     if totals[1] == 0:
         return {}
     logs = {"val_loss": float(totals[0] / totals[1])}

@@ -7,10 +7,10 @@
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .channel import report
 from .launch import launch, run
-from .pickling import check_picklable
+from .pickling import check_picklable, to_bytes
 from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
 from .session import spark_major
 
-__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "spark_major",
+__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

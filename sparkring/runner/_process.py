@@ -276,18 +276,32 @@ def _age(name: str, now: float) -> float:
         return 0.0
 
 
+def worker_start_mode(env: Dict[str, str]) -> str:
+    """"fork" or "spawn": SPARKRING_WORKER_START when set; else ranks that use GPUs start a fresh
+    interpreter, because the reused Spark worker they would fork from may have touched CUDA
+    already (transform() on a GPU, a user's UDF) and CUDA cannot be initialised again in a
+    forked child; others fork (Linux), which saves importing torch again.
+
+    >>> worker_start_mode({"SPARKRING_GPU": "0"})
+    'spawn'
+    """
+    if env.get(_env.WORKER_START):
+        return env[_env.WORKER_START]
+    if env.get(_env.GPU) or not sys.platform.startswith("linux"):
+        return "spawn"
+    return "fork"
+
+
 def start_worker(workdir: str, env: Dict[str, str]):
-    """Fork (Linux, default) or spawn a fresh interpreter (SPARKRING_WORKER_START=spawn);
-    MPI ranks always start fresh under ``mpiexec -n 1``, which MPI_Init needs."""
+    """Fork or spawn a fresh interpreter (:func:`worker_start_mode`); MPI ranks always start
+    fresh under ``mpiexec -n 1``, which MPI_Init needs."""
     command = [sys.executable, "-m", WORKER_MODULE, workdir]
     if env.get(_env.BACKEND) == "mpi":
         mpiexec = find_mpiexec()
         if mpiexec is None:
             raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
         command = [mpiexec, "-n", "1"] + command
-    else:
-        mode = env.get(_env.WORKER_START, "fork" if sys.platform.startswith("linux") else "spawn")
-        if mode == "fork":
-            return ForkedWorker(workdir, env)
+    elif worker_start_mode(env) == "fork":
+        return ForkedWorker(workdir, env)
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True)

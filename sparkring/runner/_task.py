@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..collective import _env
-from ..errors import ChannelError
+from ..errors import ChannelError, ConfigurationError
 from . import channel
 from ._process import (
     describe_exit,
@@ -36,6 +36,7 @@ from ._process import (
     start_worker,
 )
 from .failures import is_secondary
+from .gpus import VISIBLE, HostGpus, cuda_names, host_gpus
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
 # kind "message": one channel message (JSON) the driver handles as if it came live.
@@ -65,6 +66,7 @@ class TaskSpec:
     env: Dict[str, str] = field(default_factory=dict)
     task_cpus: int = 1
     chunk_bytes: int = 8 * 1024 * 1024
+    backend_from_auto: bool = False  # nccl chosen by backend="auto": gloo where ranks share a GPU
 
 
 def encode_error(message: Dict[str, Any]) -> str:
@@ -186,20 +188,59 @@ def _connect_driver(spec: TaskSpec) -> Optional[channel.Connection]:
         return None
 
 
-def _gpus(spec: TaskSpec, ctx, local_rank: int) -> List[str]:
+def _own_gpus(ctx) -> Optional[List[str]]:
+    """The GPUs Spark gave this task, as CUDA names (None in local mode: the driver's GPUs are
+    handed out by local rank once every task's place is known)."""
     resources = ctx.resources()
     if "gpu" in resources and resources["gpu"].addresses:
-        return list(resources["gpu"].addresses)
+        return cuda_names(list(resources["gpu"].addresses))
+    return None
+
+
+@dataclass(frozen=True)
+class RingGpus:
+    """Every rank's view of the run's GPUs, computed alike by every task from the rendezvous."""
+
+    by_host: Dict[str, HostGpus]
+    backend: str                    # the plan's backend, or gloo where "auto" chose nccl on shared GPUs
+
+
+def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]]) -> RingGpus:
     driver_gpus = list(spec.driver_gpus)
-    if not driver_gpus and spec.driver_gpu_script:
+    if not driver_gpus and spec.driver_gpu_script and any(g["gpus"] is None for g in gathered):
         from .session import discover_gpus
 
-        driver_gpus = list(discover_gpus(spec.driver_gpu_script))
-    return [driver_gpus[local_rank % len(driver_gpus)]] if driver_gpus else []
+        driver_gpus = cuda_names(discover_gpus(spec.driver_gpu_script))
+    by_host: Dict[str, HostGpus] = {}
+    for host in dict.fromkeys(hosts):
+        ranks = [r for r, h in enumerate(hosts) if h == host]
+        names = [gathered[r]["gpus"] if gathered[r]["gpus"] is not None
+                 else ([driver_gpus[i % len(driver_gpus)]] if driver_gpus else [])
+                 for i, r in enumerate(ranks)]
+        by_host[host] = host_gpus(names)
+    shared = [h for h, g in by_host.items() if g.shared]
+    backend = spec.backend
+    if shared and backend == "nccl":
+        if not spec.backend_from_auto:
+            raise ConfigurationError(
+                f"backend='nccl' but ranks on host(s) {shared} were given the same GPU, which NCCL refuses "
+                "(\"Duplicate GPU detected\"): give every task a whole GPU, or use backend='gloo'")
+        backend = "gloo"
+    return RingGpus(by_host=by_host, backend=backend)
 
 
-def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, ports: List[int], attempt: int,
-              live: bool, workdir: str) -> Dict[str, str]:
+def _gpu_plan(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]]) -> Optional[RingGpus]:
+    if not spec.use_gpu:
+        return None
+    failed = [(r, g["gpu_error"]) for r, g in enumerate(gathered) if g.get("gpu_error")]
+    if failed:
+        rank, message = failed[0]
+        raise ConfigurationError(f"rank {rank}: {message}")
+    return _ring_gpus(spec, hosts, gathered)
+
+
+def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], rank: int, hosts: List[str], my_ip: str,
+              ports: List[int], attempt: int, live: bool, workdir: str) -> Dict[str, str]:
     local_rank, local_size, cross_rank, cross_size = _rank_layout(hosts, rank)
     env = dict(os.environ)
     env.update({k: str(v) for k, v in spec.env.items()})
@@ -208,7 +249,8 @@ def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, port
         _env.RANK: str(rank), _env.SIZE: str(spec.num_proc),
         _env.LOCAL_RANK: str(local_rank), _env.LOCAL_SIZE: str(local_size),
         _env.CROSS_RANK: str(cross_rank), _env.CROSS_SIZE: str(cross_size),
-        _env.MASTER_ADDR: master_ip, _env.MASTER_PORT: str(ports[0]), _env.BACKEND: spec.backend,
+        _env.MASTER_ADDR: master_ip, _env.MASTER_PORT: str(ports[0]),
+        _env.BACKEND: gpus.backend if gpus is not None else spec.backend,
         _env.SECRET: spec.secret.hex(), _env.ATTEMPT: str(attempt),
         _env.START_TIMEOUT: str(spec.start_timeout), _env.PARENT_PID: str(os.getpid()),
         # a rank blocked in a collective fails with the run's timeout, not gloo's 30 minutes
@@ -233,10 +275,13 @@ def _rank_env(spec: TaskSpec, ctx, rank: int, hosts: List[str], my_ip: str, port
         for key, value in mpi_network_env(iface, my_ip).items():
             env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, spec.task_cpus)))
-    if spec.use_gpu:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(_gpus(spec, ctx, local_rank))
+    if gpus is not None:
+        host = gpus.by_host[hosts[rank]]
+        env[VISIBLE] = ",".join(host.visible)
+        env[_env.GPU] = str(host.ordinals[local_rank])
     else:
-        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+        env.setdefault(VISIBLE, "")
+        env.pop(_env.GPU, None)
     return env
 
 
@@ -263,7 +308,14 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
     # user code that calls init_process_group itself (env://, the torchrun way)
     ports = free_ports(my_ip, 2) if rank == 0 else None
-    gathered = _all_gather(ctx, {"ports": ports, "tid": ctx.taskAttemptId(), "live": driver is not None},
+    gpu_error: Optional[str] = None
+    own_gpus: Optional[List[str]] = None
+    try:
+        own_gpus = _own_gpus(ctx) if spec.use_gpu else None
+    except ConfigurationError as exc:
+        gpu_error = str(exc)
+    gathered = _all_gather(ctx, {"ports": ports, "tid": ctx.taskAttemptId(), "live": driver is not None,
+                                 "gpus": own_gpus, "gpu_error": gpu_error},
                            spec.start_timeout, spec.num_proc)
     ports = gathered[0]["ports"]
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
@@ -282,8 +334,23 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
         control.send({"t": "hello", "rank": rank})
     outbox = _Outbox(driver, control)
     outbox.send({"t": "hello", "rank": rank, "attempt": attempt, "host": hosts[rank]})
+    try:
+        gpus = _gpu_plan(spec, hosts, gathered)
+    except ConfigurationError as exc:
+        refused = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit", "traceback": str(exc)}
+        outbox.send(refused)
+        for conn in (driver, control):
+            if conn is not None:
+                conn.close()
+        if relay is not None:
+            relay.server.close()
+        raise RuntimeError(f"rank {rank} cannot start {encode_error(refused)}: {exc}") from None
+    if gpus is not None and rank == 0 and gpus.backend != spec.backend:
+        outbox.send({"t": "log", "rank": rank, "attempt": attempt, "stream": "stderr",
+                     "line": "sparkring: ranks on one host share a GPU, which NCCL refuses: backend='auto' uses "
+                             "gloo; give every task a whole GPU for NCCL"})
     workdir = tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-")
-    env = _rank_env(spec, ctx, rank, hosts, my_ip, ports, attempt, live, workdir)
+    env = _rank_env(spec, gpus, rank, hosts, my_ip, ports, attempt, live, workdir)
     aborted: Dict[str, str] = {}
     proc = None
     shm_before = None

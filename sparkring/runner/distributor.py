@@ -18,6 +18,7 @@ from ..collective import _env
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError
 from ._process import dump_stacks, free_ports, kill_tree
 from .launch import ScriptMain, _active_spark, run
+from .pickling import to_bytes
 
 
 class TorchDistributor:
@@ -88,7 +89,7 @@ def run_local(fn: Callable[..., Any], args, kwargs, num_proc: int, use_gpu: bool
     """
     host = os.environ.get("SPARK_LOCAL_IP") or "127.0.0.1"
     store_port, torch_port = free_ports(host, 2)
-    payload = cloudpickle.dumps((fn, tuple(args), kwargs or {}))
+    payload = to_bytes((fn, tuple(args), kwargs or {}))
     gpus = ",".join(str(i) for i in range(num_proc)) if use_gpu else ""
     procs, workdirs = [], []
     lock = threading.Lock()

@@ -195,7 +195,9 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     its command line (the Horovod ``horovodrun`` habit); each rank then returns 0.
     ``stream=False`` (or executors that cannot reach this process) turns live output off:
     logs, events and errors then arrive when the stage ends. ``shared_memory=False`` sends
-    CPU allreduces between ranks of one host through gloo instead of /dev/shm.
+    CPU allreduces between ranks of one host through gloo instead of /dev/shm. Tensors in
+    ``fn``, ``args`` and ``kwargs`` travel as CPU tensors (a model on the driver's GPU too):
+    move them to the rank's device inside ``fn``.
 
     >>> import sparkring.collective as sr
     >>> def fn():
@@ -245,7 +247,8 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     secret=secret, num_proc=num_proc, backend=launch_plan.backend, use_gpu=launch_plan.use_gpu,
                     driver_gpus=list(launch_plan.driver_gpus), driver_gpu_script=launch_plan.driver_gpu_script,
                     start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
-                    stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus)
+                    stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus,
+                    backend_from_auto=launch_plan.backend_from_auto)
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     # Without a live channel expected from the start (a Connect client may be out of the
     # executors' reach), a missing hello is no sign of missing slots: the tasks' own

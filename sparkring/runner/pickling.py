@@ -4,6 +4,8 @@ closure variable or global that fails (cloudpickle only says which type failed).
 Written by hand: neither pickle nor cloudpickle reports the path to the failing object."""
 from __future__ import annotations
 
+import io
+import sys
 import types
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -14,14 +16,45 @@ from ..errors import ConfigurationError
 _MAX_DEPTH = 8
 
 
+class _HostPickler(cloudpickle.Pickler):
+    """cloudpickle that writes tensors held on a GPU (a model the driver trained or moved
+    there, its optimizer's state) as CPU tensors: unpickled as they are, they would land on the
+    driver's device number of every rank's GPU, or fail on ranks without one."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            if isinstance(obj, torch.nn.Parameter):
+                return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
+            return _cpu_copy(obj).__reduce_ex__(self.proto)
+        return super().reducer_override(obj)
+
+
+def _cpu_copy(tensor):
+    copy = tensor.detach().cpu()
+    copy.requires_grad_(tensor.requires_grad and tensor.is_leaf)
+    return copy
+
+
+def to_bytes(obj: Any) -> bytes:
+    """cloudpickle's bytes of ``obj`` with every GPU tensor in it written as a CPU tensor.
+
+    >>> len(to_bytes({"w": torch.zeros(2)})) > 0  # doctest: +SKIP
+    True
+    """
+    with io.BytesIO() as file:
+        _HostPickler(file).dump(obj)
+        return file.getvalue()
+
+
 def dumps(obj: Any, named: Dict[str, Any]) -> bytes:
-    """``cloudpickle.dumps(obj)``; where that fails, a ConfigurationError naming the part of
+    """:func:`to_bytes` of ``obj``; where that fails, a ConfigurationError naming the part of
     ``named`` (the pieces ``obj`` is made of, by the names the user knows them by) that fails.
 
     >>> payload = dumps((fn, args), {"fn": fn, "args": args})  # doctest: +SKIP
     """
     try:
-        return cloudpickle.dumps(obj)
+        return to_bytes(obj)
     except Exception as exc:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError...
         raise ConfigurationError(unpicklable_message(named, exc)) from exc
 

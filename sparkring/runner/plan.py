@@ -48,7 +48,7 @@ class LaunchPlan:
 
     >>> p = plan(spark, num_proc=2)  # doctest: +SKIP
     >>> p.num_proc, p.backend, p.attempts  # doctest: +SKIP
-    (2, 'auto', 1)
+    (2, 'gloo', 1)
     """
 
     num_proc: int
@@ -62,6 +62,7 @@ class LaunchPlan:
     task_cpus: int
     facts: SessionFacts
     shared_memory: bool = True      # CPU allreduce between ranks of one host through /dev/shm
+    backend_from_auto: bool = False  # backend="auto" chose it: the tasks may still fall back to gloo
 
 
 def _check_mpi_installed() -> None:
@@ -85,6 +86,44 @@ def _check_gpus(facts: SessionFacts, names: ParamNames) -> None:
         raise ConfigurationError(
             f"{names.use_gpu}=True but spark.task.resource.gpu.amount is not set: set it (usually 1) "
             "with spark.executor.resource.gpu.amount so Spark schedules one GPU per task")
+
+
+def nccl_available() -> bool:
+    """This process's torch has NCCL (the executors are expected to run the same build)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
+
+
+def _ranks_share_gpus(facts: SessionFacts, num_proc: int) -> bool:
+    """Spark would give two ranks of one host the same GPU: a fractional
+    spark.task.resource.gpu.amount, or local mode with fewer driver GPUs than ranks."""
+    if facts.local:
+        known = len(facts.driver_gpus) if not facts.connect else int(facts.driver_gpu_amount)
+        return num_proc > known
+    return 0 < facts.task_gpus < 1
+
+
+def _decide_backend(backend: str, use_gpu: bool, shared_gpus: bool, names: ParamNames) -> str:
+    """The one transport every rank uses, decided here rather than by each rank from what it sees
+    (ranks that disagree hang in init)."""
+    if backend == "nccl" and shared_gpus:
+        raise ConfigurationError(
+            f"{names.backend}='nccl' but ranks on one host would share a GPU (a fractional "
+            "spark.task.resource.gpu.amount, or fewer GPUs than ranks in local mode), which NCCL refuses "
+            f"(\"Duplicate GPU detected\"): give every task a whole GPU, or use {names.backend}='gloo'")
+    if backend != "auto":
+        return backend
+    if not use_gpu:
+        return "gloo"
+    if not nccl_available():
+        log.warning("GPUs are scheduled but this torch has no NCCL: the ranks use gloo")
+        return "gloo"
+    if shared_gpus:
+        log.warning("ranks on one host share a GPU, which NCCL refuses: backend='auto' uses gloo; give every "
+                    "task a whole GPU (spark.task.resource.gpu.amount=1) for NCCL")
+        return "gloo"
+    return "nccl"
 
 
 def _check_security(facts: SessionFacts) -> None:
@@ -126,6 +165,9 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
             "allocation; set spark.dynamicAllocation.enabled=false for this application")
     if use_gpu:
         _check_gpus(facts, names)
+        if facts.task_gpus > 1:
+            log.info("spark.task.resource.gpu.amount=%g: each rank sees its GPUs, the first one is current; "
+                     "sparkring's collectives and the estimator use that one", facts.task_gpus)
     slots = facts.gpu_slots if use_gpu else facts.slots
     if num_proc is None:
         if slots is None:
@@ -144,11 +186,13 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
                  "the cluster", facts.master)
     _check_security(facts)
     attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
-    result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=backend, attempts=attempts,
+    transport = _decide_backend(backend, bool(use_gpu), bool(use_gpu) and _ranks_share_gpus(facts, num_proc),
+                                names)
+    result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=transport, attempts=attempts,
                         stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
                         driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts,
-                        shared_memory=bool(shared_memory))
+                        shared_memory=bool(shared_memory), backend_from_auto=backend == "auto")
     log.info("launch plan: %d ranks, backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
-             result.num_proc, backend, result.use_gpu, attempts, result.driver_host,
+             result.num_proc, transport, result.use_gpu, attempts, result.driver_host,
              "Connect" if facts.connect else "classic", facts.master)
     return result
