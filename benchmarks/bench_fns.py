@@ -364,7 +364,7 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
     rotating order, medians of per-round ratios."""
     import statistics
 
-    from sparkring.collective import _runtime
+    from sparkring.collective import _runtime, ops
 
     sr.init()
     assert _runtime.current()._host_ring is not None, "the shared-memory path is off on this ring"
@@ -374,12 +374,18 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
         t = torch.ones(nbytes // 4)
         dst = torch.empty_like(t)
         methods = {"shm": lambda: sr.allreduce(t, op=sr.Sum), "gloo": lambda: dist.all_reduce(t),
-                   "memcpy": lambda: dst.copy_(t)}
+                   "memcpy": lambda: dst.copy_(t),
+                   # as DistributedOptimizer's buckets call it: arguments agreed once, not per call
+                   "shm_agreed": lambda: ops.synchronize(ops.allreduce_start(t, None, ops.Sum, blocking=True)),
+                   "shm_bcast": lambda: sr.broadcast_(dst, root_rank=0),
+                   "gloo_bcast": lambda: dist.broadcast(dst, src=0)}
         times = _rotating_blocks(methods, lambda: dist.all_reduce(t), rounds, block_seconds, min_iters=2)
         bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
         row = {"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}}
         row["shm_bus"], row["gloo_bus"] = bus(row["shm"]), bus(row["gloo"])
+        row["shm_agreed_bus"] = bus(row["shm_agreed"])
         row["shm/gloo"] = statistics.median(g / s for s, g in zip(times["shm"], times["gloo"]))
+        row["bcast_shm/gloo"] = statistics.median(g / s for s, g in zip(times["shm_bcast"], times["gloo_bcast"]))
         row["shm/memcpy"] = statistics.median(s / m for s, m in zip(times["shm"], times["memcpy"]))
         out.append(row)
     return out

@@ -12,7 +12,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
           torch.int32, torch.int64]
 OPS = {"sum": (sr.Sum, torch.add), "min": (sr.Min, torch.minimum), "max": (sr.Max, torch.maximum),
        "product": (sr.Product, torch.mul)}
-# 0, 1, odd, larger than the whole segment of 2 ranks (3 chunks of 4 MiB: 2M float64 = 16 MiB)
+# 0, 1, odd, larger than the whole segment of 2 ranks (8 chunks of 2 MiB: 2M float64 = 16 MiB)
 SIZES = [0, 1, 7, 1001, 2_000_001]
 
 
@@ -67,8 +67,32 @@ def every_op_and_dtype(exact=True):
                                    op=sr.Sum)
     out["grouped"] = grouped
     out["average"] = sr.allreduce(_input(sr.rank(), 101, torch.float32, "sum"))
+    out.update(broadcasts())
     out["hosts"] = hosts_seen()
     return on_shared_memory(), out
+
+
+def broadcasts():
+    """Broadcast from every root, of every dtype (bool and complex too: bytes on one host), of
+    sizes past the segment, non-contiguous, into parameters that require grad: each equals the
+    root's tensor."""
+    out = {}
+    for root in range(sr.size()):
+        for dtype in DTYPES + [torch.bool, torch.complex64]:
+            for n in SIZES[1:] if dtype == torch.float64 else SIZES[1:4]:
+                mine = _input(sr.rank(), n, torch.float64 if dtype == torch.complex64 else dtype, "sum").to(dtype)
+                got = sr.broadcast(mine, root_rank=root)
+                want = _input(root, n, torch.float64 if dtype == torch.complex64 else dtype, "sum").to(dtype)
+                assert got.dtype == dtype and torch.equal(got, want), (root, dtype, n)
+                out[("bcast", root, str(dtype), n)] = got
+        strided = _input(sr.rank(), 3000, torch.float32, "sum").reshape(60, 50).t()
+        sr.broadcast_(strided, root_rank=root)
+        assert torch.equal(strided, _input(root, 3000, torch.float32, "sum").reshape(60, 50).t())
+        net = torch.nn.Linear(40, 30)
+        torch.nn.init.constant_(net.weight, float(sr.rank()))
+        sr.broadcast_parameters(net.named_parameters(), root_rank=root)
+        assert torch.equal(net.weight, torch.full((30, 40), float(root))) and net.weight.requires_grad
+    return out
 
 
 def optimizer_steps():

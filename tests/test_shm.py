@@ -115,11 +115,11 @@ def test_a_small_dev_shm_is_refused_with_the_way_to_raise_it(monkeypatch):
 
     class Small:
         f_frsize = real.f_frsize
-        f_bavail = (8 * 2**20) // real.f_frsize
+        f_bavail = (4 * 2**20) // real.f_frsize
 
     monkeypatch.setattr(_shm.os, "statvfs", lambda path: Small)
     reason = _shm.unusable_reason(local_size=2)
-    assert reason.startswith(f"{_shm.SHM_DIR} has 8 MiB free and the ring needs 12 MiB") and "--shm-size" in reason
+    assert reason.startswith(f"{_shm.SHM_DIR} has 4 MiB free and the ring needs 6 MiB") and "--shm-size" in reason
     monkeypatch.setenv("SPARKRING_SHM", "0")
     assert _shm.unusable_reason(local_size=2) == "SPARKRING_SHM=0"
 

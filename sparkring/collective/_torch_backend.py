@@ -267,6 +267,10 @@ class TorchBackend(Backend):
         return out
 
     def broadcast_async(self, tensor, root_rank):
+        ring = self._host_ring_for(tensor)
+        if ring is not None and ring.broadcasts():
+            ring.broadcast(tensor, root_rank)
+            return _TorchHandle(None, tensor)
         work = dist.broadcast(tensor, src=self._global[root_rank], group=self._group, async_op=True)
         return _TorchHandle(work, tensor)
 
