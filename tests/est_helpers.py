@@ -144,3 +144,18 @@ class MatAndImage(torch.nn.Module):
     def forward(self, mat, img):
         assert mat.shape[1:] == (4, 4) and img.shape[1:] == (8, 8, 3), (mat.shape, img.shape)
         return self.head(torch.cat([mat.flatten(1), img.float().flatten(1) / 255], dim=1))
+
+
+class Slow(torch.nn.Module):
+    """An MLP whose forward sleeps ``seconds``: epochs long enough for progress to show."""
+
+    def __init__(self, seconds=0.03):
+        super().__init__()
+        self.net = mlp()
+        self.seconds = seconds
+
+    def forward(self, x):
+        import time
+
+        time.sleep(self.seconds)
+        return self.net(x)

@@ -1,7 +1,6 @@
 """SparkRingEstimator: fit a torch model on a DataFrame with data-parallel ranks."""
 from __future__ import annotations
 
-import sys
 import threading
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -17,62 +16,11 @@ from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan, to_bytes
 from . import losses
+from .console import Progress, SparkBarPause
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 from .training import TrainConfig, non_finite_reason, train_rank
-
-
-class _Progress:
-    """Driver-side live progress from rank 0's events: a tqdm bar and a line per epoch."""
-
-    def __init__(self, verbose: int):
-        self.verbose = verbose
-        self.bar: Optional[Any] = None  # tqdm's bar while an epoch runs
-        self.epochs = 0
-        self.lock = threading.Lock()
-        self.lines: List[str] = []
-
-    def __call__(self, rank: int, event: Dict[str, Any]) -> None:
-        if rank != 0 or not isinstance(event, dict):
-            return
-        with self.lock:
-            kind = event.get("kind")
-            if kind == "begin":
-                self.epochs = event["epochs"]
-                if event["start_epoch"]:
-                    self._write(f"resuming from the checkpoint of epoch {event['start_epoch']}")
-            elif kind == "step" and self.verbose > 0:
-                if self.bar is None:
-                    from tqdm.auto import tqdm
-
-                    self.bar = tqdm(total=event["steps"], desc=f"epoch {event['epoch'] + 1}/{self.epochs}",
-                                    unit="step", leave=False, file=sys.stderr, dynamic_ncols=True)
-                self.bar.set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
-                self.bar.update(max(0, event["step"] - self.bar.n))
-            elif kind == "epoch":
-                self._close_bar()
-                logs = event["logs"]
-                metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
-                                    if k != "epoch" and isinstance(v, (int, float)))
-                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}"
-                            + ("  (early stop)" if event.get("stopped") else ""))
-
-    def _write(self, line: str) -> None:
-        self.lines.append(line)
-        if self.verbose > 0:
-            from tqdm.auto import tqdm
-
-            tqdm.write(line, file=sys.stdout)
-
-    def _close_bar(self):
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def close(self):
-        with self.lock:
-            self._close_bar()
 
 
 class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
@@ -300,6 +248,10 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
     # -- fit --------------------------------------------------------------------------
     def _fit(self, dataset):
+        with SparkBarPause(dataset.sparkSession):
+            return self._fit_paused(dataset)
+
+    def _fit_paused(self, dataset):
         checked = self._validate(dataset)
         self._check_labels(dataset)
         # one run directory holds this fit's prepared data and its checkpoints
@@ -338,7 +290,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
             reader=self.getOrDefault("reader"))
-        progress = _Progress(verbose)
+        progress = Progress(verbose)
         try:
             results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
                              verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=progress)

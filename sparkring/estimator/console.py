@@ -1,0 +1,131 @@
+"""The driver's console during fit(): rank 0's progress as a tqdm bar that moves (none where
+stderr is not a terminal: spark-submit logs, CI), one line per epoch on stdout, and Spark's own
+stage progress bar held back meanwhile so that the two do not draw over each other."""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Dict, List, Optional
+
+from ..runner.session import is_connect
+
+# Spark's ConsoleProgressBar draws nothing within 500 ms of its finishAll() (which also
+# clears it): calling that more often than that holds it back.
+_SPARK_BAR_HOLD_S = 0.3
+
+
+class SparkBarPause:
+    """Hold back Spark's console progress bar (a classic session with
+    spark.ui.showConsoleProgress=true, as in the pyspark shell) while the block runs; it draws
+    again by itself afterwards. Written by hand: Spark has no public call to pause it.
+
+    >>> with SparkBarPause(spark):  # doctest: +SKIP
+    ...     est.fit(df)
+    """
+
+    def __init__(self, spark):
+        self._bar = _spark_console_bar(spark)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> "SparkBarPause":
+        if self._bar is not None:
+            self._thread = threading.Thread(target=self._hold, name="sparkring-spark-bar", daemon=True)
+            self._thread.start()
+        return self
+
+    def _hold(self) -> None:
+        while True:
+            try:
+                self._bar.finishAll()
+            except Exception:  # noqa: BLE001 - the JVM went away (session stopped): nothing to hold
+                return
+            if self._stop.wait(_SPARK_BAR_HOLD_S):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2)
+
+
+def _spark_console_bar(spark):
+    """The session's ConsoleProgressBar (a JVM object), or None (Connect, or not shown)."""
+    try:
+        if spark is None or is_connect(spark):
+            return None
+        option = spark.sparkContext._jsc.sc().progressBar()
+        return option.get() if option.isDefined() else None
+    except Exception:  # noqa: BLE001 - an internal API of Spark's: without it there is nothing to hold
+        return None
+
+
+def _shows_bars() -> bool:
+    """A terminal, or a notebook (whose output is no terminal but draws tqdm's widgets)."""
+    if sys.stderr is not None and hasattr(sys.stderr, "isatty") and sys.stderr.isatty():
+        return True
+    shell = sys.modules.get("IPython")
+    ipython = getattr(shell, "get_ipython", lambda: None)() if shell is not None else None
+    return ipython is not None and hasattr(ipython, "kernel")
+
+
+class Progress:
+    """Rank 0's events as the user sees them: a tqdm bar per epoch, redrawn at every step event
+    (rank 0 sends them at most every 0.25 s) and shown only on a terminal, then one line per
+    epoch (kept in ``lines``).
+
+    >>> progress = Progress(verbose=1)
+    >>> progress(0, {"kind": "begin", "epochs": 2, "start_epoch": 0})
+    >>> progress(0, {"kind": "epoch", "epoch": 0, "logs": {"epoch": 0, "loss": 0.5}})
+    epoch 1/2  loss=0.5000
+    >>> progress.close()
+    """
+
+    def __init__(self, verbose: int):
+        self.verbose = verbose
+        self.bar: Optional[Any] = None  # tqdm's bar while an epoch runs
+        self.epochs = 0
+        self.lock = threading.Lock()
+        self.lines: List[str] = []
+
+    def __call__(self, rank: int, event: Dict[str, Any]) -> None:
+        if rank != 0 or not isinstance(event, dict):
+            return
+        with self.lock:
+            kind = event.get("kind")
+            if kind == "begin":
+                self.epochs = event["epochs"]
+                if event["start_epoch"]:
+                    self._write(f"resuming from the checkpoint of epoch {event['start_epoch']}")
+            elif kind == "step" and self.verbose > 0:
+                if self.bar is None:
+                    from tqdm.auto import tqdm
+
+                    self.bar = tqdm(total=event["steps"], desc=f"epoch {event['epoch'] + 1}/{self.epochs}",
+                                    unit="step", leave=False, file=sys.stderr, dynamic_ncols=True,
+                                    disable=not _shows_bars(), mininterval=0)
+                self.bar.set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
+                self.bar.update(max(0, event["step"] - self.bar.n))  # draws: mininterval=0
+            elif kind == "epoch":
+                self._close_bar()
+                logs = event["logs"]
+                metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
+                                    if k != "epoch" and isinstance(v, (int, float)))
+                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}"
+                            + ("  (early stop)" if event.get("stopped") else ""))
+
+    def _write(self, line: str) -> None:
+        self.lines.append(line)
+        if self.verbose > 0:
+            from tqdm.auto import tqdm
+
+            tqdm.write(line, file=sys.stdout)
+
+    def _close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def close(self) -> None:
+        with self.lock:
+            self._close_bar()
