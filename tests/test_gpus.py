@@ -3,6 +3,7 @@ GPU, the backend decided once on the driver, spawn vs fork, tensors shipped on t
 pinned batches, transform's device; and SyncBatchNorm's float16 statistics on CPU."""
 import importlib
 import threading
+import time
 import types
 
 import pytest
@@ -149,7 +150,10 @@ def test_pinned_batches_arrive_in_order_and_stop_their_thread_when_the_loop_stop
     assert [b["x"][0].item() for b in got] == [0.0, 1.0, 2.0] and got[2]["raw"] == [2]
     out.close()
     assert len(made) <= 3 + 2 + 1  # read ahead by at most depth (+ the one waiting to be put)
-    assert not any(t.name == "sparkring-pin" for t in threading.enumerate())
+    deadline = time.monotonic() + 2
+    while any(t.name == "sparkring-prefetch" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "sparkring-prefetch" for t in threading.enumerate())
 
 
 def test_pinned_batches_raise_the_reader_error_on_the_training_thread():

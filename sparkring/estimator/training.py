@@ -5,10 +5,8 @@ import io
 import itertools
 import logging
 import os
-import queue
 import random
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -18,6 +16,7 @@ import torch
 
 import sparkring.collective as sr
 from sparkring.data import FeatureSpec
+from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
 from . import losses
@@ -304,42 +303,8 @@ def pinned(batches: Iterator[Dict[str, Any]], pin: Callable[[torch.Tensor], torc
     >>> next(pinned(iter([{"x": torch.ones(2)}]), pin=torch.Tensor.clone))["x"]
     tensor([1., 1.])
     """
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def fill() -> None:
-        try:
-            for batch in batches:
-                if not put({k: pin(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}):
-                    return
-        except BaseException as exc:  # noqa: BLE001 - raised again on the training thread
-            put(exc)
-            return
-        put(end)
-
-    thread = threading.Thread(target=fill, name="sparkring-pin", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = ready.get()
-            if item is end:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
+    return prefetched(({k: pin(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                       for batch in batches), depth)
 
 
 def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
