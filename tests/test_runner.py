@@ -1,4 +1,5 @@
 """sparkring.run on real Spark barrier stages: results, failures, timeouts, logs, GPUs."""
+import importlib
 import os
 import re
 import subprocess
@@ -415,3 +416,18 @@ def test_ranks_exit_when_the_driver_process_dies(tmp_path):
             os.killpg(driver.pid, 9)
         except ProcessLookupError:
             pass
+
+
+def test_executors_whose_versions_differ_from_the_driver_fail_before_any_rank_starts(spark, monkeypatch):
+    launch_module = importlib.import_module("sparkring.runner.launch")  # the package's `launch` is the function
+    real = launch_module.package_versions()
+    # the driver claims other versions: the (real) executors must see the skew and say so
+    monkeypatch.setattr(launch_module, "package_versions", lambda: dict(real, torch="2.12.0", python="3.10.4"))
+    with pytest.raises(RankFailedError, match="the executors run other versions than the driver") as info:
+        run(rank_fns.whoami, num_proc=2)
+    text = str(info.value)
+    assert f"torch {real['torch']} (driver 2.12.0)" in text and f"python {real['python']} (driver 3.10.4)" in text
+    assert "spark.archives" in text and "cloudpickle" not in text  # only what differs
+    assert wait_no_workers() == []
+    monkeypatch.undo()
+    assert len(run(rank_fns.whoami, num_proc=2)) == 2  # same versions: runs

@@ -37,6 +37,7 @@ from ._process import (
 )
 from .failures import is_secondary
 from .gpus import VISIBLE, HostGpus, cuda_names, host_gpus
+from .versions import package_versions, skew, skew_message
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
 # kind "message": one channel message (JSON) the driver handles as if it came live.
@@ -67,6 +68,7 @@ class TaskSpec:
     task_cpus: int = 1
     chunk_bytes: int = 8 * 1024 * 1024
     backend_from_auto: bool = False  # nccl chosen by backend="auto": gloo where ranks share a GPU
+    driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
 
 
 def encode_error(message: Dict[str, Any]) -> str:
@@ -229,6 +231,15 @@ def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]])
     return RingGpus(by_host=by_host, backend=backend)
 
 
+def _check_versions(spec: TaskSpec, executors: List[str], gathered: List[Dict[str, Any]]) -> None:
+    """Every task compares every executor's versions with the driver's: all refuse alike."""
+    if not spec.driver_versions:
+        return
+    lines = skew(spec.driver_versions, {f"executor {e}": g["versions"] for e, g in zip(executors, gathered)})
+    if lines:
+        raise ConfigurationError(skew_message(lines))
+
+
 def _gpu_plan(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]]) -> Optional[RingGpus]:
     if not spec.use_gpu:
         return None
@@ -300,7 +311,8 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
 
     ctx = BarrierTaskContext.get()
     rank = ctx.partitionId()
-    hosts = [info.address.rsplit(":", 1)[0].strip("[]") for info in ctx.getTaskInfos()]
+    executors = [info.address for info in ctx.getTaskInfos()]  # host:port of each task's executor
+    hosts = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
     my_ip = resolve(hosts[rank])
     driver = _connect_driver(spec)
     if driver is not None:
@@ -315,7 +327,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     except ConfigurationError as exc:
         gpu_error = str(exc)
     gathered = _all_gather(ctx, {"ports": ports, "tid": ctx.taskAttemptId(), "live": driver is not None,
-                                 "gpus": own_gpus, "gpu_error": gpu_error},
+                                 "gpus": own_gpus, "gpu_error": gpu_error, "versions": package_versions()},
                            spec.start_timeout, spec.num_proc)
     ports = gathered[0]["ports"]
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
@@ -335,6 +347,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     outbox = _Outbox(driver, control)
     outbox.send({"t": "hello", "rank": rank, "attempt": attempt, "host": hosts[rank]})
     try:
+        _check_versions(spec, executors, gathered)
         gpus = _gpu_plan(spec, hosts, gathered)
     except ConfigurationError as exc:
         refused = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit", "traceback": str(exc)}

@@ -24,6 +24,7 @@ from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
 from .channel import CONNECTION_CLOSED, DriverChannel
 from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
 from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
+from .versions import package_versions
 
 log = logging.getLogger(__name__)
 # How a cancelled job reads: Spark 4's error class, Spark 3.5's "Job 12 cancelled part of ..."
@@ -248,7 +249,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     driver_gpus=list(launch_plan.driver_gpus), driver_gpu_script=launch_plan.driver_gpu_script,
                     start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
                     stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus,
-                    backend_from_auto=launch_plan.backend_from_auto)
+                    backend_from_auto=launch_plan.backend_from_auto, driver_versions=package_versions())
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     # Without a live channel expected from the start (a Connect client may be out of the
     # executors' reach), a missing hello is no sign of missing slots: the tasks' own
