@@ -230,7 +230,9 @@ def _gather(window: List[Piece], bounds: np.ndarray, rows: np.ndarray, cols: Seq
 
 
 def as_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
-    """Numeric numpy arrays as torch tensors (zero-copy); bytes and tensors stay as they are."""
+    """Numeric numpy arrays as torch tensors (zero-copy); bytes and tensors stay as they are.
+
+    Arrays read from Arrow are read-only; torch warns about those (_READ_ONLY_WARNING)."""
     import torch
 
     out = {}
@@ -239,6 +241,13 @@ def as_torch(batch: Dict[str, Any]) -> Dict[str, Any]:
             value = torch.from_numpy(value)
         out[name] = value
     return out
+
+
+# The tensors as_torch makes only feed forward() and go with their batch, so they share the
+# read-only Arrow memory rather than copy it; torch's warning about that is silenced for this
+# module alone (a filter set once: warnings.catch_warnings per batch is not thread-safe).
+_READ_ONLY_WARNING = "The given NumPy array is not writable"
+warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning, module=__name__)
 
 
 def prefetched(source: Iterator[Any], depth: int) -> Iterator[Any]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import torch
@@ -15,11 +15,12 @@ from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan, to_bytes
-from . import losses
+from . import losses, tracking
 from .console import Progress, SparkBarPause
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
+from .tracking import FitTracker
 from .training import TrainConfig, non_finite_reason, train_rank
 
 
@@ -60,10 +61,12 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                  transformFn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
                  transformFnInference: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
                  readerWorkers: Optional[int] = None, lossWeights: Optional[Sequence[float]] = None,
-                 onNonFinite: str = "raise", reader: str = "arrow", sharedMemory: bool = True) -> None:
+                 onNonFinite: str = "raise", reader: str = "arrow", sharedMemory: bool = True,
+                 mlflowLogging: str = "auto") -> None:
         super().__init__()
         self._hold_data = False
         self._prepared: Optional[Any] = None
+        self._grid_point: Optional[Tuple[str, int]] = None  # (parent MLflow run, index) under fitMultiple
         self._set(**{k: v for k, v in self._input_kwargs.items()})
 
     @keyword_only
@@ -78,6 +81,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         that = super().copy(extra)
         that._hold_data = False
         that._prepared = None
+        that._grid_point = None
         return that
 
     # -- validation before any Spark job ----------------------------------------------
@@ -136,6 +140,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             if fn is not None and not callable(fn):
                 raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
         check_reader(self.getOrDefault("reader"))
+        tracking.check_mode(self.getOrDefault("mlflowLogging"))
         if self.getOrDefault("onNonFinite") not in ("raise", "skip_step"):
             raise ConfigurationError(f"onNonFinite={self.getOrDefault('onNonFinite')!r}: use 'raise' or 'skip_step'")
         if self.getOrDefault("gradientCompression") not in ("none", "fp16"):
@@ -260,12 +265,26 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                      seed=self.getOrDefault("seed"), run_id=run_id)
         self._prepared = ds
         try:
-            return self._fit_prepared(dataset.sparkSession, ds, checked, run_id)
+            return self._fit_tracked(dataset, ds, checked, run_id)
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
                 ds.delete()
 
-    def _fit_prepared(self, spark, ds, checked, run_id: str) -> SparkRingModel:
+    def _fit_tracked(self, dataset, ds, checked, run_id: str) -> SparkRingModel:
+        parent, index = self._grid_point or (None, None)
+        tracker = FitTracker.start(self.getOrDefault("mlflowLogging"), parent_run_id=parent, grid_index=index,
+                                   params={p.name: v for p, v in self.extractParamMap().items()})
+        if tracker is None:
+            return self._fit_prepared(dataset.sparkSession, ds, checked, run_id, None)
+        try:
+            model = self._fit_prepared(dataset.sparkSession, ds, checked, run_id, tracker)
+            tracker.finish(model.history, model.getModel(), tracking.example_args(model, dataset))
+            return model
+        except BaseException:
+            tracker.fail()
+            raise
+
+    def _fit_prepared(self, spark, ds, checked, run_id: str, tracker: Optional[FitTracker]) -> SparkRingModel:
         launch_plan = checked["plan"]
         num_proc = launch_plan.num_proc
         bs = self.getOrDefault("batchSize")
@@ -291,9 +310,15 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
             reader=self.getOrDefault("reader"))
         progress = Progress(verbose)
+        listeners: List[Callable[[int, Any], None]] = [progress] if tracker is None else [progress, tracker]
+
+        def on_event(rank: int, event: Any) -> None:
+            for listener in listeners:
+                listener(rank, event)
+
         try:
             results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
-                             verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=progress)
+                             verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=on_event)
         except RankFailedError as exc:
             reason = non_finite_reason(exc.remote_traceback)
             if reason is None:
@@ -324,10 +349,14 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         state = {"next": 0, "done": 0}
         used: List[Any] = []
         keep = self.getOrDefault("keepData")
+        # CrossValidator calls this on the user's thread and fits on pool threads, where the
+        # user's MLflow run is not active: each grid point becomes a child run of it
+        parent = tracking.active_run_id() if self.getOrDefault("mlflowLogging") != "off" else None
 
         def fit_one(index: int) -> SparkRingModel:
             est = self.copy(paramMaps[index])
             est._hold_data = True
+            est._grid_point = (parent, index) if parent is not None else None
             try:
                 return est.fit(dataset)
             finally:
@@ -368,3 +397,4 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     def _after_load(self, metadata, store) -> None:
         self._hold_data = False
         self._prepared = None
+        self._grid_point = None

@@ -15,12 +15,10 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import DataError, FeatureSpec, petastorm_codecs
-from ..data.reader import as_torch
-from ..data.spec import to_numpy
-from ..data.transform import apply as apply_transform
 from ..runner import to_bytes
 from ..runner.gpus import device_ordinal
 from . import losses
+from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 
@@ -133,11 +131,15 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         that.outputShapes = self.outputShapes
         return that
 
-    def _inference_spec(self, dataset) -> FeatureSpec:
-        """The spec the model was trained with (its inputs only), or one built from the Params."""
+    def _inference_spec(self, dataset=None) -> FeatureSpec:
+        """The spec the model was trained with (its inputs only), or one built from the Params
+        and ``dataset``'s schema (a model loaded without one); checked against ``dataset``."""
         transform_fn = self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn")
         if self.featureSpec is not None:
             spec = self.featureSpec
+        elif dataset is None:
+            raise ValueError("this model carries no feature specification (SparkRingEstimator.fit did not make "
+                             "it): give the DataFrame to score")
         else:
             try:
                 spec = FeatureSpec.build(dataset.schema, inputs=self.getOrDefault("modelInputs"),
@@ -146,7 +148,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
             except DataError as exc:
                 raise ValueError(str(exc)) from None
         needed = [c for inp in spec.inputs for c in inp.columns]
-        missing = [c for c in needed if c not in dataset.columns]
+        missing = [c for c in needed if dataset is not None and c not in dataset.columns]
         if missing:
             param = "modelInputs" if self.getOrDefault("modelInputs") is not None else "featuresCol"
             raise ValueError(f"{param} column(s) {missing} are not in the DataFrame to transform; it has "
@@ -182,29 +184,23 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                 kinds.append(("regression", width))
         return kinds
 
+    def _predictor(self, dataset=None) -> Predictor:
+        """The inference recipe for this DataFrame's columns (see inference.Predictor)."""
+        spec = self._inference_spec(dataset)
+        loss_list = self.lossList()
+        fields = output_fields(loss_list, self._head_kinds(spec), self.predictionColumns(),
+                               self.getProbabilityCol(), self.getRawPredictionCol())
+        return Predictor(spec=spec, loss_list=tuple(loss_list), fields=fields,
+                         batch_size=self.getOrDefault("inferenceBatchSize"),
+                         transform_fn=self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn"))
+
     def _transform(self, dataset):
         from pyspark.ml.functions import array_to_vector
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
         from pyspark.sql.functions import pandas_udf
 
-        spec = self._inference_spec(dataset)
-        kinds = self._head_kinds(spec)
-        loss_list = self.lossList()
-        single = len(loss_list) == 1
-        batch_size = self.getOrDefault("inferenceBatchSize")
-        transform_fn = self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn")
-        # the struct the UDF returns: one field per output column
-        fields: List[Tuple[str, pa.DataType]] = []
-        if single and kinds[0][0] == "classification":
-            fields = [("prediction", pa.float64()), ("probability", pa.list_(pa.float64())),
-                      ("rawPrediction", pa.list_(pa.float64()))]
-        else:
-            for i, (kind, width) in enumerate(kinds):
-                scalar = kind == "classification" or width == 1
-                fields.append((f"h{i}", pa.float64() if scalar else pa.list_(pa.float64())))
-        struct_type = pa.struct(fields)
-        schema = ", ".join(f"{name} {'double' if t == pa.float64() else 'array<double>'}" for name, t in fields)
+        predictor = self._predictor(dataset)
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
@@ -214,42 +210,9 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
         def forward(arrays: Sequence[pa.Array]) -> List[np.ndarray]:
             device = task_device(use_gpu)
-            model = _load_on_worker(key, broadcast, device)
-            batch = {c.name: to_numpy(a, c) for c, a in zip(spec.columns, arrays)}
-            if transform_fn is not None:
-                batch = apply_transform(transform_fn, batch)
-            batch = as_torch(batch)
-            n = len(arrays[0])
-            outs: List[List[torch.Tensor]] = [[] for _ in loss_list]
-            with torch.no_grad():
-                for start in range(0, n, batch_size):
-                    part = {k: v[start:start + batch_size] for k, v in batch.items()}
-                    args, kwargs = spec.model_args(part)
-                    out = model(*(a.to(device) for a in args), **{k: v.to(device) for k, v in kwargs.items()})
-                    heads = [out] if single else list(out)[:len(loss_list)]
-                    for i, head in enumerate(heads):
-                        outs[i].append(head.float().cpu())
-            columns: List[np.ndarray] = []
-            for loss, head in zip(loss_list, outs):
-                preds = losses.predictions(loss, torch.cat(head))
-                if single and "probability" in preds:
-                    columns += [preds[name].numpy() for name in ("prediction", "probability", "rawPrediction")]
-                else:
-                    columns.append(preds["prediction"].numpy())
-            return columns
+            return predictor.forward(_load_on_worker(key, broadcast, device), device, arrays)
 
-        def to_arrow(columns: List[np.ndarray], n: int) -> pa.Array:
-            out = []
-            for values, (_, t) in zip(columns, fields):
-                if t == pa.float64():
-                    out.append(pa.array(values.reshape(n), type=pa.float64()))
-                else:
-                    k = values.reshape(n, -1).shape[1]
-                    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
-                    out.append(pa.ListArray.from_arrays(offsets, pa.array(values.reshape(-1), type=pa.float64())))
-            return pa.StructArray.from_arrays(out, names=[name for name, _ in fields])
-
-        inputs = [c.spark_column() for c in spec.columns]
+        inputs = [c.spark_column() for c in predictor.spec.columns]
         arrow_udf = getattr(F, "arrow_udf", None)
         if arrow_udf is not None:
             # Spark >= 4.1: Arrow in, Arrow out, no per-row Python objects either way.
@@ -257,34 +220,28 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                 for arrays in batches:
                     arrays = arrays if isinstance(arrays, tuple) else (arrays,)
                     n = len(arrays[0])
-                    if n == 0:
-                        yield pa.array([], type=struct_type)
-                        continue
-                    yield to_arrow(forward(arrays), n)
+                    yield predictor.to_arrow(forward(arrays), n) if n else pa.array([], type=predictor.struct_type())
 
-            udf = arrow_udf(predict_arrow, schema)
+            udf = arrow_udf(predict_arrow, predictor.spark_schema())
         else:
             def predict(batches: Iterator[Tuple[pd.Series, ...]]) -> Iterator[pd.DataFrame]:
                 for series in batches:
                     series = series if isinstance(series, tuple) else (series,)
-                    n = len(series[0])
-                    if n == 0:
-                        yield pd.DataFrame({name: [] for name, _ in fields})
+                    if not len(series[0]):
+                        yield pd.DataFrame({f.name: [] for f in predictor.fields})
                         continue
-                    arrays = [pa.array(list(s)) if s.dtype == object else pa.array(s) for s in series]
-                    columns = forward(arrays)
-                    yield pd.DataFrame({name: list(v) if v.ndim > 1 else v
-                                        for (name, _), v in zip(fields, columns)})
+                    columns = forward([pandas_to_arrow(s) for s in series])
+                    yield pd.DataFrame({f.name: list(v) if v.ndim > 1 else v for f, v in zip(predictor.fields, columns)})
 
-            udf = pandas_udf(predict, schema)
+            udf = pandas_udf(predict, predictor.spark_schema())
         out = dataset.withColumn(_OUT, udf(*inputs))
-        if single and kinds[0][0] == "classification":
+        if predictor.single_classifier:
             out = (out.withColumn(self.getPredictionCol(), F.col(f"{_OUT}.prediction"))
                    .withColumn(self.getProbabilityCol(), array_to_vector(F.col(f"{_OUT}.probability")))
                    .withColumn(self.getRawPredictionCol(), array_to_vector(F.col(f"{_OUT}.rawPrediction"))))
         else:
-            for i, name in enumerate(self.predictionColumns()):
-                out = out.withColumn(name, F.col(f"{_OUT}.h{i}"))
+            for f in predictor.fields:
+                out = out.withColumn(f.column, F.col(f"{_OUT}.{f.name}"))
         return out.drop(_OUT)
 
     # -- persistence ------------------------------------------------------------------

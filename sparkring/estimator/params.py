@@ -138,6 +138,8 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
     streamLogs = _param("streamLogs", "stream progress and rank output live to the driver; False (or executors "
                                       "that cannot reach it) prints the epoch lines when training ends",
                         TypeConverters.toBoolean)
+    mlflowLogging = _param("mlflowLogging", "auto (log the fit into the active MLflow run, if any) | on (also start "
+                                            "a run when none is active) | off", TypeConverters.toString)
     sharedMemory = _param("sharedMemory", "CPU gradient allreduce between ranks of one host through shared memory "
                                           "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean)
 
@@ -153,7 +155,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
                          numProc=None, optimizer=None, loss=None, model=None, timeout=None,
                          streamLogs=True, modelInputs=None, inputShapes=None, transformFn=None,
                          transformFnInference=None, readerWorkers=None, lossWeights=None, onNonFinite="raise",
-                         reader="arrow", sharedMemory=True)
+                         reader="arrow", sharedMemory=True, mlflowLogging="auto")
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)
