@@ -31,11 +31,13 @@ def train_reference(compression=None, bpps=1, steps=4, set_to_none=True):
 
 
 def train_distributed(compression="none", bpps=1, steps=4, bucket_bytes=None, set_to_none=True,
-                      report_grad_storage=False):
-    """Each rank trains on its half of every batch."""
+                      report_grad_storage=False, scheduler_first=False):
+    """Each rank trains on its half of every batch (scheduler_first: an LR scheduler made over
+    the optimizer before the wrap, as Lightning's configure_optimizers makes it)."""
     model = make_model(seed=0 if sr.rank() == 0 else 100 + sr.rank())  # broadcast must fix rank 1
     sr.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000) if scheduler_first else None
     kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
     opt = sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   compression=getattr(sr.Compression, compression),
@@ -48,6 +50,8 @@ def train_distributed(compression="none", bpps=1, steps=4, bucket_bytes=None, se
         for x, y in batches[i * bpps:(i + 1) * bpps]:
             torch.nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
         opt.step()
+        if sched is not None:
+            sched.step()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     if report_grad_storage:  # do the gradients live in the optimizer's reduction buffers?
         buffers = {b.buffer.untyped_storage().data_ptr() for b in opt._sr_buckets}

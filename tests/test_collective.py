@@ -21,6 +21,13 @@ def test_two_ranks_with_half_batches_end_with_weights_of_one_process_on_whole_ba
         _assert_state_close(state, expected, atol=1e-6)
 
 
+def test_an_lr_scheduler_made_before_the_wrap_still_steps_through_the_allreduce(spark):
+    expected = rank_fns.train_reference(steps=4)
+    results = run(rank_fns.train_distributed, kwargs={"steps": 4, "scheduler_first": True}, num_proc=2)
+    for state in results:
+        _assert_state_close(state, expected, atol=1e-6)
+
+
 def test_small_buckets_give_the_same_weights_as_one_bucket(spark):
     expected = rank_fns.train_reference(steps=3)
     results = run(rank_fns.train_distributed, kwargs={"steps": 3, "bucket_bytes": 64}, num_proc=2)

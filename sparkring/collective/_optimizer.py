@@ -278,7 +278,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                {k: v for k, v in _DistributedOptimizerMixin.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
     wrapped: Any = object.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
+    # an LR scheduler made before the wrap (Lightning's configure_optimizers does) replaced the
+    # optimizer's step with its own counting wrapper; copying that would step the original
+    # optimizer and skip the allreduce, so ours counts for that scheduler instead
+    counted = optimizer.__dict__.get("step")
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k != "step"})
     wrapped._sr_setup(named_parameters, compression, backward_passes_per_step, op,
                       gradient_predivide_factor, bucket_bytes, sparse_as_dense, process_set)
+    if counted is not None and getattr(counted, "_wrapped_by_lr_sched", False):
+        distributed_step = wrapped.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+            return distributed_step(*args, **kwargs)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        wrapped.step = step
     return wrapped

@@ -17,6 +17,8 @@ from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan, to_bytes
 from . import losses, tracking
 from .console import Progress, SparkBarPause
+from .lightning_steps import check_module as check_lightning_module
+from .lightning_steps import is_lightning_module
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
@@ -93,10 +95,14 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}: "
                                      "pass model=<your nn.Module>")
-        opt = self.getOrDefault("optimizer")
-        if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
-            raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
-                                     "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
+        lightning = is_lightning_module(model)
+        if lightning:
+            self._check_lightning_module(model)
+        else:
+            opt = self.getOrDefault("optimizer")
+            if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
+                raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
+                                         "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
         check_timeouts(self.getOrDefault("timeout"), None, ESTIMATOR_NAMES)
         # what ships to the ranks, checked here so that a lock or an open file in the model
         # is named before the data is written
@@ -104,7 +110,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                          if self.isDefined(name) and self.getOrDefault(name) is not None})
         labels = self.labelColumns()
         loss_list = self.lossList()
-        if any(loss is None for loss in loss_list):
+        if not lightning and any(loss is None for loss in loss_list):
             raise ConfigurationError("loss is not set: pass loss='cross_entropy' (or mse, nll, l1, "
                                      "bce_with_logits, smooth_l1) or a callable(output, label)")
         if len(loss_list) != len(labels):
@@ -120,7 +126,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise ConfigurationError(f"predictionCol names {len(self.predictionColumns())} columns but labelCol "
                                      f"names {len(labels)} labels: give one prediction column per label")
         try:
-            for loss in loss_list:
+            for loss in loss_list if not lightning else []:
                 losses.check_loss(loss)
             metrics = losses.metric_fns(self.getOrDefault("metrics"))
         except ValueError as exc:
@@ -190,7 +196,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         elif validation is not None and not 0 < validation < 1:
             raise ConfigurationError(f"validation={validation}: give a fraction strictly between 0 and 1 "
                                      "or the name of a boolean column")
-        es = self._early_stopping(validation is not None, metrics)
+        es = self._early_stopping(validation is not None, metrics, lightning)
         launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
                            use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
                            stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
@@ -206,7 +212,20 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         store.check_writable()
         return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "spec": spec}
 
-    def _early_stopping(self, has_val: bool, metrics) -> Optional[Dict[str, Any]]:
+    def _check_lightning_module(self, module: torch.nn.Module) -> None:
+        """A LightningModule decides its optimizer, loss and metrics itself: the Params that would
+        decide them too are refused rather than silently ignored."""
+        problem = check_lightning_module(module)
+        if problem is not None:
+            raise ConfigurationError(problem)
+        given = [name for name in ("optimizer", "loss", "metrics", "lossWeights")
+                 if self.isSet(name) and self.getOrDefault(name) is not None]
+        if given:
+            raise ConfigurationError(f"model is a LightningModule, which decides {', '.join(given)} itself "
+                                     "(configure_optimizers: optimizer and LR schedulers; training_step: the loss; "
+                                     "self.log: metrics): drop " + ", ".join(f"{name}=" for name in given))
+
+    def _early_stopping(self, has_val: bool, metrics, lightning: bool = False) -> Optional[Dict[str, Any]]:
         es = self.getOrDefault("earlyStopping")
         if es is None:
             return None
@@ -220,7 +239,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if len(self.labelColumns()) > 1:
             known += [f"{label}_{name}" for label in self.labelColumns() for name in ["loss"] + list(metrics)]
         known += [f"val_{k}" for k in known] if has_val else []
-        if monitor not in known:
+        # a LightningModule's figures are what it logs: checked when the first epoch ends
+        if monitor not in known and not lightning:
             raise ConfigurationError(f"earlyStopping monitors {monitor!r}, which no epoch reports; use one of {known}")
         mode = es.get("mode", "max" if "acc" in monitor else "min")
         if mode not in ("min", "max"):
@@ -308,7 +328,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0,
             transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
-            reader=self.getOrDefault("reader"))
+            reader=self.getOrDefault("reader"), lightning=is_lightning_module(self.getOrDefault("model")))
         progress = Progress(verbose)
         listeners: List[Callable[[int, Any], None]] = [progress] if tracker is None else [progress, tracker]
 

@@ -15,6 +15,7 @@ from ..data.reader import as_torch
 from ..data.spec import to_numpy
 from ..data.transform import apply as apply_transform
 from . import losses
+from .lightning_steps import inference_call
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,12 @@ class Predictor:
         n = len(arrays[0])
         single = len(self.loss_list) == 1
         outs: List[List[torch.Tensor]] = [[] for _ in self.loss_list]
+        call = inference_call(model)
         with torch.no_grad():
             for start in range(0, n, self.batch_size):
                 end = start + self.batch_size
-                out = model(*(a[start:end].to(device) for a in args),
-                            **{k: v[start:end].to(device) for k, v in kwargs.items()})
+                out = call(*(a[start:end].to(device) for a in args),
+                           **{k: v[start:end].to(device) for k, v in kwargs.items()})
                 heads = [out] if single else list(out)[:len(self.loss_list)]
                 for i, head in enumerate(heads):
                     outs[i].append(head.float().cpu())

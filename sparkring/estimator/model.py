@@ -19,6 +19,7 @@ from ..runner import to_bytes
 from ..runner.gpus import device_ordinal
 from . import losses
 from .inference import Predictor, output_fields, pandas_to_arrow
+from .lightning_steps import inference_call
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 
@@ -169,7 +170,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
             was_training = module.training
             module.eval()
             with torch.no_grad():
-                out = module(*example[0], **example[1])
+                out = inference_call(module)(*example[0], **example[1])
             module.train(was_training)
             outs = list(out) if len(loss_list) > 1 else [out]
             shapes = [list(o.shape[1:]) for o in outs]

@@ -9,7 +9,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -19,7 +19,8 @@ from sparkring.data import FeatureSpec
 from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
-from . import losses
+from . import lightning_steps, losses
+from .lightning_steps import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ class TrainConfig:
     reader: str = "arrow"             # data.READERS
     multi_head: bool = False
     skip_non_finite: bool = False
+    lightning: bool = False           # model is a LightningModule (lightning_steps)
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -186,12 +188,14 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited) -> None:
+def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited,
+                     schedules: Sequence[Schedule] = ()) -> None:
     buf = io.BytesIO()
     # on CPU, so that a host without the GPU (or with fewer) loads it
     torch.save(_on_cpu({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
                         "history": history, "seed": cfg.seed, "stopped": stopped,
-                        "early_stopping": (best, waited)}), buf)
+                        "early_stopping": (best, waited),
+                        "schedulers": [s.scheduler.state_dict() for s in schedules]}), buf)
     cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, f"epoch-{epoch:05d}.pt"), buf.getvalue())
     # keep the two newest: the latest, and the one before in case the latest is cut short
     for old in checkpoint_names(cfg.store, cfg.run_id)[:-2]:
@@ -314,7 +318,11 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
               else torch.device("cpu"))
     torch.manual_seed(cfg.seed)
     model = cfg.model.to(device)
-    opt = _build_optimizer(cfg, model)
+    schedules: List[Schedule] = []
+    if cfg.lightning:
+        opt, schedules = lightning_steps.optimizers(model)
+    else:
+        opt = _build_optimizer(cfg, model)
 
     history: List[Dict[str, Any]] = []
     start_epoch, stopped, best, waited = 0, False, None, 0
@@ -323,6 +331,8 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
             opt.load_state_dict(ckpt["optimizer"])
+            for schedule, state in zip(schedules, ckpt.get("schedulers", [])):
+                schedule.scheduler.load_state_dict(state)
             history = list(ckpt["history"])
             start_epoch = int(ckpt["epoch"]) + 1
             stopped = bool(ckpt.get("stopped"))
@@ -330,6 +340,8 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     start_epoch, history, stopped = sr.broadcast_object((start_epoch, history, stopped), root_rank=0)
     sr.broadcast_parameters(model.state_dict(), root_rank=0)
     sr.broadcast_optimizer_state(opt, root_rank=0)
+    for schedule in schedules:
+        schedule.scheduler.load_state_dict(sr.broadcast_object(schedule.scheduler.state_dict(), root_rank=0))
     base_lrs = [g["lr"] for g in opt.param_groups]
     opt = sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                   compression=getattr(sr.Compression, cfg.compression),
@@ -344,7 +356,11 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     workers = 0
     if cfg.transform_fn is not None:
         workers = cfg.reader_workers if cfg.reader_workers is not None else default_reader_workers(sr.local_size())
-    step = _Step(cfg, device, rank)
+    step: Any = _Step(cfg, device, rank)
+    if cfg.lightning:
+        step = lightning_steps.LightningStep(cfg.spec.labels, cfg.spec, device, rank, _add_note)
+        step.attach(model)
+        model.on_fit_start()
     callbacks = _Callbacks(cfg.callbacks if rank == 0 else [])
     board = _Tensorboard(cfg) if rank == 0 else None
     es = cfg.early_stopping
@@ -357,6 +373,8 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     for epoch in range(start_epoch, cfg.epochs):
         _seed_epoch(cfg.seed, epoch, rank)
         model.train()
+        if cfg.lightning:
+            model.on_train_epoch_start()
         sums = torch.zeros(step.width(), dtype=torch.float64, device=device)
         skipped = 0
         last_report = 0.0
@@ -389,6 +407,10 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                 else:
                     opt.step()
                 opt.zero_grad()
+                updates = (epoch * steps + i + 1) // cfg.backward_passes_per_step
+                for schedule in schedules:
+                    if schedule.interval == "step" and updates % schedule.frequency == 0:
+                        schedule.step()
             if finite:
                 sums += figures
             if rank == 0 and time.monotonic() - last_report > 0.25:
@@ -401,8 +423,14 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
             logs[name] = float(totals[2 + j] / totals[1])
         if cfg.skip_non_finite:
             logs["skipped_steps"] = skipped
+        if cfg.lightning:
+            model.on_train_epoch_end()
+            logs.update(step.logged["train"].epoch_means())
         if val_steps:
             logs.update(_validate(cfg, step, model, rank, size, epoch, val_steps, workers))
+        for schedule in schedules:
+            if schedule.interval == "epoch" and (epoch + 1) % schedule.frequency == 0:
+                schedule.step(logs)
         stop = False
         if rank == 0:
             callbacks.call("on_epoch_end", epoch, logs, model)
@@ -421,10 +449,12 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                 else:
                     waited += 1
                     stop = stop or waited >= es["patience"]
-            _save_checkpoint(cfg, epoch, model, opt, history, stop, best, waited)
+            _save_checkpoint(cfg, epoch, model, opt, history, stop, best, waited, schedules)
             report({"kind": "epoch", "epoch": epoch, "logs": logs, "stopped": stop})
         if sr.broadcast_object(stop, root_rank=0):
             break
+    if cfg.lightning:
+        model.on_fit_end()
     if rank != 0:
         return None
     callbacks.call("on_train_end", history, model)
@@ -437,15 +467,23 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     return {"state_dict": state, "history": history, "output_shapes": step.output_shapes}
 
 
-def _validate(cfg: TrainConfig, step: _Step, model, rank: int, size: int, epoch: int, val_steps: int,
+def _validate(cfg: TrainConfig, step: Any, model, rank: int, size: int, epoch: int, val_steps: int,
               workers: int) -> Dict[str, float]:
     model.eval()
+    if cfg.lightning:
+        model.on_validation_epoch_start()
     sums = torch.zeros(step.width(), dtype=torch.float64, device=step.device)
     with torch.no_grad():
         for i, batch in enumerate(_run_batches(cfg, "val", cfg.val_batch_size, rank, size, epoch, val_steps, False,
                                                False, workers, step.device)):
             sums += step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}"))
     totals = sr.allreduce(sums.cpu(), op=sr.Sum)
+    if cfg.lightning:
+        model.on_validation_epoch_end()
+        logged = step.logged["val"].epoch_means()
+        if totals[1] == 0 or not step.validation_returns_loss:
+            return logged  # validation_step logs its figures itself (self.log)
+        return {"val_loss": float(totals[0] / totals[1]), **logged}
     if totals[1] == 0:
         return {}
     logs = {"val_loss": float(totals[0] / totals[1])}

@@ -1,0 +1,88 @@
+"""LightningModules for the estimator tests (importable by Spark's workers)."""
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+
+
+def regression_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+class Regression(pl.LightningModule):
+    """The plain regression_net trained with mse and SGD, written as Lightning users write it."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = regression_net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.log("train_mae", (out - y.view(-1, 1)).abs().mean())
+        return F.mse_loss(out, y.view(-1, 1))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", F.mse_loss(self(x), y.view(-1, 1)))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class Classifier(pl.LightningModule):
+    """A classifier with an LR scheduler (per epoch or per step), its learning rate logged at
+    every epoch's end, and a predict_step that gives the class."""
+
+    def __init__(self, interval="epoch", d=8, classes=3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(d, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
+        self.interval = interval
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("train_acc", (logits.argmax(1) == y).float().mean())
+        return {"loss": F.cross_entropy(logits, y)}
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log_dict({"val_acc": (logits.argmax(1) == y).float().mean()})
+        return F.cross_entropy(logits, y)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch).argmax(1)
+
+    def on_train_epoch_end(self):
+        self.log("lr", self.opt.param_groups[0]["lr"])
+
+    def configure_optimizers(self):
+        self.opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.interval == "epoch":
+            scheduler = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.5)
+        else:
+            scheduler = torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=0.9)
+        return {"optimizer": self.opt, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
+
+
+class NoOptimizer(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 3)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+
+
+class Manual(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
