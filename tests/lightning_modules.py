@@ -68,9 +68,12 @@ class Classifier(pl.LightningModule):
         self.opt = torch.optim.SGD(self.parameters(), lr=0.1)
         if self.interval == "epoch":
             scheduler = torch.optim.lr_scheduler.StepLR(self.opt, step_size=1, gamma=0.5)
+        elif self.interval == "lambda":  # computed from its own epoch count, which only its state keeps
+            scheduler = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda epoch: 0.5 ** epoch)
         else:
             scheduler = torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=0.9)
-        return {"optimizer": self.opt, "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
+        interval = "step" if self.interval == "step" else "epoch"
+        return {"optimizer": self.opt, "lr_scheduler": {"scheduler": scheduler, "interval": interval}}
 
 
 class NoOptimizer(pl.LightningModule):

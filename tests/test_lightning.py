@@ -110,3 +110,16 @@ def test_lightning_digits_example_reaches_its_accuracy():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     accuracy = float(proc.stdout.split("held-out accuracy: ")[1].split()[0])
     assert accuracy >= 0.95
+
+
+def test_a_lightning_fit_resumes_with_its_scheduler_where_the_failed_attempt_left_it(spark_retry, tmp_path):
+    import est_helpers as H
+    import lightning_modules as M
+
+    df = H.classification_df(spark_retry, n=160).withColumn("label", col("label").cast("int"))
+    marker = tmp_path / "failed-once"
+    model = SparkRingEstimator(model=M.Classifier("lambda"), batchSize=16, epochs=3, numProc=2, verbose=0,
+                               store=Store(str(tmp_path / "store")),
+                               callbacks=[H.FailOnce(str(marker), epoch=1)]).fit(df)
+    assert marker.exists()  # epoch 1 failed once; Spark retried the stage, which resumed from epoch 0's checkpoint
+    assert [h["lr"] for h in model.history] == pytest.approx([0.1, 0.05, 0.025])
