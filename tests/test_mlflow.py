@@ -159,3 +159,20 @@ def test_nothing_is_logged_when_off_or_without_a_run_and_on_starts_one(spark, ex
         _estimator(tmp_path, epochs=1, mlflowLogging="on").fit(df)
     with pytest.raises(ConfigurationError, match="mlflowLogging='sometimes'"):
         _estimator(tmp_path, epochs=1, mlflowLogging="sometimes").fit(df)
+
+
+def test_a_lightning_modules_self_log_figures_reach_mlflow(spark, experiment, tmp_path):
+    import lightning_modules as M
+    from pyspark.sql.functions import col
+
+    df = H.classification_df(spark, n=160).withColumn("label", col("label").cast("int"))
+    with mlflow.start_run() as run:
+        model = SparkRingEstimator(model=M.Classifier(), batchSize=16, epochs=2, numProc=2, validation=0.25,
+                                   verbose=0, store=Store(str(tmp_path / "store"))).fit(df)
+    client = MlflowClient()
+    for key in ("loss", "train_acc", "val_loss", "val_acc", "lr"):
+        history = sorted(client.get_metric_history(run.info.run_id, key), key=lambda m: m.step)
+        assert [m.value for m in history] == [h[key] for h in model.history]
+    loaded = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(loaded(x), model.getModel().eval()(x), rtol=0, atol=1e-6)
