@@ -18,7 +18,7 @@ from .errors import (
     TrainingError,
 )
 
-__all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "TorchDistributor", "SparkRingError",
+__all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "doctor", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
            "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError"]
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ _LAZY = {
     "SparkRingModel": "sparkring.estimator",
     "Store": "sparkring.data",
     "run": "sparkring.runner",
+    "doctor": "sparkring.runner.doctor",
     "TorchDistributor": "sparkring.runner.distributor",
 }
 

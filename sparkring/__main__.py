@@ -1,4 +1,5 @@
-"""Command line: ``python -m sparkring run -np 2 train.py [args]`` (the horovodrun habit)."""
+"""Command line: ``python -m sparkring run -np 2 train.py [args]`` (the horovodrun habit) and
+``python -m sparkring doctor`` (check a cluster before training)."""
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,26 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", type=int, default=1, help="0: quiet, 1: rank 0 output, 2: every rank")
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
+    d = sub.add_parser("doctor", help="check the cluster: versions, slots, GPUs, /dev/shm, MPI, the driver's "
+                                      "address; exits 1 when a fit would break")
+    d.add_argument("-np", "--num-proc", type=int, default=None, help="barrier tasks (default: all task slots)")
+    d.add_argument("--master", default=None, help="Spark master when no session exists (default: local[*])")
+    d.add_argument("--remote", default=None, help="Spark Connect URL (default: $SPARK_REMOTE when set)")
+    d.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the barrier stage")
     return p
+
+
+def _doctor(args) -> int:
+    from sparkring.runner.doctor import doctor
+
+    spark, owned = _session(args.master, args.num_proc, args.remote)
+    try:
+        report = doctor(spark, num_tasks=args.num_proc, timeout=args.timeout)
+        print(report)
+        return 0 if report.ok else 1
+    finally:
+        if owned:
+            spark.stop()
 
 
 def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[str] = None):
@@ -56,6 +76,8 @@ def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[st
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        return _doctor(args)
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
     from sparkring.runner.launch import ScriptMain
     from sparkring.runner.plan import CLI_NAMES, check_timeouts

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +12,7 @@ import time
 from typing import Dict, List, Optional, Set
 
 from ..collective import _env
+from ._probe import find_mpiexec
 
 log = logging.getLogger(__name__)
 
@@ -171,18 +171,6 @@ class ForkedWorker:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
             time.sleep(0.02)
         return self.returncode
-
-
-def find_mpiexec() -> Optional[str]:
-    """MPICH's fork-only launcher next to this interpreter (the mpich wheel puts it there):
-    it talks to its one process over a socketpair, where hydra's mpiexec listens on every
-    interface. Any ``mpiexec`` on PATH otherwise."""
-    here = os.path.dirname(sys.executable)
-    for name in ("mpiexec.gforker", "mpiexec"):
-        found = shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
-        if found:
-            return found
-    return None
 
 
 def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:

@@ -66,7 +66,7 @@ class LaunchPlan:
 
 
 def _check_mpi_installed() -> None:
-    from ._process import find_mpiexec
+    from ._probe import find_mpiexec
 
     missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
                                      ("mpiexec", find_mpiexec() is not None)) if not ok]

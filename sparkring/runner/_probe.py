@@ -1,0 +1,118 @@
+"""What one doctor task finds on its executor: Python and package versions, GPUs, /dev/shm,
+MPI, NCCL and whether the driver is reachable. It imports nothing of sparkring, and the doctor
+ships it by value (cloudpickle), so it runs on executors where sparkring is not installed."""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+PACKAGES = ("sparkring", "torch", "cloudpickle", "pyarrow")
+
+
+@dataclass
+class TaskFacts:
+    """One task's findings (JSON between the executor and the driver)."""
+
+    executor: str                   # host:port of the executor, as Spark names it
+    hostname: str
+    python_executable: str
+    versions: Dict[str, str]        # python and PACKAGES; "missing" where not importable
+    cpu_count: int
+    gpus_assigned: List[str] = field(default_factory=list)
+    gpus_visible: Optional[int] = None   # torch.cuda.device_count(); None without torch
+    nccl: bool = False
+    shm_free_bytes: Optional[int] = None  # None where there is no /dev/shm
+    mpiexec: Optional[str] = None
+    mpi4py: bool = False
+    driver_reachable: bool = False
+    driver_error: str = ""
+    errors: List[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TaskFacts":
+        return cls(**json.loads(text))
+
+
+def find_mpiexec() -> Optional[str]:
+    """MPICH's fork-only launcher next to this interpreter (the mpich wheel puts it there):
+    it talks to its one process over a socketpair, where hydra's mpiexec listens on every
+    interface. Any ``mpiexec`` on PATH otherwise. (Here so that the doctor's probe, which
+    carries this module by value, finds it as the launch does.)"""
+    here = os.path.dirname(sys.executable)
+    for name in ("mpiexec.gforker", "mpiexec"):
+        found = shutil.which(name, path=os.pathsep.join([here, os.environ.get("PATH", "")]))
+        if found:
+            return found
+    return None
+
+
+def _version(name: str) -> str:
+    if importlib.util.find_spec(name) is None:
+        return "missing"
+    if name == "sparkring":
+        try:  # the code that runs (it may arrive as --py-files, without metadata)
+            import sparkring
+
+            return sparkring.__version__
+        except Exception as exc:  # noqa: BLE001 - installed but broken: say how
+            return f"broken ({type(exc).__name__}: {exc})"
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def probe(executor: str, gpus: List[str], driver_host: str, driver_port: int, timeout: float = 5.0) -> TaskFacts:
+    """Look around this task's executor (import torch where it is there: GPUs, NCCL)."""
+    versions = {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES}}
+    facts = TaskFacts(executor=executor, hostname=socket.gethostname(), python_executable=sys.executable,
+                      versions=versions, cpu_count=os.cpu_count() or 1, gpus_assigned=list(gpus))
+    if versions["torch"] != "missing":
+        try:
+            import torch
+
+            facts.gpus_visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            facts.nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available()
+                              and facts.gpus_visible)
+        except Exception as exc:  # noqa: BLE001 - a torch that does not import is a finding
+            facts.errors.append(f"import torch: {type(exc).__name__}: {exc}")
+    if os.path.isdir("/dev/shm"):
+        facts.shm_free_bytes = shutil.disk_usage("/dev/shm").free
+    facts.mpiexec = find_mpiexec()
+    facts.mpi4py = importlib.util.find_spec("mpi4py") is not None
+    try:
+        with socket.create_connection((driver_host, driver_port), timeout=timeout):
+            facts.driver_reachable = True
+    except OSError as exc:
+        facts.driver_error = f"{driver_host}:{driver_port}: {exc}"
+    return facts
+
+
+def barrier_probe(driver_host: str, driver_port: int):
+    """The mapInArrow function of the doctor's barrier stage: one JSON row per task."""
+
+    def run(batches):
+        import pyarrow as pa
+        from pyspark import BarrierTaskContext
+
+        for _ in batches:
+            pass
+        ctx = BarrierTaskContext.get()
+        executor = ctx.getTaskInfos()[ctx.partitionId()].address
+        resources = ctx.resources()
+        gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
+        facts = probe(executor, gpus, driver_host, driver_port)
+        yield pa.RecordBatch.from_pydict({"facts": [facts.to_json()]})
+
+    return run

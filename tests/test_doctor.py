@@ -1,0 +1,68 @@
+"""sparkring.doctor / python -m sparkring doctor on real Spark sessions."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import sparkring
+from sparkring.runner import doctor as doctor_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_doctor_reports_a_healthy_session_as_ready(spark):
+    report = sparkring.doctor(spark)
+    assert report.ok, report
+    assert report.problems == []
+    assert len(report.executors) == 1 and report.executors[0].tasks == 2  # local[2]: the driver runs both
+    for e in report.executors:
+        assert e.facts.versions == report.driver_versions
+        assert e.facts.driver_reachable and e.facts.python_executable == sys.executable
+        assert e.facts.mpiexec and e.facts.mpi4py and e.facts.shm_free_bytes > 0
+    text = str(report)
+    assert text.splitlines()[-1] == "verdict: ready to train"
+    assert all(f"executor {e.executor}" in text for e in report.executors)
+
+
+def test_doctor_names_each_executor_whose_gpus_torch_cannot_see(spark_cluster):
+    # the test cluster's workers hand out a fake GPU "0" each: a CPU build of torch sees none
+    report = sparkring.doctor(spark_cluster)
+    assert not report.ok
+    assert len(report.executors) == 2 and [e.tasks for e in report.executors] == [1, 1]
+    assert [(p.where, p.what, p.fatal) for p in report.problems] == [
+        (f"executor {e.executor}", "Spark assigned GPU(s) ['0'] but torch sees none", True)
+        for e in report.executors]
+    assert "install a CUDA build of torch" in report.problems[0].fix
+    assert "2 problem(s) would break a fit" in str(report)
+
+
+def test_doctor_names_the_executor_whose_versions_differ_from_the_driver(spark, monkeypatch):
+    real = doctor_module.package_versions()
+    # the driver claims other versions (the executors run the real code and report theirs)
+    monkeypatch.setattr(doctor_module, "package_versions", lambda: {**real, "torch": "2.12.1", "pyarrow": "19.0.0"})
+    report = sparkring.doctor(spark)
+    assert not report.ok
+    [problem] = report.problems
+    assert problem.where == f"executor {report.executors[0].executor}" and problem.fatal
+    assert problem.what == (f"other versions than the driver's: torch {real['torch']} (driver 2.12.1), "
+                            f"pyarrow {real['pyarrow']} (driver 19.0.0)")
+    assert "spark.archives" in problem.fix
+
+
+def test_doctor_says_when_the_cluster_cannot_run_the_barrier_stage(spark):
+    report = sparkring.doctor(spark, num_tasks=5, timeout=10)
+    assert not report.ok and report.executors == []
+    assert report.problems[0].where == "cluster" and "barrier stage of 5 task(s)" in report.problems[0].what
+
+
+def test_doctor_command_line_prints_the_report_and_exits_by_its_verdict():
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, "-m", "sparkring", "doctor", "--master", "local[2]"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "sparkring doctor: master local[2], 2 task slot(s)" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "verdict: ready to train"
+
+
+pytestmark = pytest.mark.slow
