@@ -1,4 +1,4 @@
-# make test | make test-compat | make lint | make demo | make bench | make gpu-check  -- each creates its venv on first use.
+# make test | make test-compat | make lint | make demo | make bench | make gpu-check | make pack  -- each creates its venv on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +11,7 @@ STAMP_COMPAT := $(VENV_COMPAT)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test test-compat lint demo bench java clean gpu-check
+.PHONY: test test-compat lint demo bench java clean gpu-check pack
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -52,5 +52,25 @@ demo: java $(STAMP)
 bench: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
+# The environment executors run on a cluster without sparkring: a virtualenv with sparkring (not
+# editable: venv-pack refuses those) and its dependencies at the versions of $(VENV), the
+# driver's (PACK_EXTRA: more packages your code needs), packed for spark.archives
+# (README "Running on a cluster"). --copies: Spark unpacks archives refusing symlinks that point
+# out of them, as a venv's bin/python does; the copy still reads $(PYTHON)'s standard library,
+# which must sit at the same path on every node. A .tar.gz or .zip (Spark 4 unpacks a plain .tar
+# without the executable bits); PACK_LEVEL=0 stores it uncompressed (faster to build and unpack).
+PACK ?= dist/sparkring-env.tar.gz
+PACK_VENV ?= build/pack-venv
+PACK_LEVEL ?= 4
+pack: $(STAMP)
+	rm -rf $(PACK_VENV)
+	mkdir -p $(dir $(PACK_VENV))
+	$(VENV)/bin/python -m pip freeze --exclude-editable > $(PACK_VENV).versions
+	$(PYTHON) -m venv --copies $(PACK_VENV)
+	$(PACK_VENV)/bin/python -m pip install -q -c $(PACK_VENV).versions . $(PACK_EXTRA)
+	mkdir -p $(dir $(PACK))
+	$(VENV)/bin/venv-pack -q --force --compress-level $(PACK_LEVEL) -p $(PACK_VENV) -o $(PACK)
+	@echo "packed $(PACK): spark-submit --archives $(PACK)#environment --conf spark.pyspark.python=./environment/bin/python ..."
+
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache build dist *.egg-info

@@ -11,15 +11,15 @@ import platform
 import shutil
 import socket
 import sys
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 PACKAGES = ("sparkring", "torch", "cloudpickle", "pyarrow")
 
 
 @dataclass
 class TaskFacts:
-    """One task's findings (JSON between the executor and the driver)."""
+    """One task's findings (what probe() returns, as JSON from the executor to the driver)."""
 
     executor: str                   # host:port of the executor, as Spark names it
     hostname: str
@@ -35,9 +35,6 @@ class TaskFacts:
     driver_reachable: bool = False
     driver_error: str = ""
     errors: List[str] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "TaskFacts":
@@ -73,29 +70,35 @@ def _version(name: str) -> str:
         return "unknown"
 
 
-def probe(executor: str, gpus: List[str], driver_host: str, driver_port: int, timeout: float = 5.0) -> TaskFacts:
-    """Look around this task's executor (import torch where it is there: GPUs, NCCL)."""
+def probe(executor: str, gpus: List[str], driver_host: str, driver_port: int,
+          timeout: float = 5.0) -> Dict[str, Any]:
+    """Look around this task's executor (import torch where it is there: GPUs, NCCL); the
+    fields of TaskFacts as a dict (a dataclass pickled by value loses its __init__ under the
+    cloudpickle of Spark 3.5)."""
     versions = {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES}}
-    facts = TaskFacts(executor=executor, hostname=socket.gethostname(), python_executable=sys.executable,
-                      versions=versions, cpu_count=os.cpu_count() or 1, gpus_assigned=list(gpus))
+    facts: Dict[str, Any] = {
+        "executor": executor, "hostname": socket.gethostname(), "python_executable": sys.executable,
+        "versions": versions, "cpu_count": os.cpu_count() or 1, "gpus_assigned": list(gpus), "gpus_visible": None,
+        "nccl": False, "shm_free_bytes": None, "mpiexec": find_mpiexec(),
+        "mpi4py": importlib.util.find_spec("mpi4py") is not None, "driver_reachable": False, "driver_error": "",
+        "errors": []}
     if versions["torch"] != "missing":
         try:
             import torch
 
-            facts.gpus_visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            facts.nccl = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available()
-                              and facts.gpus_visible)
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            facts["gpus_visible"] = visible
+            facts["nccl"] = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available()
+                                 and visible)
         except Exception as exc:  # noqa: BLE001 - a torch that does not import is a finding
-            facts.errors.append(f"import torch: {type(exc).__name__}: {exc}")
+            facts["errors"].append(f"import torch: {type(exc).__name__}: {exc}")
     if os.path.isdir("/dev/shm"):
-        facts.shm_free_bytes = shutil.disk_usage("/dev/shm").free
-    facts.mpiexec = find_mpiexec()
-    facts.mpi4py = importlib.util.find_spec("mpi4py") is not None
+        facts["shm_free_bytes"] = shutil.disk_usage("/dev/shm").free
     try:
         with socket.create_connection((driver_host, driver_port), timeout=timeout):
-            facts.driver_reachable = True
+            facts["driver_reachable"] = True
     except OSError as exc:
-        facts.driver_error = f"{driver_host}:{driver_port}: {exc}"
+        facts["driver_error"] = f"{driver_host}:{driver_port}: {exc}"
     return facts
 
 
@@ -113,6 +116,6 @@ def barrier_probe(driver_host: str, driver_port: int):
         resources = ctx.resources()
         gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
         facts = probe(executor, gpus, driver_host, driver_port)
-        yield pa.RecordBatch.from_pydict({"facts": [facts.to_json()]})
+        yield pa.RecordBatch.from_pydict({"facts": [json.dumps(facts)]})
 
     return run
