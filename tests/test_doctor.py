@@ -50,6 +50,13 @@ def test_doctor_names_the_executor_whose_versions_differ_from_the_driver(spark, 
     assert "spark.archives" in problem.fix
 
 
+def test_doctor_runs_on_a_spark_connect_session(spark_connect):
+    report = sparkring.doctor(spark_connect)
+    assert report.ok, report
+    assert sum(e.tasks for e in report.executors) == 2  # the server's local[2,3]
+    assert all(e.facts.versions == report.driver_versions and e.facts.driver_reachable for e in report.executors)
+
+
 def test_doctor_says_when_the_cluster_cannot_run_the_barrier_stage(spark):
     report = sparkring.doctor(spark, num_tasks=5, timeout=10)
     assert not report.ok and report.executors == []
