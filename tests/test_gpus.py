@@ -2,6 +2,8 @@
 GPU, the backend decided once on the driver, spawn vs fork, tensors shipped on the host,
 pinned batches, transform's device; and SyncBatchNorm's float16 statistics on CPU."""
 import importlib
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -110,10 +112,18 @@ def test_ranks_sharing_a_gpu_refuse_nccl_and_auto_picks_gloo_with_one_warning(nc
 
 # -- how ranks start, what they are shipped --------------------------------------------------
 
-def test_ranks_with_gpus_are_spawned_and_others_forked():
+def test_ranks_with_gpus_or_beside_other_threads_are_spawned_and_others_forked():
     assert worker_start_mode({"SPARKRING_GPU": "1"}) == "spawn"
-    assert worker_start_mode({}) == "fork"
     assert worker_start_mode({"SPARKRING_GPU": "0", "SPARKRING_WORKER_START": "fork"}) == "fork"
+    # a fresh single-threaded interpreter forks; once another (here native, as pyarrow's jemalloc
+    # background thread is) thread runs, it spawns
+    code = ("import threading, time\n"
+            "from sparkring.runner._process import worker_start_mode\n"
+            "alone = worker_start_mode({})\n"
+            "import _thread; _thread.start_new_thread(time.sleep, (30,))\n"
+            "print(alone, worker_start_mode({}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["fork", "spawn"]
 
 
 def test_shipped_tensors_keep_shared_parameters_shared():

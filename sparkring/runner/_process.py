@@ -268,7 +268,8 @@ def worker_start_mode(env: Dict[str, str]) -> str:
     """"fork" or "spawn": SPARKRING_WORKER_START when set; else ranks that use GPUs start a fresh
     interpreter, because the reused Spark worker they would fork from may have touched CUDA
     already (transform() on a GPU, a user's UDF) and CUDA cannot be initialised again in a
-    forked child; others fork (Linux), which saves importing torch again.
+    forked child, and so do ranks of a worker that runs other threads; others fork (Linux),
+    which saves importing torch again.
 
     >>> worker_start_mode({"SPARKRING_GPU": "0"})
     'spawn'
@@ -277,7 +278,22 @@ def worker_start_mode(env: Dict[str, str]) -> str:
         return env[_env.WORKER_START]
     if env.get(_env.GPU) or not sys.platform.startswith("linux"):
         return "spawn"
+    # A forked child keeps only the thread that forked: a lock another thread held stays held in
+    # it. Seen: pyarrow's jemalloc background thread, alive in a Spark worker after a pandas UDF
+    # (mlflow's spark_udf), made every forked rank abort (SIGABRT) at its first allocation.
+    if threads_in_this_process() > 1:
+        return "spawn"
     return "fork"
+
+
+def threads_in_this_process() -> int:
+    """OS threads of this process, native ones included (Python's threading sees only its own)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
 
 
 def start_worker(workdir: str, env: Dict[str, str]):
