@@ -109,7 +109,8 @@ def test_local_mode_ranks_see_the_host_gpus_ordered_by_local_rank_and_start_in_a
     assert all(r["spawned"] for r in results)  # the reused Spark worker may have touched CUDA: no fork
     assert all(r["backend"] == "gloo" for r in results)  # this torch has no NCCL: the driver chose gloo
     cpus = run(rank_fns.gpu_view, num_proc=2, use_gpu=False)
-    assert all(r["cuda"] == "" and r["gpu"] is None and not r["spawned"] for r in cpus)
+    # (CPU ranks fork, unless the reused worker runs other threads: test_gpus checks that rule)
+    assert all(r["cuda"] == "" and r["gpu"] is None for r in cpus)
 
 
 def _fake_session(master, **conf):
