@@ -15,8 +15,8 @@ from spawn import spawn_ranks
 from sparkring import ConfigurationError
 from sparkring.estimator.model import task_device
 from sparkring.estimator.training import _on_cpu, pinned
+from sparkring.processes import start_method
 from sparkring.runner import plan, to_bytes
-from sparkring.runner._process import worker_start_mode
 from sparkring.runner.gpus import cuda_names, device_ordinal, host_gpus
 
 plan_module = importlib.import_module("sparkring.runner.plan")  # the package's `plan` is the function
@@ -112,18 +112,60 @@ def test_ranks_sharing_a_gpu_refuse_nccl_and_auto_picks_gloo_with_one_warning(nc
 
 # -- how ranks start, what they are shipped --------------------------------------------------
 
-def test_ranks_with_gpus_or_beside_other_threads_are_spawned_and_others_forked():
-    assert worker_start_mode({"SPARKRING_GPU": "1"}) == "spawn"
-    assert worker_start_mode({"SPARKRING_GPU": "0", "SPARKRING_WORKER_START": "fork"}) == "fork"
-    # a fresh single-threaded interpreter forks; once another (here native, as pyarrow's jemalloc
-    # background thread is) thread runs, it spawns
-    code = ("import threading, time\n"
-            "from sparkring.runner._process import worker_start_mode\n"
-            "alone = worker_start_mode({})\n"
-            "import _thread; _thread.start_new_thread(time.sleep, (30,))\n"
-            "print(alone, worker_start_mode({}))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
-    assert out.stdout.split() == ["fork", "spawn"]
+def test_ranks_fork_beside_other_threads_and_spawn_only_for_cuda_or_when_asked(monkeypatch):
+    assert start_method(uses_gpu=True, env={}).method == "spawn"
+    assert start_method(uses_gpu=True, env={"SPARKRING_WORKER_START": "fork"}).method == "fork"
+    assert start_method(uses_gpu=False, env={"SPARKRING_WORKER_START": "spawn"}).method == "spawn"
+    with pytest.raises(ValueError, match="SPARKRING_WORKER_START='thread': use one of fork, spawn"):
+        start_method(uses_gpu=False, env={"SPARKRING_WORKER_START": "thread"})
+    # another OS thread (pyarrow's jemalloc one, gloo's) is no reason to spawn
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()
+    try:
+        assert start_method(uses_gpu=False, env={}).method == "fork"
+    finally:
+        stop.set()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    held = start_method(uses_gpu=False, env={})
+    assert held.method == "spawn" and "initialised CUDA" in held.reason
+
+
+FORK_KEEPS_NUMBERS = """
+import os, sys
+from sparkring.runner._process import open_files, release_inherited
+old_rule = sys.argv[1] == "close"
+inherited_object = open(os.devnull)          # a Python object the child inherits, owning a descriptor
+files = open_files()
+pid = os.fork()
+if pid == 0:
+    null = os.open(os.devnull, os.O_RDONLY)
+    if old_rule:
+        for fd in files:
+            if fd > 2:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+    else:
+        release_inherited(files, null)
+    r, w = os.pipe()                          # the child's own descriptors (libuv's signal pipe, say)
+    inherited_object.close()                  # the inherited object is collected: closes "its" number
+    try:
+        os.write(w, b"x")
+        os._exit(0 if os.read(r, 1) == b"x" else 3)
+    except OSError:
+        os._exit(4)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+@pytest.mark.parametrize("rule, child_exit", [("release", 0), ("close", 4)])
+def test_a_forked_rank_keeps_the_numbers_of_inherited_descriptors_taken(rule, child_exit):
+    # the old rule (close them) lets the child's own pipe take a number that a stale close then
+    # takes away: what aborted rank 0's TCPStore (libuv) after mlflow's spark_udf
+    out = subprocess.run([sys.executable, "-c", FORK_KEEPS_NUMBERS, rule], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.split() == [str(child_exit)]
 
 
 def test_shipped_tensors_keep_shared_parameters_shared():

@@ -15,7 +15,7 @@ from pyspark.ml.functions import vector_to_array  # noqa: E402
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder  # noqa: E402
 
 import sparkring.mlflow as srm  # noqa: E402
-from sparkring import ConfigurationError, SparkRingEstimator, Store  # noqa: E402
+from sparkring import ConfigurationError, SparkRingEstimator, Store, run  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,6 +39,11 @@ def _estimator(tmp_path, **kw):
                   seed=3, store=Store(str(tmp_path / "store")), verbose=0)
     params.update(kw)
     return SparkRingEstimator(**params)
+
+
+def _how_this_rank_started():
+    with open("/proc/self/cmdline", "rb") as f:
+        return "spawned" if b"sparkring.runner._worker" in f.read() else "forked"
 
 
 def _runs(experiment_id):
@@ -89,6 +94,14 @@ def test_logged_model_scores_through_spark_udf_exactly_as_transform(spark, exper
     predict = mlflow.pyfunc.spark_udf(spark, info.model_uri, result_type="double")
     scored = df.withColumn("p", predict(vector_to_array("features"))).select("id", "p").collect()
     assert {r.id: r.p for r in scored} == {k: v[0] for k, v in expected.items()}
+
+    # ranks forked from the Spark workers that ran the UDF start and train: under the old
+    # fork (close every inherited descriptor) rank 0's TCPStore lost its libuv signal pipe to a
+    # stale close and aborted (SIGABRT)
+    started = run(_how_this_rank_started, num_proc=2)
+    assert started == ["forked", "forked"]
+    again = _estimator(tmp_path, epochs=1, mlflowLogging="off").fit(df)
+    assert len(again.history) == 1
 
     # on pandas: prediction, probability and rawPrediction, by column name
     pdf = df.orderBy("id").limit(20).toPandas()

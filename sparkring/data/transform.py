@@ -4,9 +4,11 @@ pool of forked reader workers that keep a bounded number of batches ahead, in or
 torch's DataLoader would own the workers but wants a map- or iterable-style dataset it
 splits itself; our reader already decides each rank's rows and order, so the pool only
 maps a function over batches: multiprocessing.Pool does that, with the remote traceback
-attached to the exception the training thread re-raises. Workers are forked (the
-function need not be importable) and die with the rank: they inherit its sockets, and a
-worker outliving a failed rank would keep its peers' connections open.
+attached to the exception the training thread re-raises. Workers start as
+sparkring.processes decides (forked, or fresh where the rank holds a CUDA context; the
+function travels pickled by value either way, so it need not be importable) and die with the
+rank: forked ones inherit its sockets, and a worker outliving a failed rank would keep its
+peers' connections open.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, Iterator, Mapping, Optional
 
 import cloudpickle
+
+from ..processes import log_if_spawning, start_method
 
 Batch = Dict[str, Any]
 _worker_fn: Optional[Callable[[Batch], Batch]] = None
@@ -65,7 +69,7 @@ def _apply_in_worker(batch: Batch) -> Batch:
 def transformed(source: Iterator[Batch], fn: Callable[[Batch], Batch], workers: int,
                 ahead: Optional[int] = None) -> Iterator[Batch]:
     """``apply(fn, batch)`` for each batch of ``source``, in order; with ``workers`` > 0 in
-    that many forked processes, up to ``ahead`` batches (default 2 per worker) in flight.
+    that many worker processes, up to ``ahead`` batches (default 2 per worker) in flight.
 
     >>> for batch in transformed(reader, decode_png, workers=2):  # doctest: +SKIP
     ...     train_step(batch)
@@ -75,7 +79,9 @@ def transformed(source: Iterator[Batch], fn: Callable[[Batch], Batch], workers: 
             yield apply(fn, batch)
         return
     depth = max(1, ahead if ahead is not None else 2 * workers)
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker,
+    start = start_method(uses_gpu=False)
+    log_if_spawning(f"{workers} transformFn worker(s)", start)
+    pool = multiprocessing.get_context(start.method).Pool(workers, initializer=_init_worker,
                                                     initargs=(cloudpickle.dumps(fn),))
     pending: Deque[Any] = deque()
     try:

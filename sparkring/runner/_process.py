@@ -9,9 +9,10 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from ..collective import _env
+from ..processes import log_if_spawning, start_method
 from ._probe import find_mpiexec
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class ForkedWorker:
 
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        inherited = open_files()
         pid = os.fork()
         if pid == 0:  # child
             try:
@@ -123,14 +125,7 @@ class ForkedWorker:
                 os.dup2(err_w, 2)
                 null = os.open(os.devnull, os.O_RDONLY)
                 os.dup2(null, 0)
-                keep = {0, 1, 2}
-                for name in os.listdir("/proc/self/fd"):
-                    fd = int(name)
-                    if fd not in keep:
-                        try:
-                            os.close(fd)
-                        except OSError:
-                            pass
+                release_inherited(inherited, null)
                 for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGPIPE):
                     signal.signal(sig, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -171,6 +166,38 @@ class ForkedWorker:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
             time.sleep(0.02)
         return self.returncode
+
+
+def open_files() -> Dict[int, Tuple[int, int]]:
+    """This process's open file descriptors and the file each refers to (device, inode)."""
+    files = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            st = os.fstat(int(name))
+        except OSError:  # the descriptor listdir itself used
+            continue
+        files[int(name)] = (st.st_dev, st.st_ino)
+    return files
+
+
+def release_inherited(inherited: Dict[int, Tuple[int, int]], null: int) -> None:
+    """In a forked child: let go of the parent's files (the Spark worker's sockets, which must
+    see EOF when the worker ends) by pointing their descriptors at /dev/null, not closing them.
+
+    The child also inherits the Python objects that own those descriptors (socket and file
+    objects, a finalizer's fd); when one is collected it closes "its" number. Had we closed the
+    number, the child would have reused it by then (libuv's signal pipe in the TCPStore server
+    of rank 0 was the one seen), and the stale close would take it away: libuv aborts (SIGABRT).
+    A /dev/null descriptor keeps the number taken. Descriptors that fork handlers made anew
+    in the child (another inode under a number the parent used) are left alone."""
+    for fd, identity in inherited.items():
+        if fd <= 2 or fd == null:
+            continue
+        try:
+            if (lambda st: (st.st_dev, st.st_ino))(os.fstat(fd)) == identity:
+                os.dup2(null, fd, inheritable=False)
+        except OSError:
+            pass
 
 
 def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
@@ -264,40 +291,8 @@ def _age(name: str, now: float) -> float:
         return 0.0
 
 
-def worker_start_mode(env: Dict[str, str]) -> str:
-    """"fork" or "spawn": SPARKRING_WORKER_START when set; else ranks that use GPUs start a fresh
-    interpreter, because the reused Spark worker they would fork from may have touched CUDA
-    already (transform() on a GPU, a user's UDF) and CUDA cannot be initialised again in a
-    forked child, and so do ranks of a worker that runs other threads; others fork (Linux),
-    which saves importing torch again.
-
-    >>> worker_start_mode({"SPARKRING_GPU": "0"})
-    'spawn'
-    """
-    if env.get(_env.WORKER_START):
-        return env[_env.WORKER_START]
-    if env.get(_env.GPU) or not sys.platform.startswith("linux"):
-        return "spawn"
-    # A forked child keeps only the thread that forked: a lock another thread held stays held in
-    # it. Seen: pyarrow's jemalloc background thread, alive in a Spark worker after a pandas UDF
-    # (mlflow's spark_udf), made every forked rank abort (SIGABRT) at its first allocation.
-    if threads_in_this_process() > 1:
-        return "spawn"
-    return "fork"
-
-
-def threads_in_this_process() -> int:
-    """OS threads of this process, native ones included (Python's threading sees only its own)."""
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        import threading
-
-        return threading.active_count()
-
-
 def start_worker(workdir: str, env: Dict[str, str]):
-    """Fork or spawn a fresh interpreter (:func:`worker_start_mode`); MPI ranks always start
+    """Fork or spawn a fresh interpreter (:func:`sparkring.processes.start_method`); MPI ranks always start
     fresh under ``mpiexec -n 1``, which MPI_Init needs."""
     command = [sys.executable, "-m", WORKER_MODULE, workdir]
     if env.get(_env.BACKEND) == "mpi":
@@ -305,7 +300,10 @@ def start_worker(workdir: str, env: Dict[str, str]):
         if mpiexec is None:
             raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
         command = [mpiexec, "-n", "1"] + command
-    elif worker_start_mode(env) == "fork":
-        return ForkedWorker(workdir, env)
+    else:
+        start = start_method(uses_gpu=bool(env.get(_env.GPU)), env=env)
+        log_if_spawning(f"rank {env.get(_env.RANK, '?')}'s worker", start)
+        if start.forks:
+            return ForkedWorker(workdir, env)
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, start_new_session=True)
