@@ -33,8 +33,12 @@ java:
 test: java $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The compat environment runs the version-dependent tests, a cross-section and the fast layer
+# (tests/conftest.py COMPAT_TESTS); FULL=1 runs the whole suite there.
+FULL ?=
+COMPAT_SELECT := $(if $(FULL),,-m "compat or not slow")
 test-compat: java $(STAMP_COMPAT)
-	$(PY_COMPAT) -m pytest -q $(PYTEST_ARGS)
+	$(PY_COMPAT) -m pytest -q $(COMPAT_SELECT) $(PYTEST_ARGS)
 
 # tests/gpu on this machine's GPUs; GPU_PYTHON: an interpreter with a CUDA build of torch and sparkring
 GPU_PYTHON ?=
@@ -43,7 +47,7 @@ gpu-check: java
 	$(or $(GPU_PYTHON),$(PY)) -m pytest -q -m gpu tests/gpu
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sparkring benchmarks examples tests
+	$(VENV)/bin/ruff check sparkring benchmarks examples tests conftest.py
 	$(VENV)/bin/mypy
 
 demo: java $(STAMP)

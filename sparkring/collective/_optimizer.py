@@ -185,9 +185,9 @@ class _DistributedOptimizerMixin:
     def synchronize(self) -> None:
         """Finish every gradient allreduce of this step and write the results into .grad.
 
-        >>> opt.synchronize()
-        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        >>> with opt.skip_synchronize():
+        >>> opt.synchronize()  # doctest: +SKIP
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # doctest: +SKIP
+        >>> with opt.skip_synchronize():  # doctest: +SKIP
         ...     opt.step()
         """
         if self._sr_size == 1:
@@ -225,7 +225,7 @@ class _DistributedOptimizerMixin:
     def skip_synchronize(self):
         """Inside this block ``step()`` does not synchronize (call ``synchronize()`` first).
 
-        >>> with opt.skip_synchronize():
+        >>> with opt.skip_synchronize():  # doctest: +SKIP
         ...     opt.step()
         """
         self._sr_should_sync = False
@@ -268,9 +268,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     buckets of up to ``bucket_bytes``. The result is still an instance of the original
     optimizer class (LR schedulers accept it) and shares its state.
 
+    >>> model = torch.nn.Linear(4, 1)
     >>> opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
     ...                               named_parameters=model.named_parameters())
-    >>> loss.backward(); opt.step()
+    >>> model(torch.ones(2, 4)).sum().backward(); opt.step()  # doctest: +SKIP
     """
     # num_groups/groups are Horovod's fusion hints; the buckets already fuse, so they are
     # accepted and change nothing.

@@ -29,7 +29,7 @@ __all__ = ["Dataset", "METADATA_FILE", "as_torch", "plan_rows"]
 class Dataset:
     """Prepared training (and validation) data; small and picklable, so it travels to ranks.
 
-    >>> ds = prepare(df, store, columns=["features", "label"])
+    >>> ds = prepare(df, store, columns=["features", "label"])  # doctest: +SKIP
     >>> for batch in ds.batches(batch_size=64, rank=sr.rank(), size=sr.size(), epoch=0):
     ...     x, y = batch["features"], batch["label"]  # doctest: +SKIP
     """

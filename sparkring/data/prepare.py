@@ -213,7 +213,7 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     plan) with the same arguments again in one session returns the files already written.
     The measured shapes and the spec go into the metadata (``ds.spec``).
 
-    >>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"], validation=0.1, seed=0)
+    >>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"], validation=0.1, seed=0)  # doctest: +SKIP
     >>> ds.num_rows("train"), ds.shapes["features"]  # doctest: +SKIP
     (900, [64])
     """

@@ -10,7 +10,7 @@ here. Scalars keep their Parquet type; binary columns stay bytes for a ``transfo
 the codec fields of a dataset petastorm wrote (``kind="coded"``), which stay as petastorm
 encoded them and arrive decoded with their Unischema dtype and shape.
 
->>> spec = FeatureSpec.build(df.schema, inputs=["user", "item", ["age", "income"]], labels=["rating"])
+>>> spec = FeatureSpec.build(df.schema, inputs=["user", "item", ["age", "income"]], labels=["rating"])  # doctest: +SKIP
 >>> [i.name for i in spec.inputs], spec.inputs[0].integral  # doctest: +SKIP
 (['user', 'item', 'age+income'], True)
 """

@@ -105,7 +105,7 @@ def _avoid_columnar_udf_input_with_udts(spark) -> None:
 class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     """The trained model: a pyspark.ml Model wrapping rank 0's torch module.
 
-    >>> model = est.fit(df)
+    >>> model = est.fit(df)  # doctest: +SKIP
     >>> model.transform(df).select("prediction", "probability").show()  # doctest: +SKIP
     >>> model.getModel()  # the torch.nn.Module  # doctest: +SKIP
     >>> model.history[-1]["loss"]  # doctest: +SKIP

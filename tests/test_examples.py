@@ -1,0 +1,22 @@
+"""The example scripts, run as a user runs them (python examples/X.py, offline, own Spark
+session), each against the goal it prints."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("script,args,goal", [
+    ("recommender.py", ["--fast"], r"held-out AUC: model 0\.\d+, popularity baseline 0\.\d+"),
+    ("images.py", ["--fast"], r"PNG bytes decoded in transformFn: 0\.9[5-9]"),
+    ("lightning_digits.py", [], r"held-out accuracy: (0\.9[5-9]|1\.0)"),
+])
+def test_examples_run_offline_and_meet_their_goals(script, args, goal, tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], capture_output=True,
+                          text=True, timeout=280, cwd=tmp_path, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(goal, proc.stdout), proc.stdout[-2000:]
