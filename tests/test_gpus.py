@@ -108,6 +108,11 @@ def test_ranks_sharing_a_gpu_refuse_nccl_and_auto_picks_gloo_with_one_warning(nc
         "ranks on one host share a GPU, which NCCL refuses: backend='auto' uses gloo; give every task a whole GPU "
         "(spark.task.resource.gpu.amount=1) for NCCL"]
     assert plan(_session("local[2]", driver_gpus=["0", "1"]), 2, use_gpu=True).backend == "nccl"
+    # half a GPU per task in local mode shares a GPU even with a GPU per rank on the driver: refused
+    # before any job (it used to wait out start_timeout and blame the cluster's slots)
+    with pytest.raises(ConfigurationError, match=r"backend='nccl' but ranks on one host would share a GPU"):
+        plan(_session("local[2]", driver_gpus=["0", "1"], **{"spark.task.resource.gpu.amount": "0.5"}), 2,
+             use_gpu=True, backend="nccl")
 
 
 # -- how ranks start, what they are shipped --------------------------------------------------

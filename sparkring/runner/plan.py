@@ -97,11 +97,13 @@ def nccl_available() -> bool:
 
 def _ranks_share_gpus(facts: SessionFacts, num_proc: int) -> bool:
     """Spark would give two ranks of one host the same GPU: a fractional
-    spark.task.resource.gpu.amount, or local mode with fewer driver GPUs than ranks."""
+    spark.task.resource.gpu.amount (in every mode: local mode hands a GPU's address to as many
+    tasks as the fraction allows), or local mode with fewer driver GPUs than ranks."""
+    fractional = 0 < facts.task_gpus < 1
     if facts.local:
         known = len(facts.driver_gpus) if not facts.connect else int(facts.driver_gpu_amount)
-        return num_proc > known
-    return 0 < facts.task_gpus < 1
+        return fractional or num_proc > known
+    return fractional
 
 
 def _decide_backend(backend: str, use_gpu: bool, shared_gpus: bool, names: ParamNames) -> str:
