@@ -16,6 +16,7 @@ from leftovers import ctrl_c_when_ranks_run, wait_no_workers
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
+from sparkring.runner.protocol import ConnectionClosed, Log
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -163,9 +164,13 @@ def test_a_session_with_spark_authenticate_refuses_then_runs_after_the_opt_in():
     assert "result: [42]" in proc.stdout
 
 
+def _log(line):
+    return Log(rank=0, attempt=0, stream="stdout", line=line)
+
+
 def _messages_into(got):
     """A channel handler keeping what peers sent (not the channel's own word that one left)."""
-    return lambda message, conn: got.append(message) if message.get("t") != channel.CONNECTION_CLOSED else None
+    return lambda frame, conn: got.append(frame) if not isinstance(frame, ConnectionClosed) else None
 
 
 def test_channel_binds_the_given_address_and_drops_unsigned_frames():
@@ -176,13 +181,13 @@ def test_channel_binds_the_given_address_and_drops_unsigned_frames():
         with pytest.raises(ValueError):
             channel.DriverChannel("0.0.0.0", b"k" * 32, lambda m, c: None)
         bad = channel.connect(*server.address, secret=b"x" * 32)
-        bad.send({"t": "log", "line": "forged"})
+        bad.send(_log("forged"))
         good = channel.connect(*server.address, secret=b"k" * 32)
-        good.send({"t": "log", "line": "real"})
+        good.send(_log("real"))
         deadline = time.time() + 5
         while time.time() < deadline and (not got or server.rejected < 1):
             time.sleep(0.05)
-        assert got == [{"t": "log", "line": "real"}]
+        assert got == [_log("real")]
         assert server.rejected == 1
         bad.close()
         good.close()
@@ -198,20 +203,20 @@ def test_channel_refuses_replayed_reflected_and_forged_frames():
     server = channel.DriverChannel("127.0.0.1", secret, _messages_into(got))
     try:
         good = channel.connect(*server.address, secret=secret)
-        assert good.send({"t": "log", "line": "first"})
+        assert good.send(_log("first"))
         # what an eavesdropper captured: the same bytes the client just sent (frame 0 of that connection)
         captured = channel.encode_frame(secret, channel.frame_context(good._nonce, channel.CLIENT, 0),
-                                        {"t": "log", "line": "first"})
+                                        _log("first"))
         replay = socket_module.create_connection(server.address)
         replay.recv(channel.NONCE_LEN)
         replay.sendall(captured)  # on a new connection: another nonce
         again = channel.connect(*server.address, secret=secret)
         again.sock.sendall(captured)  # a frame 0 from another connection, on this one's frame 0
-        assert good.send({"t": "log", "line": "second"})
+        assert good.send(_log("second"))
         deadline = time.time() + 5
         while time.time() < deadline and (len(got) < 2 or server.rejected < 2):
             time.sleep(0.05)
-        assert got == [{"t": "log", "line": "first"}, {"t": "log", "line": "second"}]
+        assert got == [_log("first"), _log("second")]
         assert server.rejected == 2
         good.sock.sendall(captured)  # the same frame twice on its own connection: out of place
         deadline = time.time() + 5

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from ..runner.session import is_connect
+from .events import EpochDone, FitBegan, StepDone, TrainingEvent
 
 # Spark's ConsoleProgressBar draws nothing within 500 ms of its finishAll() (which also
 # clears it): calling that more often than that holds it back.
@@ -75,8 +76,8 @@ class Progress:
     epoch (kept in ``lines``).
 
     >>> progress = Progress(verbose=1)
-    >>> progress(0, {"kind": "begin", "epochs": 2, "start_epoch": 0})
-    >>> progress(0, {"kind": "epoch", "epoch": 0, "logs": {"epoch": 0, "loss": 0.5}})
+    >>> progress(0, FitBegan(epochs=2, start_epoch=0, steps=4))
+    >>> progress(0, EpochDone(epoch=0, logs={"epoch": 0, "loss": 0.5}))
     epoch 1/2  loss=0.5000
     >>> progress.close()
     """
@@ -88,31 +89,30 @@ class Progress:
         self.lock = threading.Lock()
         self.lines: List[str] = []
 
-    def __call__(self, rank: int, event: Dict[str, Any]) -> None:
-        if rank != 0 or not isinstance(event, dict):
+    def __call__(self, rank: int, event: TrainingEvent) -> None:
+        if rank != 0:
             return
         with self.lock:
-            kind = event.get("kind")
-            if kind == "begin":
-                self.epochs = event["epochs"]
-                if event["start_epoch"]:
-                    self._write(f"resuming from the checkpoint of epoch {event['start_epoch']}")
-            elif kind == "step" and self.verbose > 0:
+            if isinstance(event, FitBegan):
+                self.epochs = event.epochs
+                if event.start_epoch:
+                    self._write(f"resuming from the checkpoint of epoch {event.start_epoch}")
+            elif isinstance(event, StepDone) and self.verbose > 0:
                 if self.bar is None:
                     from tqdm.auto import tqdm
 
-                    self.bar = tqdm(total=event["steps"], desc=f"epoch {event['epoch'] + 1}/{self.epochs}",
+                    self.bar = tqdm(total=event.steps, desc=f"epoch {event.epoch + 1}/{self.epochs}",
                                     unit="step", leave=False, file=sys.stderr, dynamic_ncols=True,
                                     disable=not _shows_bars(), mininterval=0)
-                self.bar.set_postfix(loss=f"{event['loss']:.4f}", refresh=False)
-                self.bar.update(max(0, event["step"] - self.bar.n))  # draws: mininterval=0
-            elif kind == "epoch":
+                self.bar.set_postfix(loss=f"{event.loss:.4f}", refresh=False)
+                self.bar.update(max(0, event.step - self.bar.n))  # draws: mininterval=0
+            elif isinstance(event, EpochDone):
                 self._close_bar()
-                logs = event["logs"]
+                logs = event.logs
                 metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
                                     if k != "epoch" and isinstance(v, (int, float)))
                 self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}"
-                            + ("  (early stop)" if event.get("stopped") else ""))
+                            + ("  (early stop)" if event.stopped else ""))
 
     def _write(self, line: str) -> None:
         self.lines.append(line)

@@ -17,13 +17,14 @@ from ..errors import RankFailedError, TrainingError
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan, to_bytes
 from . import losses, tracking
 from .console import Progress, SparkBarPause
+from .events import TrainingEvent, from_payload
 from .lightning_steps import check_module as check_lightning_module
 from .lightning_steps import is_lightning_module
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 from .tracking import FitTracker
-from .training import TrainConfig, non_finite_reason, train_rank
+from .training import RankResult, TrainConfig, non_finite_reason, train_rank
 
 
 class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
@@ -330,11 +331,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
             reader=self.getOrDefault("reader"), lightning=is_lightning_module(self.getOrDefault("model")))
         progress = Progress(verbose)
-        listeners: List[Callable[[int, Any], None]] = [progress] if tracker is None else [progress, tracker]
+        listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 
-        def on_event(rank: int, event: Any) -> None:
-            for listener in listeners:
-                listener(rank, event)
+        def on_event(rank: int, payload: Any) -> None:
+            event = from_payload(payload)
+            if event is not None:
+                for listener in listeners:
+                    listener(rank, event)
 
         try:
             results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
@@ -349,13 +352,14 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         # a CPU copy made through the bytes the ranks got: a model on the driver's GPU is not
         # copied on the GPU first
         trained = cloudpickle.loads(to_bytes(self.getOrDefault("model")))
-        trained.load_state_dict(results[0]["state_dict"])
+        result: RankResult = results[0]
+        trained.load_state_dict(result.state_dict)
         model = SparkRingModel()
         self._copyValues(model)
         model._set(model=trained, runId=run_id, store=checked["store"], optimizer=None)
-        model.history = results[0]["history"]
+        model.history = result.history
         model.featureSpec = ds.spec
-        model.outputShapes = results[0]["output_shapes"]
+        model.outputShapes = result.output_shapes
         return model
 
     def fitMultiple(self, dataset, paramMaps):

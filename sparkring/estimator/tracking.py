@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..runner import ConfigurationError
+from .events import EpochDone, TrainingEvent
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class FitTracker:
     """Logs one fit into one MLflow run; ``__call__`` takes rank 0's events as they arrive.
 
     >>> tracker = FitTracker.start("auto", params={"epochs": 3})  # doctest: +SKIP
-    >>> tracker(0, {"kind": "epoch", "epoch": 0, "logs": {"epoch": 0, "loss": 0.4}})  # doctest: +SKIP
+    >>> tracker(0, EpochDone(epoch=0, logs={"epoch": 0, "loss": 0.4}))  # doctest: +SKIP
     >>> tracker.finish(history, net, example_args)  # doctest: +SKIP
     """
 
@@ -144,14 +145,14 @@ class FitTracker:
             log.warning("MLflow run %s already has params %s with other values; kept those", self.run_id, changed)
         self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in values.items() if k not in existing])
 
-    def __call__(self, rank: int, event: Dict[str, Any]) -> None:
-        if rank != 0 or not isinstance(event, dict) or event.get("kind") != "epoch":
+    def __call__(self, rank: int, event: TrainingEvent) -> None:
+        if rank != 0 or not isinstance(event, EpochDone):
             return
         try:
-            self.log_epoch(event["logs"])
+            self.log_epoch(event.logs)
         except Exception as exc:  # noqa: BLE001 - the tracking server's trouble must not stop training
             log.warning("MLflow: epoch %s not logged now (%s); it is logged when the fit ends",
-                        event["logs"].get("epoch"), exc)
+                        event.logs.get("epoch"), exc)
 
     def log_epoch(self, logs: Dict[str, Any]) -> None:
         from mlflow.entities import Metric

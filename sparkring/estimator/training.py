@@ -20,6 +20,7 @@ from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
 from . import lightning_steps, losses
+from .events import EpochDone, FitBegan, StepDone, to_payload
 from .lightning_steps import Schedule
 
 log = logging.getLogger(__name__)
@@ -311,7 +312,17 @@ def pinned(batches: Iterator[Dict[str, Any]], pin: Callable[[torch.Tensor], torc
                        for batch in batches), depth)
 
 
-def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
+@dataclass
+class RankResult:
+    """What rank 0 hands back to the driver: the trained weights (on the CPU), the per-epoch
+    figures, and the output shape of each head (transform's columns)."""
+
+    state_dict: Dict[str, Any]
+    history: List[Dict[str, Any]]
+    output_shapes: Any
+
+
+def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
     rank, size = sr.rank(), sr.size()
     # the rank's own GPU: sr.init() made it current (see the runner's CUDA_VISIBLE_DEVICES)
     device = (torch.device("cuda", torch.cuda.current_device()) if cfg.use_gpu and torch.cuda.is_available()
@@ -365,7 +376,7 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     board = _Tensorboard(cfg) if rank == 0 else None
     es = cfg.early_stopping
     if rank == 0:
-        report({"kind": "begin", "epochs": cfg.epochs, "start_epoch": start_epoch, "steps": steps})
+        report(to_payload(FitBegan(epochs=cfg.epochs, start_epoch=start_epoch, steps=steps)))
         callbacks.call("on_train_begin", model)
     if stopped:
         start_epoch = cfg.epochs  # a resumed run that had already stopped early
@@ -415,8 +426,7 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                 sums += figures
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
-                report({"kind": "step", "epoch": epoch, "step": i + 1, "steps": steps,
-                        "loss": float(sums[0] / sums[1])})
+                report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=steps, loss=float(sums[0] / sums[1]))))
         totals = sr.allreduce(sums.cpu(), op=sr.Sum)
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
         for j, name in enumerate(cfg.log_names()):
@@ -450,7 +460,7 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
                     waited += 1
                     stop = stop or waited >= es["patience"]
             _save_checkpoint(cfg, epoch, model, opt, history, stop, best, waited, schedules)
-            report({"kind": "epoch", "epoch": epoch, "logs": logs, "stopped": stop})
+            report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=bool(stop))))
         if sr.broadcast_object(stop, root_rank=0):
             break
     if cfg.lightning:
@@ -464,7 +474,7 @@ def train_rank(cfg: TrainConfig) -> Optional[Dict[str, Any]]:
     buf = io.BytesIO()
     torch.save(state, buf)
     cfg.store.write_bytes(cfg.store.model_path(cfg.run_id, "state_dict.pt"), buf.getvalue())
-    return {"state_dict": state, "history": history, "output_shapes": step.output_shapes}
+    return RankResult(state_dict=state, history=history, output_shapes=step.output_shapes)
 
 
 def _validate(cfg: TrainConfig, step: Any, model, rank: int, size: int, epoch: int, val_steps: int,

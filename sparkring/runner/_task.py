@@ -7,9 +7,7 @@ driver; otherwise the run is *detached*: task 0 hosts a relay through which the 
 other, and logs, events and errors come back in the output records when the stage ends."""
 from __future__ import annotations
 
-import base64
 import collections
-import json
 import os
 import shutil
 import signal
@@ -18,11 +16,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from ..collective import _env
 from ..errors import ChannelError, ConfigurationError
-from . import channel
+from . import channel, protocol
 from ._process import (
     describe_exit,
     dump_stacks,
@@ -37,12 +35,12 @@ from ._process import (
 )
 from .failures import is_secondary
 from .gpus import VISIBLE, HostGpus, cuda_names, host_gpus
+from .protocol import Abort, Cause, Detached, Done, Error, Event, Frame, Hello, Log, Rendezvous, Stacks, Started
 from .versions import package_versions, skew, skew_message
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
-# kind "message": one channel message (JSON) the driver handles as if it came live.
+# kind "message": one frame (protocol.dumps) the driver handles as if it came live.
 RECORD_SCHEMA = "rank int, kind string, part int, parts int, data binary"
-ERROR_MARK = "SPARKRING-ERROR"
 MAX_LOG_LINES = 5000
 
 
@@ -71,24 +69,6 @@ class TaskSpec:
     driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
 
 
-def encode_error(message: Dict[str, Any]) -> str:
-    """An error message embedded in a task's exception text: the driver reads it back from
-    Spark's job failure when no channel and no output rows carry it (a retried stage's last
-    attempt on a detached run)."""
-    return f"{ERROR_MARK}[{base64.b64encode(json.dumps(message).encode()).decode()}]"
-
-
-def decode_error(text: str) -> Optional[Dict[str, Any]]:
-    start = text.rfind(ERROR_MARK + "[")
-    if start < 0:
-        return None
-    end = text.find("]", start)
-    try:
-        return json.loads(base64.b64decode(text[start + len(ERROR_MARK) + 1:end]))
-    except ValueError:
-        return None
-
-
 class _Outbox:
     """Where a task's messages go: the live channel, and the output records for what must
     survive without it (errors and stack dumps always; logs and events when detached)."""
@@ -96,24 +76,23 @@ class _Outbox:
     def __init__(self, live: Optional[channel.Connection], control: Optional[channel.Connection]):
         self.live = live
         self.control = control  # the relay of a detached run: errors stop the other ranks
-        self.records: List[Dict[str, Any]] = []
+        self.records: List[Frame] = []
         self.logs: collections.deque = collections.deque(maxlen=MAX_LOG_LINES)
         self.lock = threading.Lock()
 
-    def send(self, message: Dict[str, Any]) -> None:
+    def send(self, frame: Frame) -> None:
         if self.live is not None:
-            self.live.send(message)
-        kind = message.get("t")
-        if kind == "error" and self.control is not None:
-            self.control.send(message)
-        if kind == "log":
+            self.live.send(frame)
+        if isinstance(frame, Error) and self.control is not None:
+            self.control.send(frame)
+        if isinstance(frame, Log):
             if self.live is None:
-                self.logs.append(message)
-        elif kind in ("error", "stacks") or (self.live is None and kind in ("event", "started")):
+                self.logs.append(frame)
+        elif isinstance(frame, (Error, Stacks)) or (self.live is None and isinstance(frame, (Event, Started))):
             with self.lock:
-                self.records.append(message)
+                self.records.append(frame)
 
-    def drain(self) -> List[Dict[str, Any]]:
+    def drain(self) -> List[Frame]:
         with self.lock:
             return list(self.logs) + self.records
 
@@ -128,31 +107,31 @@ class _Relay:
         self.lock = threading.Lock()
         self.server = channel.DriverChannel(host, secret, self.handle)
 
-    def handle(self, message: Dict[str, Any], conn: channel.Connection) -> None:
-        if message.get("t") == "hello":
-            conn.info["rank"] = message.get("rank")
-        elif message.get("t") == "error":
+    def handle(self, frame: Frame, conn: channel.Connection) -> None:
+        if isinstance(frame, Hello):
+            conn.info["rank"] = frame.rank
+        elif isinstance(frame, Error):
             with self.lock:
                 first, self.failed = not self.failed, True
-                cause = not message.get("secondary") and not self.caused
+                cause = not frame.secondary and not self.caused
                 self.caused = self.caused or cause
             if cause:  # every task reports this one: the others only lost their peer
-                self.server.broadcast({"t": "cause", "error": message})
+                self.server.broadcast(Cause(error=frame))
             if first:
-                rank = message.get("rank")
-                timed_out = message.get("kind") == "timeout"
+                rank = frame.rank
+                timed_out = frame.kind == protocol.TIMEOUT
                 reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
-                self.server.broadcast({"t": "abort", "reason": reason, "dump": timed_out},
+                self.server.broadcast(Abort(reason=reason, dump=timed_out),
                                       where=lambda c: c.info.get("rank") != rank)
 
 
-def _all_gather(ctx, message: Dict[str, Any], timeout: float, num_proc: int) -> List[Dict[str, Any]]:
+def _all_gather(ctx, message: str, timeout: float, num_proc: int) -> List[str]:
     """BarrierTaskContext.allGather that gives up after ``timeout`` seconds."""
-    box: Dict[str, Any] = {}
+    box: Dict[str, object] = {}
 
     def gather():
         try:
-            box["out"] = [json.loads(m) for m in ctx.allGather(json.dumps(message))]
+            box["out"] = list(ctx.allGather(message))
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             box["error"] = exc
 
@@ -160,11 +139,11 @@ def _all_gather(ctx, message: Dict[str, Any], timeout: float, num_proc: int) -> 
     thread.start()
     thread.join(timeout)
     if "error" in box:
-        raise box["error"]
+        raise box["error"]  # type: ignore[misc]
     if "out" not in box:
         raise TimeoutError(f"not all {num_proc} ranks reached the rendezvous within start_timeout="
                            f"{timeout:g}s; the cluster may lack free slots or executors are still starting")
-    return box["out"]
+    return box["out"]  # type: ignore[return-value]
 
 
 def _rank_layout(hosts: List[str], rank: int) -> Tuple[int, int, int, int]:
@@ -177,7 +156,7 @@ def _pump(stream, outbox: _Outbox, rank: int, attempt: int, name: str, tail) -> 
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", "replace").rstrip("\n")
         tail.append(line)
-        outbox.send({"t": "log", "rank": rank, "attempt": attempt, "stream": name, "line": line})
+        outbox.send(Log(rank=rank, attempt=attempt, stream=name, line=line))
     stream.close()
 
 
@@ -207,16 +186,16 @@ class RingGpus:
     backend: str                    # the plan's backend, or gloo where "auto" chose nccl on shared GPUs
 
 
-def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]]) -> RingGpus:
+def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> RingGpus:
     driver_gpus = list(spec.driver_gpus)
-    if not driver_gpus and spec.driver_gpu_script and any(g["gpus"] is None for g in gathered):
+    if not driver_gpus and spec.driver_gpu_script and any(g.gpus is None for g in gathered):
         from .session import discover_gpus
 
         driver_gpus = cuda_names(discover_gpus(spec.driver_gpu_script))
     by_host: Dict[str, HostGpus] = {}
     for host in dict.fromkeys(hosts):
         ranks = [r for r, h in enumerate(hosts) if h == host]
-        names = [gathered[r]["gpus"] if gathered[r]["gpus"] is not None
+        names = [gathered[r].gpus if gathered[r].gpus is not None
                  else ([driver_gpus[i % len(driver_gpus)]] if driver_gpus else [])
                  for i, r in enumerate(ranks)]
         by_host[host] = host_gpus(names)
@@ -231,19 +210,19 @@ def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]])
     return RingGpus(by_host=by_host, backend=backend)
 
 
-def _check_versions(spec: TaskSpec, executors: List[str], gathered: List[Dict[str, Any]]) -> None:
+def _check_versions(spec: TaskSpec, executors: List[str], gathered: List[Rendezvous]) -> None:
     """Every task compares every executor's versions with the driver's: all refuse alike."""
     if not spec.driver_versions:
         return
-    lines = skew(spec.driver_versions, {f"executor {e}": g["versions"] for e, g in zip(executors, gathered)})
+    lines = skew(spec.driver_versions, {f"executor {e}": g.versions for e, g in zip(executors, gathered)})
     if lines:
         raise ConfigurationError(skew_message(lines))
 
 
-def _gpu_plan(spec: TaskSpec, hosts: List[str], gathered: List[Dict[str, Any]]) -> Optional[RingGpus]:
+def _gpu_plan(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> Optional[RingGpus]:
     if not spec.use_gpu:
         return None
-    failed = [(r, g["gpu_error"]) for r, g in enumerate(gathered) if g.get("gpu_error")]
+    failed = [(r, g.gpu_error) for r, g in enumerate(gathered) if g.gpu_error]
     if failed:
         rank, message = failed[0]
         raise ConfigurationError(f"rank {rank}: {message}")
@@ -297,8 +276,8 @@ def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], rank: int, hosts: List[s
 
 
 def _records(rank: int, outbox: _Outbox, result: Optional[bytes], chunk: int) -> Iterator[tuple]:
-    for message in outbox.drain():
-        yield (rank, "message", 0, 1, json.dumps(message).encode())
+    for frame in outbox.drain():
+        yield (rank, "message", 0, 1, protocol.dumps(frame))
     if result is not None:
         total = max(1, -(-len(result) // chunk))
         for i in range(total):
@@ -316,7 +295,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     my_ip = resolve(hosts[rank])
     driver = _connect_driver(spec)
     if driver is not None:
-        driver.send({"t": "arrived", "rank": rank})
+        driver.send(protocol.Arrived(rank=rank))
     # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
     # user code that calls init_process_group itself (env://, the torchrun way)
     ports = free_ports(my_ip, 2) if rank == 0 else None
@@ -326,42 +305,44 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
         own_gpus = _own_gpus(ctx) if spec.use_gpu else None
     except ConfigurationError as exc:
         gpu_error = str(exc)
-    gathered = _all_gather(ctx, {"ports": ports, "tid": ctx.taskAttemptId(), "live": driver is not None,
-                                 "gpus": own_gpus, "gpu_error": gpu_error, "versions": package_versions()},
-                           spec.start_timeout, spec.num_proc)
-    ports = gathered[0]["ports"]
+    mine = Rendezvous(ports=ports, task_attempt_id=ctx.taskAttemptId(), live=driver is not None,
+                      versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error)
+    gathered = [Rendezvous.from_json(text)
+                for text in _all_gather(ctx, mine.to_json(), spec.start_timeout, spec.num_proc)]
+    ports = gathered[0].ports
+    assert ports is not None  # rank 0 chose them
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
-    attempt = min(g["tid"] for g in gathered)
-    live = all(g["live"] for g in gathered)
+    attempt = min(g.task_attempt_id for g in gathered)
+    live = all(g.live for g in gathered)
     relay = control = None
     if not live:
         if driver is not None:  # this task got through, another did not: tell the driver why it goes quiet
-            driver.send({"t": "detached", "rank": rank, "attempt": attempt})
+            driver.send(Detached(rank=rank, attempt=attempt))
             driver.close()
             driver = None
         relay = _Relay(my_ip, spec.secret) if rank == 0 else None
-        relay_port = _all_gather(ctx, {"relay": relay.server.address[1] if relay else None},
-                                 spec.start_timeout, spec.num_proc)[0]["relay"]
+        relay_port = int(_all_gather(ctx, str(relay.server.address[1] if relay else 0),
+                                     spec.start_timeout, spec.num_proc)[0])
         control = channel.connect(resolve(hosts[0]), relay_port, spec.secret, timeout=spec.start_timeout)
-        control.send({"t": "hello", "rank": rank})
+        control.send(Hello(rank=rank))
     outbox = _Outbox(driver, control)
-    outbox.send({"t": "hello", "rank": rank, "attempt": attempt, "host": hosts[rank]})
+    outbox.send(Hello(rank=rank, attempt=attempt, host=hosts[rank]))
     try:
         _check_versions(spec, executors, gathered)
         gpus = _gpu_plan(spec, hosts, gathered)
     except ConfigurationError as exc:
-        refused = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit", "traceback": str(exc)}
+        refused = Error(rank=rank, attempt=attempt, kind=protocol.EXIT, traceback=str(exc))
         outbox.send(refused)
         for conn in (driver, control):
             if conn is not None:
                 conn.close()
         if relay is not None:
             relay.server.close()
-        raise RuntimeError(f"rank {rank} cannot start {encode_error(refused)}: {exc}") from None
+        raise RuntimeError(f"rank {rank} cannot start {protocol.embed_error(refused)}: {exc}") from None
     if gpus is not None and rank == 0 and gpus.backend != spec.backend:
-        outbox.send({"t": "log", "rank": rank, "attempt": attempt, "stream": "stderr",
-                     "line": "sparkring: ranks on one host share a GPU, which NCCL refuses: backend='auto' uses "
-                             "gloo; give every task a whole GPU for NCCL"})
+        outbox.send(Log(rank=rank, attempt=attempt, stream="stderr",
+                        line="sparkring: ranks on one host share a GPU, which NCCL refuses: backend='auto' uses "
+                             "gloo; give every task a whole GPU for NCCL"))
     workdir = tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-")
     env = _rank_env(spec, gpus, rank, hosts, my_ip, ports, attempt, live, workdir)
     aborted: Dict[str, str] = {}
@@ -374,14 +355,14 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
         with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
             f.write(spec.payload)
         proc = start_worker(workdir, env)
-        outbox.send({"t": "started", "rank": rank, "attempt": attempt, "pid": proc.pid})
+        outbox.send(Started(rank=rank, attempt=attempt, pid=proc.pid))
         tail: collections.deque = collections.deque(maxlen=40)
         pumps = [threading.Thread(target=_pump, args=(s, outbox, rank, attempt, n, tail), daemon=True)
                  for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
         for p in pumps:
             p.start()
 
-        cause: Dict[str, Any] = {}
+        cause: List[Error] = []
         cause_known = threading.Event()
         died_first = threading.Event()
 
@@ -394,18 +375,17 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
                             aborted.setdefault("reason", "task 0 of the stage is gone")
                             kill_tree(proc)
                         return
-                    if msg.get("t") == "cause":
-                        cause.update(msg["error"])
+                    if isinstance(msg, Cause):
+                        cause.append(msg.error)
                         cause_known.set()
-                    elif msg.get("t") == "abort" and not aborted:
+                    elif isinstance(msg, Abort) and not aborted:
                         if proc.poll() is not None and proc.returncode != 0:
                             # this rank had died already (a peer's "connection closed" beat its
                             # report to the driver): it is the cause, and still reports its end
                             died_first.set()
-                        aborted["reason"] = msg.get("reason", "the run was aborted")
-                        if msg.get("dump"):
-                            outbox.send({"t": "stacks", "rank": rank, "attempt": attempt,
-                                         "stacks": dump_stacks(proc, workdir)})
+                        aborted["reason"] = msg.reason or "the run was aborted"
+                        if msg.dump:
+                            outbox.send(Stacks(rank=rank, attempt=attempt, stacks=dump_stacks(proc, workdir)))
                         kill_tree(proc)
             except (OSError, ChannelError, ValueError):
                 return
@@ -426,11 +406,11 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
         for p in pumps:
             p.join(timeout=5)
         _forward_events(workdir, outbox)
-        error: Optional[Dict[str, Any]] = None
+        error: Optional[Error] = None
         if timed_out:
-            error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "timeout",
-                     "traceback": (f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
-                                   f"where its threads were:\n{stacks}")}
+            error = Error(rank=rank, attempt=attempt, kind=protocol.TIMEOUT,
+                          traceback=(f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
+                                     f"where its threads were:\n{stacks}"))
         elif aborted and spec.attempts > 1 and not died_first.is_set():
             raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
         elif (not aborted or died_first.is_set()) and proc.returncode != 0:
@@ -441,20 +421,20 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
             else:
                 tb = (f"rank {rank}'s worker process {describe_exit(proc.returncode)}; last output:\n"
                       + "\n".join(tail))
-            error = {"t": "error", "rank": rank, "attempt": attempt, "kind": "exit",
-                     "exit_code": proc.returncode, "traceback": tb, "secondary": is_secondary(tb)}
+            error = Error(rank=rank, attempt=attempt, kind=protocol.EXIT, exit_code=proc.returncode, traceback=tb,
+                          secondary=is_secondary(tb))
         if error is not None:
             outbox.send(error)
             if spec.attempts > 1:  # fail the task: Spark reruns the whole barrier stage
                 reported = error
-                if control is not None and error.get("secondary") and cause_known.wait(3.0):
-                    reported = dict(cause)  # Spark shows one task's failure: make it the cause
-                raise RuntimeError(f"rank {rank} failed {encode_error(reported)}:\n{reported['traceback']}")
+                if control is not None and error.secondary and cause_known.wait(3.0):
+                    reported = cause[0]  # Spark shows one task's failure: make it the cause
+                raise RuntimeError(f"rank {rank} failed {protocol.embed_error(reported)}:\n{reported.traceback}")
         result = None
         if error is None and not aborted:
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
                 result = f.read()
-            outbox.send({"t": "done", "rank": rank, "attempt": attempt})
+            outbox.send(Done(rank=rank, attempt=attempt))
         if control is not None:
             # Detached: task 0's relay must outlive every rank, so the tasks leave together.
             ctx.barrier()
@@ -487,11 +467,11 @@ def _forward_events(workdir: str, outbox: _Outbox) -> None:
     path = os.path.join(workdir, "events.jsonl")
     if not os.path.exists(path):
         return
-    with open(path) as f:
+    with open(path, "rb") as f:
         for line in f:
-            message = json.loads(line)
-            if message.get("t") == "event":
-                outbox.send(message)
+            frame = protocol.loads(line)
+            if isinstance(frame, Event):
+                outbox.send(frame)
 
 
 def stage_function(spec: TaskSpec):

@@ -47,13 +47,13 @@ def _die_with_parent() -> None:
 
 
 def _report_error(tb: str, exit_code=None) -> None:
-    from . import channel
+    from . import channel, protocol
 
     try:
         from .failures import is_secondary
 
-        channel.report_raw({"t": "error", "kind": "exception", "traceback": tb, "exit_code": exit_code,
-                            "secondary": is_secondary(tb)})
+        channel.report_raw(protocol.Error(rank=0, attempt=0, kind=protocol.EXCEPTION, traceback=tb,
+                                          exit_code=exit_code, secondary=is_secondary(tb)))
     except Exception:  # noqa: BLE001 - the task still reports from error.txt
         pass
 

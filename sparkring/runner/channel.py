@@ -1,4 +1,5 @@
-"""Driver <-> task message channel: length-prefixed JSON frames signed with a per-run HMAC key.
+"""Driver <-> task message channel: length-prefixed JSON frames (runner.protocol's types)
+signed with a per-run HMAC key.
 
 Written by hand because the channel must bind to the driver's own address, speak only
 to holders of the run's secret, and push aborts back to tasks; Spark's accumulators and
@@ -10,17 +11,19 @@ captured frame replayed on another connection, reflected back, or sent twice is 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
-import json
 import os
 import socket
 import struct
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..collective import _env
 from ..errors import ChannelError
+from . import protocol
+from .protocol import ConnectionClosed, Frame
 
 _HEADER = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
@@ -29,10 +32,7 @@ NONCE_LEN = 16
 MAX_FRAME = 64 * 1024 * 1024
 CLIENT, SERVER = b"C", b"S"
 
-
-# What the channel tells its handler when a peer's connection ends (never read from the wire:
-# a peer sending it would only be taken for a rank that went away, which it can do anyway).
-CONNECTION_CLOSED = "connection-closed"
+Handler = Callable[[Frame, "Connection"], None]
 
 
 def _sign(secret: bytes, context: bytes, body: bytes) -> bytes:
@@ -44,8 +44,8 @@ def frame_context(nonce: bytes, side: bytes, seq: int) -> bytes:
     return nonce + side + _SEQ.pack(seq)
 
 
-def encode_frame(secret: bytes, context: bytes, message: Dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
+def encode_frame(secret: bytes, context: bytes, frame: Frame) -> bytes:
+    body = protocol.dumps(frame)
     return _HEADER.pack(_MAC_LEN + len(body)) + _sign(secret, context, body) + body
 
 
@@ -60,8 +60,9 @@ def _recv_exact(sock: socket.socket, n: int) -> Optional[bytes]:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket, secret: bytes, context: bytes) -> Optional[Dict[str, Any]]:
-    """The next verified message, or None when the peer closed the connection."""
+def recv_frame(sock: socket.socket, secret: bytes, context: bytes) -> Optional[Frame]:
+    """The next verified frame, or None when the peer closed the connection; ChannelError for a
+    forged or misplaced one, ValueError for one that is no sparkring frame."""
     header = _recv_exact(sock, _HEADER.size)
     if header is None:
         return None
@@ -75,12 +76,13 @@ def recv_frame(sock: socket.socket, secret: bytes, context: bytes) -> Optional[D
     if not hmac.compare_digest(mac, _sign(secret, context, body)):
         raise ChannelError("frame signature does not match this run's secret, this connection and its place "
                            "(forged or replayed)")
-    return json.loads(body)
+    return protocol.loads(body)
 
 
 class DriverChannel:
-    """TCP server on the driver's address; calls ``handler(message, connection)`` for
-    each verified message and can push messages back to every connected task.
+    """TCP server on the driver's address; calls ``handler(frame, connection)`` for each
+    verified frame (and ``ConnectionClosed()`` when a peer leaves) and can push frames back to
+    every connected task.
 
     >>> ch = DriverChannel("127.0.0.1", os.urandom(32), lambda msg, conn: print(msg))
     >>> ch.address  # doctest: +SKIP
@@ -88,7 +90,7 @@ class DriverChannel:
     >>> ch.close()
     """
 
-    def __init__(self, host: str, secret: bytes, handler: Callable[[Dict[str, Any], "Connection"], None]):
+    def __init__(self, host: str, secret: bytes, handler: Handler):
         if host in ("", "0.0.0.0", "::"):
             raise ValueError("the driver channel binds to the driver's own address, never a wildcard")
         self.secret = secret
@@ -140,13 +142,13 @@ class DriverChannel:
                 if conn in self._conns:
                     self._conns.remove(conn)
             if not self._closed:
-                self._handler({"t": CONNECTION_CLOSED}, conn)
+                self._handler(ConnectionClosed(), conn)
 
-    def broadcast(self, message: Dict[str, Any], where: Callable[["Connection"], bool] = lambda c: True) -> None:
+    def broadcast(self, frame: Frame, where: Callable[["Connection"], bool] = lambda c: True) -> None:
         with self._lock:
             targets = [c for c in self._conns if where(c)]
         for conn in targets:
-            conn.send(message)
+            conn.send(frame)
 
     def close(self) -> None:
         self._closed = True
@@ -181,18 +183,18 @@ class Connection:
         self._received = 0
         self._send_lock = threading.Lock()
 
-    def send(self, message: Dict[str, Any]) -> bool:
+    def send(self, frame: Frame) -> bool:
         try:
             with self._send_lock:
-                frame = encode_frame(self.secret, frame_context(self._nonce, self._side, self._sent), message)
+                data = encode_frame(self.secret, frame_context(self._nonce, self._side, self._sent), frame)
                 self._sent += 1
-                self.sock.sendall(frame)
+                self.sock.sendall(data)
             return True
         except OSError:
             return False
 
-    def recv(self) -> Optional[Dict[str, Any]]:
-        """The peer's next message (verified in its place), or None when it closed the connection."""
+    def recv(self) -> Optional[Frame]:
+        """The peer's next frame (verified in its place), or None when it closed the connection."""
         msg = recv_frame(self.sock, self.secret, frame_context(self._nonce, self._peer, self._received))
         self._received += 1
         return msg
@@ -209,7 +211,7 @@ def connect(host: str, port: int, secret: bytes, timeout: float = 30.0) -> Conne
     """Open a client connection to a DriverChannel.
 
     >>> conn = connect("127.0.0.1", 41234, secret)  # doctest: +SKIP
-    >>> conn.send({"t": "log", "line": "hi"})  # doctest: +SKIP
+    >>> conn.send(protocol.Hello(rank=0))  # doctest: +SKIP
     """
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -225,25 +227,26 @@ _worker_conn: Optional[Connection] = None
 _worker_lock = threading.Lock()
 
 
-def report_raw(message: Dict[str, Any]) -> bool:
-    """Send a message from a worker process to the driver (or, when the driver is out of the
-    tasks' reach, to the file its task returns with the results); False outside a run."""
+def report_raw(frame: Union[protocol.Event, protocol.Error]) -> bool:
+    """Send a frame from a worker process to the driver (or, when the driver is out of the
+    tasks' reach, to the file its task returns with the results), as this rank of this attempt;
+    False outside a run."""
     global _worker_conn
     address = os.environ.get(_env.DRIVER)
     event_file = os.environ.get(_env.EVENT_FILE)
     if not address and not event_file:
         return False
-    message = dict(message, rank=int(os.environ.get(_env.RANK, "0")),
-                   attempt=int(os.environ.get(_env.ATTEMPT, "0")))
+    frame = dataclasses.replace(frame, rank=int(os.environ.get(_env.RANK, "0")),
+                                attempt=int(os.environ.get(_env.ATTEMPT, "0")))
     with _worker_lock:
         if not address:
-            with open(event_file, "a") as f:
-                f.write(json.dumps(message, separators=(",", ":")) + "\n")
+            with open(event_file, "ab") as f:
+                f.write(protocol.dumps(frame) + b"\n")
             return True
         if _worker_conn is None:
             host, port = address.rsplit(":", 1)
             _worker_conn = connect(host.strip("[]"), int(port), take_secret())
-        return _worker_conn.send(message)
+        return _worker_conn.send(frame)
 
 
 _worker_secret: Optional[bytes] = None
@@ -264,7 +267,7 @@ def take_secret() -> bytes:
     return _worker_secret
 
 
-def report(payload: Dict[str, Any]) -> bool:
+def report(payload: Any) -> bool:
     """Send an event from inside a rank to the driver's ``on_event`` callback of ``run()``.
     Returns False outside a sparkring run.
 
@@ -272,4 +275,4 @@ def report(payload: Dict[str, Any]) -> bool:
     >>> report({"epoch": 1, "loss": 0.3})  # doctest: +SKIP
     True
     """
-    return report_raw({"t": "event", "payload": payload})
+    return report_raw(protocol.Event(payload=payload))

@@ -4,7 +4,6 @@ and Spark Connect sessions; the driver follows the ranks over the live channel w
 can reach it and reads everything else from the stage's output records."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -19,10 +18,24 @@ import cloudpickle
 
 from ..collective import _env
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
-from . import pickling
-from ._task import RECORD_SCHEMA, TaskSpec, decode_error, stage_function
-from .channel import CONNECTION_CLOSED, DriverChannel
+from . import pickling, protocol
+from ._task import RECORD_SCHEMA, TaskSpec, stage_function
+from .channel import DriverChannel
 from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
+from .protocol import (
+    Abort,
+    Arrived,
+    ConnectionClosed,
+    Detached,
+    Done,
+    Error,
+    Event,
+    Frame,
+    Hello,
+    Log,
+    Stacks,
+    Started,
+)
 from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
 from .versions import package_versions
 
@@ -86,69 +99,73 @@ class _RunState:
         self.timeouts: Dict[int, Dict[int, str]] = {}
         self.stacks: Dict[int, Dict[int, str]] = {}
         self.done: Dict[int, set] = {}
-        self.errors: Dict[int, dict] = {}
+        self.errors: Dict[int, Error] = {}
         self.failed_at: Dict[int, float] = {}  # attempt -> when a rank of it failed or went away
         self.pids: List[int] = []
         self.channel: Optional[DriverChannel] = None
         self.detached = False
 
-    def handle(self, msg: Dict[str, Any], conn=None) -> None:
-        """One message from a rank: live from the channel (``conn``), or replayed from the
+    def handle(self, msg: Frame, conn=None) -> None:
+        """One frame from a rank: live from the channel (``conn``), or replayed from the
         stage's output records after it ended (``conn`` None)."""
-        kind = msg.get("t")
-        attempt = int(msg.get("attempt", 0))
-        rank = int(msg.get("rank", -1))
-        if kind == "arrived":
+        if isinstance(msg, Arrived):
             with self.lock:
-                self.arrived.add(rank)
-        elif kind == "detached":
+                self.arrived.add(msg.rank)
+        elif isinstance(msg, Detached):
             self.detached = True
-        elif kind == "hello":
-            if conn is not None:
-                conn.info.update(rank=rank, attempt=attempt, task=True)
-            with self.lock:
-                if attempt > self.attempt or not self.hello:
-                    if attempt > self.attempt:
-                        self.attempt_started = time.monotonic()
-                    self.attempt = max(self.attempt, attempt)
-                self.hello.setdefault(attempt, set()).add(rank)
-        elif kind == CONNECTION_CLOSED:
+        elif isinstance(msg, Hello):
+            self._hello(msg, conn)
+        elif isinstance(msg, ConnectionClosed):
             if conn is not None and conn.info.get("task"):
                 rank, attempt = int(conn.info["rank"]), int(conn.info["attempt"])
                 with self.lock:
                     if rank not in self.done.get(attempt, set()):
                         self.failed_at.setdefault(attempt, time.monotonic())
-        elif kind == "started":
+        elif isinstance(msg, Started):
             with self.lock:
-                self.pids.append(int(msg["pid"]))
-        elif kind == "log":
-            self._print(rank, msg.get("stream"), msg.get("line", ""))
-        elif kind == "event":
+                self.pids.append(msg.pid)
+        elif isinstance(msg, Log):
+            self._print(msg.rank, msg.stream, msg.line)
+        elif isinstance(msg, Event):
             if self.on_event is not None:
                 try:
-                    self.on_event(rank, msg.get("payload"))
+                    self.on_event(msg.rank, msg.payload)
                 except Exception as exc:  # noqa: BLE001 - a progress bug must not kill training
                     print(f"sparkring: on_event callback failed: {exc!r}", file=self.err)
-        elif kind == "stacks":
+        elif isinstance(msg, Stacks):
             with self.lock:
-                self.stacks.setdefault(attempt, {})[rank] = msg.get("stacks", "")
-        elif kind == "done":
+                self.stacks.setdefault(msg.attempt, {})[msg.rank] = msg.stacks
+        elif isinstance(msg, Done):
             with self.lock:
-                self.done.setdefault(attempt, set()).add(rank)
-        elif kind == "error":
-            with self.lock:
-                if msg.get("kind") == "timeout":
-                    self.timeouts.setdefault(attempt, {})[rank] = msg.get("traceback", "")
-                first = attempt not in self.errors
-                self.failed_at.setdefault(attempt, time.monotonic())
-                if first or (self.errors[attempt].get("secondary") and not msg.get("secondary")):
-                    self.errors[attempt] = msg  # a rank that only lost its peer yields to the cause
-            if first and self.channel is not None and conn is not None:
-                timed_out = msg.get("kind") == "timeout"
-                reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
-                self.channel.broadcast({"t": "abort", "reason": reason, "dump": timed_out},
-                                       where=lambda c: bool(c.info.get("task")) and c.info.get("attempt") == attempt
-                                       and c.info.get("rank") != rank)
+                self.done.setdefault(msg.attempt, set()).add(msg.rank)
+        elif isinstance(msg, Error):
+            self._error(msg, conn)
+
+    def _hello(self, msg: Hello, conn) -> None:
+        if conn is not None:
+            conn.info.update(rank=msg.rank, attempt=msg.attempt, task=True)
+        with self.lock:
+            if msg.attempt > self.attempt or not self.hello:
+                if msg.attempt > self.attempt:
+                    self.attempt_started = time.monotonic()
+                self.attempt = max(self.attempt, msg.attempt)
+            self.hello.setdefault(msg.attempt, set()).add(msg.rank)
+
+    def _error(self, msg: Error, conn) -> None:
+        rank, attempt = msg.rank, msg.attempt
+        with self.lock:
+            if msg.kind == protocol.TIMEOUT:
+                self.timeouts.setdefault(attempt, {})[rank] = msg.traceback
+            first = attempt not in self.errors
+            self.failed_at.setdefault(attempt, time.monotonic())
+            if first or (self.errors[attempt].secondary and not msg.secondary):
+                self.errors[attempt] = msg  # a rank that only lost its peer yields to the cause
+        if first and self.channel is not None and conn is not None:
+            timed_out = msg.kind == protocol.TIMEOUT
+            reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
+            self.channel.broadcast(Abort(reason=reason, dump=timed_out),
+                                   where=lambda c: bool(c.info.get("task")) and c.info.get("attempt") == attempt
+                                   and c.info.get("rank") != rank)
 
     def _print(self, rank: int, stream: Optional[str], line: str) -> None:
         if self.verbose <= 0 or (self.verbose == 1 and rank != 0):
@@ -158,7 +175,7 @@ class _RunState:
         with self.lock:
             print(text, file=target, flush=True)
 
-    def first_error(self) -> Optional[dict]:
+    def first_error(self) -> Optional[Error]:
         """The latest attempt's error: a timeout where a rank ran out of time (the others'
         errors then only say that it was killed), else the first error."""
         with self.lock:
@@ -168,8 +185,7 @@ class _RunState:
             timed_out = self.timeouts.get(attempt)
             if timed_out:
                 rank = min(timed_out)
-                return {"t": "error", "kind": "timeout", "rank": rank, "attempt": attempt,
-                        "traceback": timed_out[rank]}
+                return Error(rank=rank, attempt=attempt, kind=protocol.TIMEOUT, traceback=timed_out[rank])
             return self.errors[attempt]
 
 
@@ -322,10 +338,10 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
             if failure is None and launch_plan.attempts > 1 and failed_attempts >= launch_plan.attempts:
                 err = state.first_error()
                 assert err is not None  # every attempt failed
-                failure = (_timeout_error(state, num_proc, timeout) if err.get("kind") == "timeout"
+                failure = (_timeout_error(state, num_proc, timeout) if err.kind == protocol.TIMEOUT
                            else _rank_failed(err))
             if failure is not None:
-                channel.broadcast({"t": "abort", "reason": str(failure)})
+                channel.broadcast(Abort(reason=str(failure)))
                 tag.cancel()
                 worker.join(30)
                 raise failure
@@ -337,13 +353,13 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                 state.errors.clear()
                 state.timeouts.clear()
         for row in sorted((r for r in rows if r["kind"] == "message"), key=lambda r: r["rank"]):
-            state.handle(json.loads(bytes(row["data"])))
+            state.handle(protocol.loads(bytes(row["data"])))
         err = state.first_error()
         if err is None and "error" in outcome:
-            err = decode_error(str(outcome["error"]))
+            err = protocol.found_error(str(outcome["error"]))
         if err is not None:
-            if err.get("kind") == "timeout":
-                state.timeouts.setdefault(int(err.get("attempt", 0)), {})[int(err["rank"])] = err["traceback"]
+            if err.kind == protocol.TIMEOUT:
+                state.timeouts.setdefault(err.attempt, {})[err.rank] = err.traceback
                 raise _timeout_error(state, num_proc, timeout, wait=not rows) from None
             raise _rank_failed(err) from None
         if "error" in outcome and _SLOTS_CHECK in str(outcome["error"]):
@@ -360,7 +376,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
         # Ctrl-C: classic PySpark's own SIGINT handler cancels every job of the context, a
         # Connect client cancels nothing; stop exactly this run's ranks and job either way
         log.info("interrupted: stopping the ranks and cancelling the Spark job of this run")
-        channel.broadcast({"t": "abort", "reason": "the driver was interrupted (KeyboardInterrupt)"})
+        channel.broadcast(Abort(reason="the driver was interrupted (KeyboardInterrupt)"))
         tag.cancel()
         worker.join(30)
         raise
@@ -374,8 +390,8 @@ def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout:
     """An attempt of the stage failed and Spark has not started the next one: its slots are gone."""
     err = state.errors.get(attempt)
     if err is not None:
-        lines = [line for line in str(err.get("traceback", "")).strip().splitlines() if line.strip()]
-        cause = f"rank {err.get('rank')}: {lines[-1].strip() if lines else 'failed'}"
+        lines = [line for line in err.traceback.strip().splitlines() if line.strip()]
+        cause = f"rank {err.rank}: {lines[-1].strip() if lines else 'failed'}"
     else:
         cause = "a rank's task went away without a word (its executor was lost)"
     return RankTimeoutError(
@@ -385,8 +401,8 @@ def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout:
         "the number of ranks", list(range(num_proc)))
 
 
-def _rank_failed(err: Dict[str, Any]) -> RankFailedError:
-    return RankFailedError(int(err.get("rank", -1)), err.get("traceback", ""), err.get("exit_code"))
+def _rank_failed(err: Error) -> RankFailedError:
+    return RankFailedError(err.rank, err.traceback, err.exit_code)
 
 
 def _timeout_error(state: _RunState, num_proc: int, timeout: Optional[float], wait: bool = True) -> RankTimeoutError:

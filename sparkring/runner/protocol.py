@@ -1,0 +1,225 @@
+"""What the runner's parts say to each other, as types: the channel frames between a rank's
+worker, its barrier task, task 0's relay and the driver, and the rendezvous record every task
+shares in the barrier's allGather. One encode/decode for each: a frame is a JSON object whose
+``t`` names its type on the wire, and nowhere else.
+
+A frame that arrives over the channel, from the stage's output records or embedded in a
+task's exception text decodes to the same object, so the driver handles all three alike.
+"""
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Dict, List, Optional, Type, Union
+
+TIMEOUT, EXIT, EXCEPTION = "timeout", "exit", "exception"  # Error.kind
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A task reached the driver, before the rendezvous (the driver counts who got through)."""
+
+    TAG: ClassVar[str] = "arrived"
+    rank: int
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A task joined the run in a stage attempt (to the driver) or the relay (``attempt`` unused)."""
+
+    TAG: ClassVar[str] = "hello"
+    rank: int
+    attempt: int = 0
+    host: str = ""
+
+
+@dataclass(frozen=True)
+class Detached:
+    """Another task cannot reach the driver: this one goes quiet too (results come at the end)."""
+
+    TAG: ClassVar[str] = "detached"
+    rank: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """The rank's worker process runs."""
+
+    TAG: ClassVar[str] = "started"
+    rank: int
+    attempt: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Log:
+    """One line the rank's worker printed."""
+
+    TAG: ClassVar[str] = "log"
+    rank: int
+    attempt: int
+    stream: str
+    line: str
+
+
+@dataclass(frozen=True)
+class Event:
+    """What code in a rank reported (``report()``): the training loop's progress, or a user's."""
+
+    TAG: ClassVar[str] = "event"
+    payload: Any
+    rank: int = 0
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class Stacks:
+    """Where a rank's threads were when the run was stopped for a timeout."""
+
+    TAG: ClassVar[str] = "stacks"
+    rank: int
+    attempt: int
+    stacks: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The rank finished and its result is in the stage's output."""
+
+    TAG: ClassVar[str] = "done"
+    rank: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Error:
+    """A rank failed: its code raised (``exception``), its process ended badly (``exit``) or it ran
+    out of time (``timeout``). ``secondary``: it only lost a peer that failed first."""
+
+    TAG: ClassVar[str] = "error"
+    rank: int
+    attempt: int
+    kind: str
+    traceback: str
+    exit_code: Optional[int] = None
+    secondary: bool = False
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Driver or relay to tasks: stop your rank (``dump``: send its stacks first)."""
+
+    TAG: ClassVar[str] = "abort"
+    reason: str
+    dump: bool = False
+
+
+@dataclass(frozen=True)
+class Cause:
+    """Relay to tasks: the error that started a detached run's failure."""
+
+    TAG: ClassVar[str] = "cause"
+    error: Error
+
+
+@dataclass(frozen=True)
+class ConnectionClosed:
+    """What a channel tells its own handler when a peer's connection ends; never on the wire."""
+
+    TAG: ClassVar[str] = "connection-closed"
+
+
+Frame = Union[Arrived, Hello, Detached, Started, Log, Event, Stacks, Done, Error, Abort, Cause, ConnectionClosed]
+_WIRE: Dict[str, Type[Any]] = {cls.TAG: cls for cls in (Arrived, Hello, Detached, Started, Log, Event, Stacks,
+                                                         Done, Error, Abort, Cause)}
+
+
+def to_wire(frame: Frame) -> Dict[str, Any]:
+    """The JSON object of a frame.
+
+    >>> to_wire(Done(rank=1, attempt=7))
+    {'t': 'done', 'rank': 1, 'attempt': 7}
+    """
+    if isinstance(frame, ConnectionClosed):
+        raise ValueError("ConnectionClosed never travels")
+    return {"t": frame.TAG, **asdict(frame)}
+
+
+def from_wire(obj: Dict[str, Any]) -> Frame:
+    """The frame a JSON object holds; ValueError for an unknown type or missing fields.
+
+    >>> from_wire({"t": "abort", "reason": "rank 1 failed"})
+    Abort(reason='rank 1 failed', dump=False)
+    """
+    cls = _WIRE.get(obj.get("t", "")) if isinstance(obj, dict) else None
+    if cls is None:
+        raise ValueError(f"not a sparkring frame: {str(obj)[:80]}")
+    known = {f.name for f in fields(cls)}
+    values = {k: v for k, v in obj.items() if k in known}
+    if cls is Cause:
+        values["error"] = from_wire({**values["error"], "t": Error.TAG})
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise ValueError(f"malformed {cls.TAG} frame: {exc}") from None
+
+
+def dumps(frame: Frame) -> bytes:
+    return json.dumps(to_wire(frame), separators=(",", ":")).encode()
+
+
+def loads(data: Union[bytes, str]) -> Frame:
+    return from_wire(json.loads(data))
+
+
+ERROR_MARK = "SPARKRING-ERROR"
+
+
+def embed_error(error: Error) -> str:
+    """An error inside a task's exception text: the driver reads it back from Spark's job
+    failure when no channel and no output records carry it (a retried stage's last attempt on
+    a detached run).
+
+    >>> found_error("Task failed: " + embed_error(Error(1, 0, EXIT, "boom"))).traceback
+    'boom'
+    """
+    return f"{ERROR_MARK}[{base64.b64encode(dumps(error)).decode()}]"
+
+
+def found_error(text: str) -> Optional[Error]:
+    """The last error embedded in ``text``, if any."""
+    start = text.rfind(ERROR_MARK + "[")
+    if start < 0:
+        return None
+    end = text.find("]", start)
+    try:
+        frame = loads(base64.b64decode(text[start + len(ERROR_MARK) + 1:end]))
+    except ValueError:
+        return None
+    return frame if isinstance(frame, Error) else None
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """What each task tells every other in the barrier's first allGather.
+
+    >>> r = Rendezvous(ports=[5000, 5001], task_attempt_id=3, live=True, versions={"torch": "2.13.0"})
+    >>> Rendezvous.from_json(r.to_json()) == r
+    True
+    """
+
+    ports: Optional[List[int]]         # rank 0's: the rendezvous store's and torch's MASTER_PORT
+    task_attempt_id: int               # the smallest of a stage attempt keys that attempt
+    live: bool                         # this task reached the driver's channel
+    versions: Dict[str, str] = field(default_factory=dict)
+    gpus: Optional[List[str]] = None   # the CUDA names Spark gave this task (None: local mode)
+    gpu_error: Optional[str] = None    # why this task's GPU addresses cannot be used
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Rendezvous":
+        return cls(**json.loads(text))
