@@ -284,68 +284,193 @@ def _records(rank: int, outbox: _Outbox, result: Optional[bytes], chunk: int) ->
             yield (rank, "result", i, total, result[i * chunk:(i + 1) * chunk])
 
 
-def run_task(spec: TaskSpec) -> Iterator[tuple]:
-    """Run one rank; yields ``(rank, kind, part, parts, data)`` records (RECORD_SCHEMA)."""
-    from pyspark import BarrierTaskContext
+@dataclass
+class _Joined:
+    """A task that has met the others: where every rank runs, the stage attempt, the channels."""
 
-    ctx = BarrierTaskContext.get()
+    rank: int
+    executors: List[str]            # host:port of each task's executor
+    hosts: List[str]
+    my_ip: str
+    ports: List[int]                # rank 0's: the rendezvous store's, torch's MASTER_PORT
+    gathered: List[Rendezvous]
+    attempt: int
+    live: bool
+    driver: Optional[channel.Connection]
+    control: Optional[channel.Connection] = None  # the relay of a detached run
+    relay: Optional[_Relay] = None                # task 0's, on a detached run
+
+    def close(self) -> None:
+        for conn in (self.driver, self.control):
+            if conn is not None:
+                conn.close()
+        if self.relay is not None:
+            self.relay.server.close()
+
+
+def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
+    """Meet the other tasks: each says what the others need (Rendezvous), all go live or all go
+    detached (then task 0 hosts a relay)."""
     rank = ctx.partitionId()
-    executors = [info.address for info in ctx.getTaskInfos()]  # host:port of each task's executor
+    executors = [info.address for info in ctx.getTaskInfos()]
     hosts = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
     my_ip = resolve(hosts[rank])
     driver = _connect_driver(spec)
     if driver is not None:
         driver.send(protocol.Arrived(rank=rank))
-    # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
-    # user code that calls init_process_group itself (env://, the torchrun way)
-    ports = free_ports(my_ip, 2) if rank == 0 else None
     gpu_error: Optional[str] = None
     own_gpus: Optional[List[str]] = None
     try:
         own_gpus = _own_gpus(ctx) if spec.use_gpu else None
     except ConfigurationError as exc:
         gpu_error = str(exc)
-    mine = Rendezvous(ports=ports, task_attempt_id=ctx.taskAttemptId(), live=driver is not None,
-                      versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error)
+    # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
+    # user code that calls init_process_group itself (env://, the torchrun way)
+    mine = Rendezvous(ports=free_ports(my_ip, 2) if rank == 0 else None, task_attempt_id=ctx.taskAttemptId(),
+                      live=driver is not None, versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error)
     gathered = [Rendezvous.from_json(text)
                 for text in _all_gather(ctx, mine.to_json(), spec.start_timeout, spec.num_proc)]
     ports = gathered[0].ports
     assert ports is not None  # rank 0 chose them
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
     attempt = min(g.task_attempt_id for g in gathered)
-    live = all(g.live for g in gathered)
-    relay = control = None
-    if not live:
+    joined = _Joined(rank=rank, executors=executors, hosts=hosts, my_ip=my_ip, ports=ports, gathered=gathered,
+                     attempt=attempt, live=all(g.live for g in gathered), driver=driver)
+    if not joined.live:
         if driver is not None:  # this task got through, another did not: tell the driver why it goes quiet
             driver.send(Detached(rank=rank, attempt=attempt))
             driver.close()
-            driver = None
-        relay = _Relay(my_ip, spec.secret) if rank == 0 else None
-        relay_port = int(_all_gather(ctx, str(relay.server.address[1] if relay else 0),
+            joined.driver = None
+        joined.relay = _Relay(my_ip, spec.secret) if rank == 0 else None
+        relay_port = int(_all_gather(ctx, str(joined.relay.server.address[1] if joined.relay else 0),
                                      spec.start_timeout, spec.num_proc)[0])
-        control = channel.connect(resolve(hosts[0]), relay_port, spec.secret, timeout=spec.start_timeout)
-        control.send(Hello(rank=rank))
-    outbox = _Outbox(driver, control)
-    outbox.send(Hello(rank=rank, attempt=attempt, host=hosts[rank]))
+        joined.control = channel.connect(resolve(hosts[0]), relay_port, spec.secret, timeout=spec.start_timeout)
+        joined.control.send(Hello(rank=rank))
+    return joined
+
+
+def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: _Outbox) -> Optional[RingGpus]:
+    """Version skew and GPU layout, decided alike on every task: a refusal fails every task."""
+    rank, attempt = joined.rank, joined.attempt
     try:
-        _check_versions(spec, executors, gathered)
-        gpus = _gpu_plan(spec, hosts, gathered)
+        _check_versions(spec, joined.executors, joined.gathered)
+        gpus = _gpu_plan(spec, joined.hosts, joined.gathered)
     except ConfigurationError as exc:
         refused = Error(rank=rank, attempt=attempt, kind=protocol.EXIT, traceback=str(exc))
         outbox.send(refused)
-        for conn in (driver, control):
-            if conn is not None:
-                conn.close()
-        if relay is not None:
-            relay.server.close()
+        joined.close()
         raise RuntimeError(f"rank {rank} cannot start {protocol.embed_error(refused)}: {exc}") from None
     if gpus is not None and rank == 0 and gpus.backend != spec.backend:
         outbox.send(Log(rank=rank, attempt=attempt, stream="stderr",
                         line="sparkring: ranks on one host share a GPU, which NCCL refuses: backend='auto' uses "
                              "gloo; give every task a whole GPU for NCCL"))
+    return gpus
+
+
+class _Supervisor:
+    """Follows a running worker: relays its output, obeys Abort and Cause frames from the driver
+    or the relay, and kills it past the run's timeout."""
+
+    def __init__(self, spec: TaskSpec, joined: _Joined, outbox: _Outbox, proc, workdir: str):
+        self.spec, self.joined, self.outbox, self.proc, self.workdir = spec, joined, outbox, proc, workdir
+        self.aborted: Dict[str, str] = {}
+        self.cause: List[Error] = []
+        self.cause_known = threading.Event()
+        self.died_first = threading.Event()
+        self.tail: collections.deque = collections.deque(maxlen=40)
+        self.timed_out = False
+        self.stacks = ""
+
+    def listen(self, conn: channel.Connection) -> None:
+        proc, rank, attempt = self.proc, self.joined.rank, self.joined.attempt
+        try:
+            while True:
+                msg = conn.recv()
+                if msg is None:
+                    if conn is self.joined.control and proc.poll() is None:  # task 0 is gone: so is the stage
+                        self.aborted.setdefault("reason", "task 0 of the stage is gone")
+                        kill_tree(proc)
+                    return
+                if isinstance(msg, Cause):
+                    self.cause.append(msg.error)
+                    self.cause_known.set()
+                elif isinstance(msg, Abort) and not self.aborted:
+                    if proc.poll() is not None and proc.returncode != 0:
+                        # this rank had died already (a peer's "connection closed" beat its
+                        # report to the driver): it is the cause, and still reports its end
+                        self.died_first.set()
+                    self.aborted["reason"] = msg.reason or "the run was aborted"
+                    if msg.dump:
+                        self.outbox.send(Stacks(rank=rank, attempt=attempt, stacks=dump_stacks(proc, self.workdir)))
+                    kill_tree(proc)
+        except (OSError, ChannelError, ValueError):
+            return
+
+    def follow(self) -> None:
+        """Until the worker ends (or is killed past the timeout), with its output relayed."""
+        rank, attempt = self.joined.rank, self.joined.attempt
+        pumps = [threading.Thread(target=_pump, args=(s, self.outbox, rank, attempt, n, self.tail), daemon=True)
+                 for s, n in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
+        for p in pumps:
+            p.start()
+        for conn in (self.joined.driver, self.joined.control):
+            if conn is not None:
+                threading.Thread(target=self.listen, args=(conn,), daemon=True).start()
+        started = time.monotonic()
+        while self.proc.poll() is None:
+            if self.spec.timeout is not None and time.monotonic() - started > self.spec.timeout:
+                self.timed_out = True
+                self.stacks = dump_stacks(self.proc, self.workdir)
+                kill_tree(self.proc)
+                break
+            time.sleep(0.05)
+        for p in pumps:
+            p.join(timeout=5)
+        _forward_events(self.workdir, self.outbox)
+
+    def error(self) -> Optional[Error]:
+        """How the rank ended, if badly (raises where Spark should rerun the stage instead)."""
+        rank, attempt, proc = self.joined.rank, self.joined.attempt, self.proc
+        if self.timed_out:
+            return Error(rank=rank, attempt=attempt, kind=protocol.TIMEOUT,
+                         traceback=(f"rank {rank} exceeded timeout={self.spec.timeout:g}s and was killed; "
+                                    f"where its threads were:\n{self.stacks}"))
+        if self.aborted and self.spec.attempts > 1 and not self.died_first.is_set():
+            raise RuntimeError(f"rank {rank} was stopped: {self.aborted['reason']}")
+        if (not self.aborted or self.died_first.is_set()) and proc.returncode != 0:
+            err_path = os.path.join(self.workdir, "error.txt")
+            if os.path.exists(err_path):
+                with open(err_path) as f:
+                    tb = f.read()
+            else:
+                tb = (f"rank {rank}'s worker process {describe_exit(proc.returncode)}; last output:\n"
+                      + "\n".join(self.tail))
+            return Error(rank=rank, attempt=attempt, kind=protocol.EXIT, exit_code=proc.returncode, traceback=tb,
+                         secondary=is_secondary(tb))
+        return None
+
+    def report(self, error: Error) -> None:
+        """Send the error; with stage attempts left, fail the task so Spark reruns the stage."""
+        self.outbox.send(error)
+        if self.spec.attempts > 1:
+            reported = error
+            if self.joined.control is not None and error.secondary and self.cause_known.wait(3.0):
+                reported = self.cause[0]  # Spark shows one task's failure: make it the cause
+            raise RuntimeError(f"rank {error.rank} failed {protocol.embed_error(reported)}:\n{reported.traceback}")
+
+
+def run_task(spec: TaskSpec) -> Iterator[tuple]:
+    """Run one rank; yields ``(rank, kind, part, parts, data)`` records (RECORD_SCHEMA)."""
+    from pyspark import BarrierTaskContext
+
+    ctx = BarrierTaskContext.get()
+    joined = _rendezvous(ctx, spec)
+    rank, attempt = joined.rank, joined.attempt
+    outbox = _Outbox(joined.driver, joined.control)
+    outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank]))
+    gpus = _ring_checks(spec, joined, outbox)
     workdir = tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-")
-    env = _rank_env(spec, gpus, rank, hosts, my_ip, ports, attempt, live, workdir)
-    aborted: Dict[str, str] = {}
+    env = _rank_env(spec, gpus, rank, joined.hosts, joined.my_ip, joined.ports, attempt, joined.live, workdir)
     proc = None
     shm_before = None
     if spec.backend == "mpi":
@@ -356,110 +481,42 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
             f.write(spec.payload)
         proc = start_worker(workdir, env)
         outbox.send(Started(rank=rank, attempt=attempt, pid=proc.pid))
-        tail: collections.deque = collections.deque(maxlen=40)
-        pumps = [threading.Thread(target=_pump, args=(s, outbox, rank, attempt, n, tail), daemon=True)
-                 for s, n in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
-        for p in pumps:
-            p.start()
-
-        cause: List[Error] = []
-        cause_known = threading.Event()
-        died_first = threading.Event()
-
-        def listen(conn: channel.Connection) -> None:
-            try:
-                while True:
-                    msg = conn.recv()
-                    if msg is None:
-                        if conn is control and proc.poll() is None:  # task 0 is gone: so is the stage
-                            aborted.setdefault("reason", "task 0 of the stage is gone")
-                            kill_tree(proc)
-                        return
-                    if isinstance(msg, Cause):
-                        cause.append(msg.error)
-                        cause_known.set()
-                    elif isinstance(msg, Abort) and not aborted:
-                        if proc.poll() is not None and proc.returncode != 0:
-                            # this rank had died already (a peer's "connection closed" beat its
-                            # report to the driver): it is the cause, and still reports its end
-                            died_first.set()
-                        aborted["reason"] = msg.reason or "the run was aborted"
-                        if msg.dump:
-                            outbox.send(Stacks(rank=rank, attempt=attempt, stacks=dump_stacks(proc, workdir)))
-                        kill_tree(proc)
-            except (OSError, ChannelError, ValueError):
-                return
-
-        for conn in (driver, control):
-            if conn is not None:
-                threading.Thread(target=listen, args=(conn,), daemon=True).start()
-        started = time.monotonic()
-        timed_out = False
-        stacks = ""
-        while proc.poll() is None:
-            if spec.timeout is not None and time.monotonic() - started > spec.timeout:
-                timed_out = True
-                stacks = dump_stacks(proc, workdir)
-                kill_tree(proc)
-                break
-            time.sleep(0.05)
-        for p in pumps:
-            p.join(timeout=5)
-        _forward_events(workdir, outbox)
-        error: Optional[Error] = None
-        if timed_out:
-            error = Error(rank=rank, attempt=attempt, kind=protocol.TIMEOUT,
-                          traceback=(f"rank {rank} exceeded timeout={spec.timeout:g}s and was killed; "
-                                     f"where its threads were:\n{stacks}"))
-        elif aborted and spec.attempts > 1 and not died_first.is_set():
-            raise RuntimeError(f"rank {rank} was stopped: {aborted['reason']}")
-        elif (not aborted or died_first.is_set()) and proc.returncode != 0:
-            err_path = os.path.join(workdir, "error.txt")
-            if os.path.exists(err_path):
-                with open(err_path) as f:
-                    tb = f.read()
-            else:
-                tb = (f"rank {rank}'s worker process {describe_exit(proc.returncode)}; last output:\n"
-                      + "\n".join(tail))
-            error = Error(rank=rank, attempt=attempt, kind=protocol.EXIT, exit_code=proc.returncode, traceback=tb,
-                          secondary=is_secondary(tb))
+        supervisor = _Supervisor(spec, joined, outbox, proc, workdir)
+        supervisor.follow()
+        error = supervisor.error()
         if error is not None:
-            outbox.send(error)
-            if spec.attempts > 1:  # fail the task: Spark reruns the whole barrier stage
-                reported = error
-                if control is not None and error.secondary and cause_known.wait(3.0):
-                    reported = cause[0]  # Spark shows one task's failure: make it the cause
-                raise RuntimeError(f"rank {rank} failed {protocol.embed_error(reported)}:\n{reported.traceback}")
+            supervisor.report(error)
         result = None
-        if error is None and not aborted:
+        if error is None and not supervisor.aborted:
             with open(os.path.join(workdir, "result.pkl"), "rb") as f:
                 result = f.read()
             outbox.send(Done(rank=rank, attempt=attempt))
-        if control is not None:
+        if joined.control is not None:
             # Detached: task 0's relay must outlive every rank, so the tasks leave together.
             ctx.barrier()
         yield from _records(rank, outbox, result, spec.chunk_bytes)
     finally:
-        if proc is not None and proc.poll() is None:
-            kill_tree(proc)
-        elif proc is not None:
+        _clean_up(proc, shm_before, workdir)
+        joined.close()
+
+
+def _clean_up(proc, shm_before, workdir: str) -> None:
+    """The worker and anything it left behind: its process group, MPI segments, its directory."""
+    if proc is not None and proc.poll() is None:
+        kill_tree(proc)
+    elif proc is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if shm_before is not None:
+        if proc is not None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # anything the worker left behind
-            except (ProcessLookupError, PermissionError):
+                proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - leave the segments of a process that will not go
                 pass
-        if shm_before is not None:
-            if proc is not None:
-                try:
-                    proc.wait(timeout=5)
-                except Exception:  # noqa: BLE001 - leave the segments of a process that will not go
-                    pass
-            remove_orphan_segments(shm_before)
-        for conn in (driver, control):
-            if conn is not None:
-                conn.close()
-        if relay is not None:
-            relay.server.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        remove_orphan_segments(shm_before)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _forward_events(workdir: str, outbox: _Outbox) -> None:

@@ -267,123 +267,161 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus,
                     backend_from_auto=launch_plan.backend_from_auto, driver_versions=package_versions())
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
-    # Without a live channel expected from the start (a Connect client may be out of the
-    # executors' reach), a missing hello is no sign of missing slots: the tasks' own
-    # rendezvous timeout then decides.
-    driver_watches_start = launch_plan.stream and not launch_plan.facts.connect
-    outcome: Dict[str, Any] = {}
-
-    def stage():
-        df = spark.range(0, num_proc, 1, num_proc).mapInArrow(stage_function(spec), RECORD_SCHEMA, barrier=True)
-        if launch_plan.attempts > 1:
-            # Spark never retries a failed barrier *result* stage, only a barrier map stage: a
-            # shuffle after the ranks lets it rerun them.
-            df = df.repartition(1)
-        return df
-
-    def collect():
-        while True:
-            try:
-                with tag:
-                    outcome["rows"] = stage().collect()
-                return
-            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
-                # Spark refuses a barrier stage larger than the slots it has *now*; with adaptive
-                # execution (a map stage submitted alone) it does not wait for executors that are
-                # still registering, so the launch is retried until start_timeout.
-                if _SLOTS_CHECK in str(exc) and time.monotonic() - started < start_timeout:
-                    log.info("barrier stage refused for lack of slots; retrying while executors register")
-                    time.sleep(1.0)
-                    continue
-                outcome["error"] = exc
-                return
-
-    worker = threading.Thread(target=collect, name="sparkring-collect", daemon=True)
-    started = time.monotonic()
-    warned = False
+    stage = _Stage(spark, spec, launch_plan, tag, start_timeout)
     log.info("launching %d ranks (driver channel %s:%d)", num_proc, *channel.address)
-    worker.start()
+    stage.start()
     try:
-        failure: Optional[BaseException] = None
-        while worker.is_alive():
-            worker.join(0.1)
-            now = time.monotonic()
-            with state.lock:
-                attempt = state.attempt
-                greeted = state.hello.get(attempt, set())
-                since = state.attempt_started if state.hello else started
-                arrived = len(state.arrived)
-            late = len(greeted) < num_proc and now - since > start_timeout
-            if late and driver_watches_start and not state.detached:
-                missing = sorted(set(range(num_proc)) - (state.arrived if len(state.arrived) < num_proc
-                                                          else greeted))
-                failure = RankTimeoutError(
-                    f"ranks {missing} did not start within start_timeout={start_timeout:g}s; the "
-                    "cluster may lack free slots (other jobs running?) or executors are still starting",
-                    missing)
-            elif late and not arrived and not warned:
-                warned = True
-                log.warning("no rank has reached this process (%s) within %gs: the cluster may lack free "
-                            "slots, or the executors cannot reach it (the run then reports at its end)",
-                            launch_plan.driver_host, start_timeout)
-            if timeout is not None and now - since > start_timeout + timeout + 30:
-                running = sorted(set(range(num_proc)) - state.done.get(attempt, set()))
-                failure = RankTimeoutError(f"ranks {running} exceeded timeout={timeout:g}s", running)
-            with state.lock:
-                failed_attempts = len(state.errors)
-                failed_at = state.failed_at.get(attempt)
-            if (failure is None and failed_at is not None and launch_plan.attempts > 1 and driver_watches_start
-                    and not state.detached and now - failed_at > start_timeout):
-                failure = _not_restarted(state, attempt, num_proc, start_timeout)
-            if failure is None and launch_plan.attempts > 1 and failed_attempts >= launch_plan.attempts:
-                err = state.first_error()
-                assert err is not None  # every attempt failed
-                failure = (_timeout_error(state, num_proc, timeout) if err.kind == protocol.TIMEOUT
-                           else _rank_failed(err))
+        watch = _Watch(state, launch_plan, start_timeout, timeout, stage.started)
+        while stage.running():
+            failure = watch.failure()
             if failure is not None:
                 channel.broadcast(Abort(reason=str(failure)))
-                tag.cancel()
-                worker.join(30)
+                stage.cancel()
                 raise failure
-        rows = outcome.get("rows") or []
-        if "error" in outcome:
-            log.debug("the barrier stage failed: %s", outcome["error"])
-        else:  # the stage ended: what failed in attempts Spark retried is history
-            with state.lock:
-                state.errors.clear()
-                state.timeouts.clear()
-        for row in sorted((r for r in rows if r["kind"] == "message"), key=lambda r: r["rank"]):
-            state.handle(protocol.loads(bytes(row["data"])))
-        err = state.first_error()
-        if err is None and "error" in outcome:
-            err = protocol.found_error(str(outcome["error"]))
-        if err is not None:
-            if err.kind == protocol.TIMEOUT:
-                state.timeouts.setdefault(err.attempt, {})[err.rank] = err.traceback
-                raise _timeout_error(state, num_proc, timeout, wait=not rows) from None
-            raise _rank_failed(err) from None
-        if "error" in outcome and _SLOTS_CHECK in str(outcome["error"]):
-            raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
-                                   f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
-                                   "number of ranks", list(range(num_proc))) from None
-        if "error" in outcome and _CANCELLED.search(str(outcome["error"])):
-            raise SparkRingError("the Spark job of this run was cancelled (cancelAllJobs, a job group or tag "
-                                 "cancel, or the Spark UI); its ranks were stopped") from outcome["error"]
-        if "error" in outcome:
-            raise SparkRingError(f"the barrier stage failed before any rank reported an error: {outcome['error']}") \
-                from outcome["error"]
+        rows = stage.outcome.get("rows") or []
+        _raise_for_outcome(state, stage.outcome, rows, num_proc, start_timeout, timeout)
     except KeyboardInterrupt:
         # Ctrl-C: classic PySpark's own SIGINT handler cancels every job of the context, a
         # Connect client cancels nothing; stop exactly this run's ranks and job either way
         log.info("interrupted: stopping the ranks and cancelling the Spark job of this run")
         channel.broadcast(Abort(reason="the driver was interrupted (KeyboardInterrupt)"))
-        tag.cancel()
-        worker.join(30)
+        stage.cancel()
         raise
     finally:
         channel.close()
         _last_worker_pids[:] = state.pids
     return _assemble([r for r in rows if r["kind"] == "result"], num_proc)
+
+
+class _Stage:
+    """The barrier stage, collected on a thread of its own; the launch is retried while Spark
+    refuses it for lack of slots (executors still registering) within start_timeout."""
+
+    def __init__(self, spark, spec: TaskSpec, launch_plan: LaunchPlan, tag: JobTag, start_timeout: float):
+        self.spark, self.spec, self.plan, self.tag, self.start_timeout = spark, spec, launch_plan, tag, start_timeout
+        self.outcome: Dict[str, Any] = {}
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=self._collect, name="sparkring-collect", daemon=True)
+
+    def _frame(self):
+        num_proc = self.plan.num_proc
+        df = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(stage_function(self.spec), RECORD_SCHEMA,
+                                                                    barrier=True)
+        if self.plan.attempts > 1:
+            # Spark never retries a failed barrier *result* stage, only a barrier map stage: a
+            # shuffle after the ranks lets it rerun them.
+            df = df.repartition(1)
+        return df
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                with self.tag:
+                    self.outcome["rows"] = self._frame().collect()
+                return
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                # Spark refuses a barrier stage larger than the slots it has *now*; with adaptive
+                # execution (a map stage submitted alone) it does not wait for executors that are
+                # still registering, so the launch is retried until start_timeout.
+                if _SLOTS_CHECK in str(exc) and time.monotonic() - self.started < self.start_timeout:
+                    log.info("barrier stage refused for lack of slots; retrying while executors register")
+                    time.sleep(1.0)
+                    continue
+                self.outcome["error"] = exc
+                return
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        self.thread.start()
+
+    def running(self) -> bool:
+        self.thread.join(0.1)
+        return self.thread.is_alive()
+
+    def cancel(self) -> None:
+        self.tag.cancel()
+        self.thread.join(30)
+
+
+class _Watch:
+    """What the driver decides while the stage runs: ranks that do not start, a run past its
+    timeout, a failed attempt Spark does not restart, every attempt failed."""
+
+    def __init__(self, state: _RunState, launch_plan: LaunchPlan, start_timeout: float, timeout: Optional[float],
+                 started: float):
+        self.state, self.plan, self.start_timeout, self.timeout = state, launch_plan, start_timeout, timeout
+        self.started = started
+        self.warned = False
+        # Without a live channel expected from the start (a Connect client may be out of the
+        # executors' reach), a missing hello is no sign of missing slots: the tasks' own
+        # rendezvous timeout then decides.
+        self.watches_start = launch_plan.stream and not launch_plan.facts.connect
+
+    def failure(self) -> Optional[BaseException]:
+        state, num_proc, now = self.state, self.plan.num_proc, time.monotonic()
+        with state.lock:
+            attempt = state.attempt
+            greeted = state.hello.get(attempt, set())
+            since = state.attempt_started if state.hello else self.started
+            arrived = set(state.arrived)
+            failed_attempts = len(state.errors)
+            failed_at = state.failed_at.get(attempt)
+        late = len(greeted) < num_proc and now - since > self.start_timeout
+        failure: Optional[BaseException] = None
+        if late and self.watches_start and not state.detached:
+            missing = sorted(set(range(num_proc)) - (arrived if len(arrived) < num_proc else greeted))
+            failure = RankTimeoutError(
+                f"ranks {missing} did not start within start_timeout={self.start_timeout:g}s; the "
+                "cluster may lack free slots (other jobs running?) or executors are still starting", missing)
+        elif late and not arrived and not self.warned:
+            self.warned = True
+            log.warning("no rank has reached this process (%s) within %gs: the cluster may lack free "
+                        "slots, or the executors cannot reach it (the run then reports at its end)",
+                        self.plan.driver_host, self.start_timeout)
+        if self.timeout is not None and now - since > self.start_timeout + self.timeout + 30:
+            running = sorted(set(range(num_proc)) - state.done.get(attempt, set()))
+            failure = RankTimeoutError(f"ranks {running} exceeded timeout={self.timeout:g}s", running)
+        if (failure is None and failed_at is not None and self.plan.attempts > 1 and self.watches_start
+                and not state.detached and now - failed_at > self.start_timeout):
+            failure = _not_restarted(state, attempt, num_proc, self.start_timeout)
+        if failure is None and self.plan.attempts > 1 and failed_attempts >= self.plan.attempts:
+            err = state.first_error()
+            assert err is not None  # every attempt failed
+            failure = (_timeout_error(state, num_proc, self.timeout) if err.kind == protocol.TIMEOUT
+                       else _rank_failed(err))
+        return failure
+
+
+def _raise_for_outcome(state: _RunState, outcome: Dict[str, Any], rows: List[Any], num_proc: int,
+                       start_timeout: float, timeout: Optional[float]) -> None:
+    """The stage ended: replay the frames its records carry, and raise what went wrong, if anything."""
+    if "error" in outcome:
+        log.debug("the barrier stage failed: %s", outcome["error"])
+    else:  # the stage ended: what failed in attempts Spark retried is history
+        with state.lock:
+            state.errors.clear()
+            state.timeouts.clear()
+    for row in sorted((r for r in rows if r["kind"] == "message"), key=lambda r: r["rank"]):
+        state.handle(protocol.loads(bytes(row["data"])))
+    err = state.first_error()
+    if err is None and "error" in outcome:
+        err = protocol.found_error(str(outcome["error"]))
+    if err is not None:
+        if err.kind == protocol.TIMEOUT:
+            state.timeouts.setdefault(err.attempt, {})[err.rank] = err.traceback
+            raise _timeout_error(state, num_proc, timeout, wait=not rows) from None
+        raise _rank_failed(err) from None
+    if "error" not in outcome:
+        return
+    error = outcome["error"]
+    if _SLOTS_CHECK in str(error):
+        raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
+                               f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
+                               "number of ranks", list(range(num_proc))) from None
+    if _CANCELLED.search(str(error)):
+        raise SparkRingError("the Spark job of this run was cancelled (cancelAllJobs, a job group or tag "
+                             "cancel, or the Spark UI); its ranks were stopped") from error
+    raise SparkRingError(f"the barrier stage failed before any rank reported an error: {error}") from error
 
 
 def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout: float) -> RankTimeoutError:
