@@ -11,7 +11,7 @@ STAMP_COMPAT := $(VENV_COMPAT)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: test test-compat lint demo bench java clean gpu-check pack
+.PHONY: test test-compat lint demo bench java clean gpu-check pack docs
 
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,12 @@ gpu-check: java
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparkring benchmarks examples tests conftest.py
 	$(VENV)/bin/mypy
+
+# README's Param reference, regenerated from sparkring/estimator/params.py's table (a test checks it)
+docs: $(STAMP)
+	$(PY) -c "import re, sparkring.estimator.params as p; t = open('README.md').read(); \
+	open('README.md', 'w').write(re.sub(r'(?s)<!-- params:begin -->.*<!-- params:end -->', \
+	lambda m: '<!-- params:begin -->\n' + p.reference_markdown() + '\n<!-- params:end -->', t))"
 
 demo: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) examples/digits.py

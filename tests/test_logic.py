@@ -100,3 +100,31 @@ def test_params_keep_defaults_set_values_and_copies_independent():
     other = est.copy({est.batchSize: 32})
     assert other.getBatchSize() == 32 and est.getBatchSize() == 8
     assert "batchSize" in est.explainParams()
+
+
+def test_the_readme_param_reference_is_the_param_table():
+    import os
+    import re
+
+    from sparkring.estimator.params import PARAMS, reference_markdown
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    block = re.search(r"(?s)<!-- params:begin -->\n(.*)\n<!-- params:end -->", readme)
+    assert block is not None and block.group(1) == reference_markdown(), "run make docs"
+    assert len(block.group(1).splitlines()) == len(PARAMS) + 2
+
+
+def test_params_come_from_one_table_defaults_checks_and_signature():
+    import inspect
+
+    from sparkring.estimator.params import PARAMS
+
+    est = SparkRingEstimator()
+    assert all(est.getOrDefault(spec.name) == spec.default for spec in PARAMS)
+    signature = inspect.signature(SparkRingEstimator)
+    assert [p.name for p in signature.parameters.values()] == [spec.name for spec in PARAMS]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in signature.parameters.values())
+    with pytest.raises(TypeError, match="SparkRingEstimator has no Param 'epoch'; did you mean 'epochs'"):
+        SparkRingEstimator(epoch=3)
+    with pytest.raises(TypeError, match="has no Param 'batch_size'; did you mean 'batchSize'"):
+        est.setParams(batch_size=3)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
 import torch
@@ -21,7 +21,7 @@ from .events import TrainingEvent, from_payload
 from .lightning_steps import check_module as check_lightning_module
 from .lightning_steps import is_lightning_module
 from .model import SparkRingModel
-from .params import OBJECT_PARAMS, SparkRingParams
+from .params import OBJECT_PARAMS, PARAMS, SparkRingParams, check_values, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
 from .tracking import FitTracker
 from .training import RankResult, TrainConfig, non_finite_reason, train_rank
@@ -42,30 +42,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     _input_kwargs: Dict[str, Any]  # set by pyspark's keyword_only
 
     @keyword_only
-    def __init__(self, *, model: Optional[torch.nn.Module] = None,
-                 optimizer: Union[torch.optim.Optimizer, Callable[..., torch.optim.Optimizer], None] = None,
-                 loss: Union[str, Callable[..., Any], Sequence[Union[str, Callable[..., Any]]], None] = None,
-                 metrics: Optional[Dict[str, Union[str, Callable[..., Any]]]] = None,
-                 featuresCol: Union[str, Sequence[str]] = "features", labelCol: Union[str, Sequence[str]] = "label",
-                 predictionCol: Union[str, Sequence[str]] = "prediction", probabilityCol: str = "probability",
-                 rawPredictionCol: str = "rawPrediction", sampleWeightCol: Optional[str] = None,
-                 batchSize: int = 32, valBatchSize: Optional[int] = None, epochs: int = 1,
-                 numProc: Optional[int] = None, validation: Union[float, str, None] = None, shuffle: bool = True,
-                 seed: int = 0, backend: str = "auto", useGpu: Optional[bool] = None,
-                 store: Union[str, Store, None] = None, runId: Optional[str] = None, backwardPassesPerStep: int = 1,
-                 gradientCompression: str = "none", learningRateScaling: str = "none", warmupEpochs: float = 0.0,
-                 trainStepsPerEpoch: Optional[int] = None, validationStepsPerEpoch: Optional[int] = None,
-                 callbacks: Optional[Sequence[Any]] = None, earlyStopping: Optional[Dict[str, Any]] = None,
-                 verbose: int = 1, inferenceBatchSize: int = 1024, keepData: bool = False,
-                 timeout: Optional[float] = None, streamLogs: bool = True,
-                 modelInputs: Union[Sequence[Union[str, Sequence[str]]], Dict[str, Union[str, Sequence[str]]],
-                                    None] = None,
-                 inputShapes: Union[Dict[str, Sequence[int]], Sequence[int], None] = None,
-                 transformFn: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
-                 transformFnInference: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None,
-                 readerWorkers: Optional[int] = None, lossWeights: Optional[Sequence[float]] = None,
-                 onNonFinite: str = "raise", reader: str = "arrow", sharedMemory: bool = True,
-                 mlflowLogging: str = "auto") -> None:
+    def __init__(self, **params: Any) -> None:
+        # the keyword-only signature (names, types, defaults) comes from params.PARAMS: see below
+        unknown_params(params)
         super().__init__()
         self._hold_data = False
         self._prepared: Optional[Any] = None
@@ -78,6 +57,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
         >>> est.setParams(epochs=3, batchSize=128)  # doctest: +SKIP
         """
+        unknown_params(self._input_kwargs)
         return self._set(**self._input_kwargs)
 
     def copy(self, extra=None):
@@ -132,30 +112,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             metrics = losses.metric_fns(self.getOrDefault("metrics"))
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
-        for name in ("batchSize", "epochs", "inferenceBatchSize", "backwardPassesPerStep"):
-            if self.getOrDefault(name) < 1:
-                raise ConfigurationError(f"{name}={self.getOrDefault(name)}: it must be at least 1")
-        for name in ("valBatchSize", "trainStepsPerEpoch", "validationStepsPerEpoch"):
-            v = self.getOrDefault(name)
-            if v is not None and v < 1:
-                raise ConfigurationError(f"{name}={v}: it must be at least 1 (or unset)")
-        workers = self.getOrDefault("readerWorkers")
-        if workers is not None and workers < 0:
-            raise ConfigurationError(f"readerWorkers={workers}: give 0 (transformFn inline) or more processes")
+        check_values({spec.name: self.getOrDefault(spec.name) for spec in PARAMS})
         for name in ("transformFn", "transformFnInference"):
             fn = self.getOrDefault(name)
             if fn is not None and not callable(fn):
                 raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
         check_reader(self.getOrDefault("reader"))
         tracking.check_mode(self.getOrDefault("mlflowLogging"))
-        if self.getOrDefault("onNonFinite") not in ("raise", "skip_step"):
-            raise ConfigurationError(f"onNonFinite={self.getOrDefault('onNonFinite')!r}: use 'raise' or 'skip_step'")
-        if self.getOrDefault("gradientCompression") not in ("none", "fp16"):
-            raise ConfigurationError(f"gradientCompression={self.getOrDefault('gradientCompression')!r}: "
-                                     "use 'none' or 'fp16'")
-        if self.getOrDefault("learningRateScaling") not in ("none", "linear"):
-            raise ConfigurationError(f"learningRateScaling={self.getOrDefault('learningRateScaling')!r}: "
-                                     "use 'none' or 'linear'")
         fields = {f.name: f.dataType for f in df.schema.fields}
         transform_fn = self.getOrDefault("transformFn")
         if self.getOrDefault("modelInputs") is None and transform_fn is None:
@@ -422,3 +385,6 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._hold_data = False
         self._prepared = None
         self._grid_point = None
+
+
+SparkRingEstimator.__init__.__signature__ = signature(SparkRingEstimator)  # type: ignore[attr-defined]

@@ -1,10 +1,19 @@
-"""pyspark.ml Params shared by SparkRingEstimator and SparkRingModel."""
+"""pyspark.ml Params shared by SparkRingEstimator and SparkRingModel, declared once in one table
+(PARAMS) from which the Params, defaults, constructor signature, value checks and README's
+Param reference all come."""
 from __future__ import annotations
 
-from typing import Any, List, Union
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed
+
+from ..data import READERS
+from ..errors import ConfigurationError
+from ..runner.plan import BACKENDS
+from .tracking import MODES as MLFLOW_MODES
 
 
 def _identity(value: Any) -> Any:
@@ -63,99 +72,174 @@ def _to_optional_int(value: Any):
     return None if value is None else TypeConverters.toInt(value)
 
 
-def _param(name: str, doc: str, converter=_identity) -> Param:
-    return Param(Params._dummy(), name, doc, typeConverter=converter)
+def _to_optional_string(value: Any):
+    return None if value is None else TypeConverters.toString(value)
 
 
+@dataclass(frozen=True)
+class ParamSpec:
+    """One Param of SparkRingEstimator, declared once: its Param, default, place in the
+    constructor's signature, the checks of its value made before any Spark job, and its row in
+    README's Param reference."""
+
+    name: str
+    type: str                                 # as the signature and README show it
+    default: Any
+    doc: str
+    converter: Callable[[Any], Any] = _identity
+    choices: Tuple[str, ...] = ()             # the allowed values of a string Param
+    minimum: Optional[int] = None             # an int Param's least value (None also allowed if default is)
+    is_object: bool = False                   # a Python object: persisted with cloudpickle, not JSON
+    shared: bool = False                      # pyspark's own shared Param (HasSeed, HasProbabilityCol, ...)
+
+
+PARAMS: Tuple[ParamSpec, ...] = (
+    ParamSpec("model", "torch.nn.Module", None, "the torch.nn.Module (or LightningModule) to train", is_object=True),
+    ParamSpec("optimizer", "Optimizer | Callable[[params], Optimizer]", None,
+              "a torch.optim.Optimizer over the model's parameters, or a factory params -> Optimizer", is_object=True),
+    ParamSpec("loss", "str | Callable | list", None,
+              "loss name (cross_entropy, nll, mse, l1, bce_with_logits, smooth_l1) or a callable(output, label) -> "
+              "scalar; a list gives one per head", is_object=True),
+    ParamSpec("metrics", "list | dict | None", None,
+              "'accuracy' or callables (output, label) -> scalar (list or dict by name), averaged over ranks",
+              is_object=True),
+    ParamSpec("featuresCol", "str | list[str]", "features", "a vector/array column, or a list of numeric columns",
+              _to_columns),
+    ParamSpec("labelCol", "str | list[str]", "label", "label column, or a list of them for a model with several heads",
+              _to_names),
+    ParamSpec("predictionCol", "str | list[str]", "prediction",
+              "prediction column, or one per head (a list as long as labelCol)", _to_names),
+    ParamSpec("probabilityCol", "str", "probability", "class probabilities column (classifiers)", shared=True),
+    ParamSpec("rawPredictionCol", "str", "rawPrediction", "raw model output column (classifiers)", shared=True),
+    ParamSpec("sampleWeightCol", "str | None", None, "column of per-row loss weights (optional)",
+              _to_optional_string),
+    ParamSpec("modelInputs", "list | dict | None", None,
+              "forward()'s arguments: a list of columns or column lists (positional) or a dict name -> column(s) "
+              "(keyword); default: featuresCol as one tensor", _to_model_inputs),
+    ParamSpec("inputShapes", "list[int] | dict | None", None,
+              "a row's shape per input (dict input name -> shape, or one shape for a single input), applied after "
+              "transformFn", _to_input_shapes),
+    ParamSpec("transformFn", "Callable[[dict], dict] | None", None,
+              "transformFn(batch: dict) -> dict run on every batch before the model (e.g. decode image bytes); "
+              "picklable", is_object=True),
+    ParamSpec("transformFnInference", "Callable[[dict], dict] | None", None,
+              "the transformFn transform() uses (default: transformFn)", is_object=True),
+    ParamSpec("readerWorkers", "int | None", None,
+              "processes per rank that run transformFn ahead of the step (default: the cores per rank - 1, 1 to 4; "
+              "0 runs it inline)", _to_optional_int, minimum=0),
+    ParamSpec("batchSize", "int", 32, "rows per rank per training step", TypeConverters.toInt, minimum=1),
+    ParamSpec("valBatchSize", "int | None", None, "rows per validation batch (default: batchSize)", _to_optional_int,
+              minimum=1),
+    ParamSpec("epochs", "int", 1, "passes over the training data", TypeConverters.toInt, minimum=1),
+    ParamSpec("numProc", "int | None", None, "number of ranks (default: every task slot, or GPU)", _to_optional_int),
+    ParamSpec("validation", "float | str | None", None, "fraction of rows held out, or a boolean column marking them",
+              _to_validation),
+    ParamSpec("shuffle", "bool", True, "shuffle training rows every epoch", TypeConverters.toBoolean),
+    ParamSpec("seed", "int", 0, "seed of the shuffle, the validation split and the model's initial weights",
+              shared=True),
+    ParamSpec("backend", "str", "auto", "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
+              TypeConverters.toString, choices=BACKENDS),
+    ParamSpec("useGpu", "bool | None", None, "train on GPUs (default: when Spark schedules GPUs)"),
+    ParamSpec("store", "Store | str | None", None,
+              "sparkring.Store for data, checkpoints, logs (default: a temporary local one)", is_object=True),
+    ParamSpec("runId", "str | None", None, "name of the run in the store; fitting again with the same runId resumes"),
+    ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
+              TypeConverters.toInt, minimum=1),
+    ParamSpec("gradientCompression", "str", "none", "none | fp16: how gradients travel in the allreduce",
+              TypeConverters.toString, choices=("none", "fp16")),
+    ParamSpec("learningRateScaling", "str", "none", "none | linear (lr x numProc)", TypeConverters.toString,
+              choices=("none", "linear")),
+    ParamSpec("warmupEpochs", "float", 0.0, "epochs to ramp lr up to its scaled value", TypeConverters.toFloat),
+    ParamSpec("trainStepsPerEpoch", "int | None", None, "steps per epoch (default: one pass)", _to_optional_int,
+              minimum=1),
+    ParamSpec("validationStepsPerEpoch", "int | None", None, "validation batches per epoch (default: all)",
+              _to_optional_int, minimum=1),
+    ParamSpec("callbacks", "list | None", None, "objects with on_train_begin/on_epoch_end/on_train_end, or callables "
+              "(epoch, logs); they run on rank 0", is_object=True),
+    ParamSpec("earlyStopping", "int | dict | None", None,
+              "patience (int) or dict(monitor, patience, mode, min_delta)", is_object=True),
+    ParamSpec("onNonFinite", "str", "raise", "raise (TrainingError naming epoch, step and rank; the last good "
+              "checkpoint is kept) | skip_step (every rank skips that update; history counts skipped_steps)",
+              TypeConverters.toString, choices=("raise", "skip_step")),
+    ParamSpec("reader", "str", "arrow", "how ranks read the prepared data: 'arrow' (pyarrow) or 'petastorm' "
+              "(petastorm's make_batch_reader: the same rows and batches; Spark 3.5 only)", TypeConverters.toString,
+              choices=READERS),
+    ParamSpec("verbose", "int", 1, "0 silent, 1 progress bar and epoch lines, 2 also every rank's output",
+              TypeConverters.toInt),
+    ParamSpec("inferenceBatchSize", "int", 1024, "rows per forward pass in transform", TypeConverters.toInt,
+              minimum=1),
+    ParamSpec("keepData", "bool", False, "keep the prepared Parquet after fit", TypeConverters.toBoolean),
+    ParamSpec("timeout", "float | None", None, "seconds before a rank is considered hung (default: none)"),
+    ParamSpec("streamLogs", "bool", True, "stream progress and rank output live to the driver; False (or executors "
+              "that cannot reach it) prints the epoch lines when training ends", TypeConverters.toBoolean),
+    ParamSpec("sharedMemory", "bool", True, "CPU gradient allreduce between ranks of one host through shared memory "
+              "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean),
+    ParamSpec("lossWeights", "list[float] | None", None, "weight of each head's loss in the total (default: 1 each)",
+              _to_loss_weights),
+    ParamSpec("mlflowLogging", "str", "auto", "auto (log the fit into the active MLflow run, if any) | on (also start "
+              "a run when none is active) | off", TypeConverters.toString, choices=MLFLOW_MODES),
+)
+BY_NAME: Dict[str, ParamSpec] = {spec.name: spec for spec in PARAMS}
 # Params whose values are Python objects: persisted with cloudpickle, not as JSON.
-OBJECT_PARAMS = ("model", "optimizer", "loss", "metrics", "callbacks", "store", "earlyStopping", "transformFn",
-                 "transformFnInference")
+OBJECT_PARAMS = tuple(spec.name for spec in PARAMS if spec.is_object)
+
+
+def check_values(values: Dict[str, Any]) -> None:
+    """The checks the table declares (allowed values, least values), before any Spark job.
+
+    >>> check_values({"gradientCompression": "int8"})
+    Traceback (most recent call last):
+    ...
+    sparkring.errors.ConfigurationError: gradientCompression='int8': use one of 'none', 'fp16'
+    """
+    for name, value in values.items():
+        spec = BY_NAME[name]
+        if spec.choices and value not in spec.choices:
+            raise ConfigurationError(f"{name}={value!r}: use one of {', '.join(map(repr, spec.choices))}")
+        if spec.minimum is not None and value is not None and value < spec.minimum:
+            unset = " (or unset)" if spec.default is None else ""
+            raise ConfigurationError(f"{name}={value}: it must be at least {spec.minimum}{unset}")
+
+
+def unknown_params(names) -> None:
+    """A keyword the estimator does not know: TypeError naming it and the nearest Param."""
+    import difflib
+
+    for name in names:
+        if name not in BY_NAME:
+            near = difflib.get_close_matches(name, list(BY_NAME), n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise TypeError(f"SparkRingEstimator has no Param {name!r}{hint}")
+
+
+def signature(cls) -> inspect.Signature:
+    """The keyword-only constructor signature the table describes (what help() and IDEs show)."""
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    parameters += [inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default,
+                                     annotation=spec.type) for spec in PARAMS]
+    return inspect.Signature(parameters, return_annotation=None)
+
+
+def reference_markdown() -> str:
+    """README's Param reference, generated from the table.
+
+    >>> reference_markdown().splitlines()[0]
+    '| Param | type | default | what it does |'
+    """
+    rows = ["| Param | type | default | what it does |", "|---|---|---|---|"]
+    for spec in PARAMS:
+        doc = spec.doc.replace("|", "\\|")
+        kind = spec.type.replace("|", "\\|")
+        rows.append(f"| `{spec.name}` | {kind} | `{spec.default!r}` | {doc} |")
+    return "\n".join(rows)
 
 
 class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed):
-    """Params of SparkRingEstimator (the model carries them too)."""
-
-    model = _param("model", "the torch.nn.Module to train")
-    optimizer = _param("optimizer", "a torch.optim.Optimizer over the model's parameters, or a factory "
-                                    "params -> Optimizer")
-    loss = _param("loss", "loss name (cross_entropy, nll, mse, l1, bce_with_logits, smooth_l1) or a "
-                          "callable(output, label) -> scalar")
-    metrics = _param("metrics", "callables (output, label) -> scalar (list or dict by name), averaged over ranks")
-    featuresCol = _param("featuresCol", "a vector/array column, or a list of numeric columns", _to_columns)
-    labelCol = _param("labelCol", "label column, or a list of them for a model with several heads", _to_names)
-    predictionCol = _param("predictionCol", "prediction column, or one per head (a list as long as labelCol)",
-                           _to_names)
-    modelInputs = _param("modelInputs", "forward()'s arguments: a list of columns or column lists (positional) "
-                                        "or a dict name -> column(s) (keyword); default: featuresCol as one "
-                                        "tensor", _to_model_inputs)
-    inputShapes = _param("inputShapes", "a row's shape per input (dict input name -> shape, or one shape for a "
-                                        "single input), applied after transformFn", _to_input_shapes)
-    transformFn = _param("transformFn", "transformFn(batch: dict) -> dict run on every batch before the model "
-                                        "(e.g. decode image bytes); picklable")
-    transformFnInference = _param("transformFnInference", "the transformFn transform() uses (default: "
-                                                          "transformFn)")
-    readerWorkers = _param("readerWorkers", "processes per rank that run transformFn ahead of the step "
-                                            "(default: the cores per rank - 1, 1 to 4; 0 runs it inline)",
-                           _to_optional_int)
-    onNonFinite = _param("onNonFinite", "raise (TrainingError naming epoch, step and rank; the last good checkpoint "
-                                        "is kept) | skip_step (every rank skips that update; history counts "
-                                        "skipped_steps)", TypeConverters.toString)
-    reader = _param("reader", "how ranks read the prepared data: 'arrow' (default, pyarrow) or 'petastorm' "
-                              "(petastorm's make_batch_reader: the same rows and batches; Spark 3.5 only)",
-                    TypeConverters.toString)
-    lossWeights = _param("lossWeights", "weight of each head's loss in the total (default: 1 each)",
-                         _to_loss_weights)
-    sampleWeightCol = _param("sampleWeightCol", "column of per-row loss weights (optional)",
-                             TypeConverters.toString)
-    batchSize = _param("batchSize", "rows per rank per training step", TypeConverters.toInt)
-    valBatchSize = _param("valBatchSize", "rows per validation batch (default: batchSize)", _to_optional_int)
-    epochs = _param("epochs", "passes over the training data", TypeConverters.toInt)
-    numProc = _param("numProc", "number of ranks (default: every task slot, or GPU)", _to_optional_int)
-    validation = _param("validation", "fraction of rows held out, or a boolean column marking them",
-                        _to_validation)
-    shuffle = _param("shuffle", "shuffle training rows every epoch", TypeConverters.toBoolean)
-    backend = _param("backend", "auto | gloo | nccl | mpi", TypeConverters.toString)
-    useGpu = _param("useGpu", "train on GPUs (default: when Spark schedules GPUs)", _identity)
-    store = _param("store", "sparkring.Store for data, checkpoints, logs (default: a temporary local one)")
-    runId = _param("runId", "name of the run in the store; fitting again with the same runId resumes",
-                   _identity)
-    backwardPassesPerStep = _param("backwardPassesPerStep", "batches whose gradients add up before a step",
-                                   TypeConverters.toInt)
-    gradientCompression = _param("gradientCompression", "none | fp16", TypeConverters.toString)
-    learningRateScaling = _param("learningRateScaling", "none | linear (lr x numProc)", TypeConverters.toString)
-    warmupEpochs = _param("warmupEpochs", "epochs to ramp lr up to its scaled value", TypeConverters.toFloat)
-    trainStepsPerEpoch = _param("trainStepsPerEpoch", "steps per epoch (default: one pass)", _to_optional_int)
-    validationStepsPerEpoch = _param("validationStepsPerEpoch", "validation batches per epoch (default: all)",
-                                     _to_optional_int)
-    callbacks = _param("callbacks", "objects with on_train_begin/on_epoch_end/on_train_end, or callables "
-                                    "(epoch, logs); they run on rank 0")
-    earlyStopping = _param("earlyStopping", "patience (int) or dict(monitor, patience, mode, min_delta)")
-    verbose = _param("verbose", "0 silent, 1 progress bar and epoch lines, 2 also every rank's output",
-                     TypeConverters.toInt)
-    inferenceBatchSize = _param("inferenceBatchSize", "rows per forward pass in transform", TypeConverters.toInt)
-    keepData = _param("keepData", "keep the prepared Parquet after fit", TypeConverters.toBoolean)
-    timeout = _param("timeout", "seconds before a rank is considered hung (default: none)", _identity)
-    streamLogs = _param("streamLogs", "stream progress and rank output live to the driver; False (or executors "
-                                      "that cannot reach it) prints the epoch lines when training ends",
-                        TypeConverters.toBoolean)
-    mlflowLogging = _param("mlflowLogging", "auto (log the fit into the active MLflow run, if any) | on (also start "
-                                            "a run when none is active) | off", TypeConverters.toString)
-    sharedMemory = _param("sharedMemory", "CPU gradient allreduce between ranks of one host through shared memory "
-                                          "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean)
+    """Params of SparkRingEstimator (the model carries them too), declared by PARAMS."""
 
     def __init__(self):
         super().__init__()
-        self._setDefault(featuresCol="features", labelCol="label", predictionCol="prediction",
-                         probabilityCol="probability", rawPredictionCol="rawPrediction", batchSize=32,
-                         epochs=1, validation=None, shuffle=True, seed=0, backend="auto", useGpu=None,
-                         store=None, runId=None, backwardPassesPerStep=1, gradientCompression="none",
-                         learningRateScaling="none", warmupEpochs=0.0, trainStepsPerEpoch=None,
-                         validationStepsPerEpoch=None, callbacks=None, earlyStopping=None, verbose=1,
-                         inferenceBatchSize=1024, keepData=False, metrics=None, valBatchSize=None,
-                         numProc=None, optimizer=None, loss=None, model=None, timeout=None,
-                         streamLogs=True, modelInputs=None, inputShapes=None, transformFn=None,
-                         transformFnInference=None, readerWorkers=None, lossWeights=None, onNonFinite="raise",
-                         reader="arrow", sharedMemory=True, mlflowLogging="auto")
+        self._setDefault(**{spec.name: spec.default for spec in PARAMS})
 
     def featureColumns(self) -> List[str]:
         cols = self.getOrDefault(self.featuresCol)
@@ -213,4 +297,12 @@ def _make_accessors(cls) -> None:
             setattr(cls, "set" + cap, setter)
 
 
+def _declare(cls) -> None:
+    """A Param attribute for every row of PARAMS (pyspark's shared ones are inherited)."""
+    for spec in PARAMS:
+        if not spec.shared:
+            setattr(cls, spec.name, Param(Params._dummy(), spec.name, spec.doc, typeConverter=spec.converter))
+
+
+_declare(SparkRingParams)
 _make_accessors(SparkRingParams)
