@@ -69,9 +69,28 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
     # -- validation before any Spark job ----------------------------------------------
     def _validate(self, df) -> Dict[str, Any]:
-        from pyspark.ml.linalg import VectorUDT
-        from pyspark.sql import types as T
+        """Every check that needs no Spark job, with the facts fit() goes on with."""
+        lightning, metrics = self._check_training()
+        spec = self._check_columns(df)
+        validation = self.getOrDefault("validation")
+        es = self._early_stopping(validation is not None, metrics, lightning)
+        launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
+                           use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
+                           stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
+                           shared_memory=self.getOrDefault("sharedMemory"))
+        if self.getOrDefault("runId") is not None:
+            check_run_id(self.getOrDefault("runId"))
+        store = self.getOrDefault("store") or Store()
+        if not isinstance(store, Store):
+            store = Store(str(store))
+        if store.is_temporary and not launch_plan.facts.single_host:
+            raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
+                                     "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
+        store.check_writable()
+        return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "spec": spec}
 
+    def _check_training(self) -> Tuple[bool, Dict[str, Any]]:
+        """The model, optimizer, losses, metrics and Param values; (is a LightningModule, metrics)."""
         model = self.getOrDefault("model")
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}: "
@@ -119,6 +138,14 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                 raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
         check_reader(self.getOrDefault("reader"))
         tracking.check_mode(self.getOrDefault("mlflowLogging"))
+        return lightning, metrics
+
+    def _check_columns(self, df) -> FeatureSpec:
+        """The columns the Params name exist and have usable types; the FeatureSpec they make."""
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import types as T
+
+        labels, loss_list = self.labelColumns(), self.lossList()
         fields = {f.name: f.dataType for f in df.schema.fields}
         transform_fn = self.getOrDefault("transformFn")
         if self.getOrDefault("modelInputs") is None and transform_fn is None:
@@ -160,21 +187,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         elif validation is not None and not 0 < validation < 1:
             raise ConfigurationError(f"validation={validation}: give a fraction strictly between 0 and 1 "
                                      "or the name of a boolean column")
-        es = self._early_stopping(validation is not None, metrics, lightning)
-        launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
-                           use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
-                           stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
-                           shared_memory=self.getOrDefault("sharedMemory"))
-        if self.getOrDefault("runId") is not None:
-            check_run_id(self.getOrDefault("runId"))
-        store = self.getOrDefault("store") or Store()
-        if not isinstance(store, Store):
-            store = Store(str(store))
-        if store.is_temporary and not launch_plan.facts.single_host:
-            raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
-                                     "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
-        store.check_writable()
-        return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "spec": spec}
+        return spec
 
     def _check_lightning_module(self, module: torch.nn.Module) -> None:
         """A LightningModule decides its optimizer, loss and metrics itself: the Params that would

@@ -323,80 +323,127 @@ class RankResult:
 
 
 def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
-    rank, size = sr.rank(), sr.size()
-    # the rank's own GPU: sr.init() made it current (see the runner's CUDA_VISIBLE_DEVICES)
-    device = (torch.device("cuda", torch.cuda.current_device()) if cfg.use_gpu and torch.cuda.is_available()
-              else torch.device("cpu"))
-    torch.manual_seed(cfg.seed)
-    model = cfg.model.to(device)
-    schedules: List[Schedule] = []
-    if cfg.lightning:
-        opt, schedules = lightning_steps.optimizers(model)
-    else:
-        opt = _build_optimizer(cfg, model)
+    """The training loop of one rank (what fit() runs on every rank); rank 0 returns the result."""
+    trainer = _Trainer(cfg)
+    trainer.begin()
+    for epoch in range(trainer.start_epoch, cfg.epochs):
+        logs = trainer.train_epoch(epoch)
+        if trainer.end_epoch(epoch, logs):
+            break
+    return trainer.finish()
 
-    history: List[Dict[str, Any]] = []
-    start_epoch, stopped, best, waited = 0, False, None, 0
-    if rank == 0:
-        ckpt = load_latest_checkpoint(cfg.store, cfg.run_id)
-        if ckpt is not None:
-            model.load_state_dict(ckpt["model"])
-            opt.load_state_dict(ckpt["optimizer"])
-            for schedule, state in zip(schedules, ckpt.get("schedulers", [])):
-                schedule.scheduler.load_state_dict(state)
-            history = list(ckpt["history"])
-            start_epoch = int(ckpt["epoch"]) + 1
-            stopped = bool(ckpt.get("stopped"))
-            best, waited = ckpt.get("early_stopping", (None, 0))
-    start_epoch, history, stopped = sr.broadcast_object((start_epoch, history, stopped), root_rank=0)
-    sr.broadcast_parameters(model.state_dict(), root_rank=0)
-    sr.broadcast_optimizer_state(opt, root_rank=0)
-    for schedule in schedules:
-        schedule.scheduler.load_state_dict(sr.broadcast_object(schedule.scheduler.state_dict(), root_rank=0))
-    base_lrs = [g["lr"] for g in opt.param_groups]
-    opt = sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                  compression=getattr(sr.Compression, cfg.compression),
-                                  backward_passes_per_step=cfg.backward_passes_per_step)
-    steps = cfg.train_steps or cfg.dataset.num_batches(cfg.batch_size, size)
-    steps -= steps % cfg.backward_passes_per_step
-    if cfg.has_validation:
-        val_steps = cfg.val_steps or max(cfg.dataset.num_batches(cfg.val_batch_size, size, "val", False, r)
-                                         for r in range(size))
-    else:
-        val_steps = 0
-    workers = 0
-    if cfg.transform_fn is not None:
-        workers = cfg.reader_workers if cfg.reader_workers is not None else default_reader_workers(sr.local_size())
-    step: Any = _Step(cfg, device, rank)
-    if cfg.lightning:
-        step = lightning_steps.LightningStep(cfg.spec.labels, cfg.spec, device, rank, _add_note)
-        step.attach(model)
-        model.on_fit_start()
-    callbacks = _Callbacks(cfg.callbacks if rank == 0 else [])
-    board = _Tensorboard(cfg) if rank == 0 else None
-    es = cfg.early_stopping
-    if rank == 0:
-        report(to_payload(FitBegan(epochs=cfg.epochs, start_epoch=start_epoch, steps=steps)))
-        callbacks.call("on_train_begin", model)
-    if stopped:
-        start_epoch = cfg.epochs  # a resumed run that had already stopped early
 
-    for epoch in range(start_epoch, cfg.epochs):
+class _Trainer:
+    """One rank's fit: the model, optimizer and schedules resumed from the last checkpoint and
+    made the same on every rank, then epochs of steps, then rank 0's result."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.size = sr.rank(), sr.size()
+        # the rank's own GPU: sr.init() made it current (see the runner's CUDA_VISIBLE_DEVICES)
+        self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.use_gpu and torch.cuda.is_available()
+                       else torch.device("cpu"))
+        torch.manual_seed(cfg.seed)
+        self.model = cfg.model.to(self.device)
+        self.schedules: List[Schedule] = []
+        if cfg.lightning:
+            opt, self.schedules = lightning_steps.optimizers(self.model)
+        else:
+            opt = _build_optimizer(cfg, self.model)
+        self.history: List[Dict[str, Any]] = []
+        self.start_epoch, self.stopped, self.best, self.waited = 0, False, None, 0
+        self._resume(opt)
+        self.base_lrs = [g["lr"] for g in opt.param_groups]
+        self.opt = sr.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
+                                           compression=getattr(sr.Compression, cfg.compression),
+                                           backward_passes_per_step=cfg.backward_passes_per_step)
+        steps = cfg.train_steps or cfg.dataset.num_batches(cfg.batch_size, self.size)
+        self.steps = steps - steps % cfg.backward_passes_per_step
+        self.val_steps = 0
+        if cfg.has_validation:
+            self.val_steps = cfg.val_steps or max(cfg.dataset.num_batches(cfg.val_batch_size, self.size, "val",
+                                                                          False, r) for r in range(self.size))
+        self.workers = 0
+        if cfg.transform_fn is not None:
+            self.workers = (cfg.reader_workers if cfg.reader_workers is not None
+                            else default_reader_workers(sr.local_size()))
+        self.step: Any = _Step(cfg, self.device, self.rank)
+        if cfg.lightning:
+            self.step = lightning_steps.LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank, _add_note)
+            self.step.attach(self.model)
+            self.model.on_fit_start()
+        self.callbacks = _Callbacks(cfg.callbacks if self.rank == 0 else [])
+        self.board = _Tensorboard(cfg) if self.rank == 0 else None
+
+    def _resume(self, opt) -> None:
+        """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state."""
+        if self.rank == 0:
+            ckpt = load_latest_checkpoint(self.cfg.store, self.cfg.run_id)
+            if ckpt is not None:
+                self.model.load_state_dict(ckpt["model"])
+                opt.load_state_dict(ckpt["optimizer"])
+                for schedule, state in zip(self.schedules, ckpt.get("schedulers", [])):
+                    schedule.scheduler.load_state_dict(state)
+                self.history = list(ckpt["history"])
+                self.start_epoch = int(ckpt["epoch"]) + 1
+                self.stopped = bool(ckpt.get("stopped"))
+                self.best, self.waited = ckpt.get("early_stopping", (None, 0))
+        self.start_epoch, self.history, self.stopped = sr.broadcast_object(
+            (self.start_epoch, self.history, self.stopped), root_rank=0)
+        sr.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        sr.broadcast_optimizer_state(opt, root_rank=0)
+        for schedule in self.schedules:
+            schedule.scheduler.load_state_dict(sr.broadcast_object(schedule.scheduler.state_dict(), root_rank=0))
+
+    def begin(self) -> None:
+        if self.rank == 0:
+            report(to_payload(FitBegan(epochs=self.cfg.epochs, start_epoch=self.start_epoch, steps=self.steps)))
+            self.callbacks.call("on_train_begin", self.model)
+        if self.stopped:
+            self.start_epoch = self.cfg.epochs  # a resumed run that had already stopped early
+
+    def _scale_lr(self, epoch: int, i: int) -> None:
+        cfg = self.cfg
+        global_step = (epoch * self.steps + i) // cfg.backward_passes_per_step
+        warm = max(1.0, cfg.warmup_epochs * self.steps / cfg.backward_passes_per_step)
+        factor = 1 + (self.size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else self.size
+        for g, lr in zip(self.opt.param_groups, self.base_lrs):
+            g["lr"] = lr * factor
+
+    def _update(self, epoch: int, i: int) -> int:
+        """The optimizer step after backward_passes_per_step batches; 1 where a non-finite
+        update was skipped."""
+        cfg, opt, skipped = self.cfg, self.opt, 0
+        if cfg.skip_non_finite:
+            opt.synchronize()
+            if _grads_finite(self.model):
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                skipped = 1
+        else:
+            opt.step()
+        opt.zero_grad()
+        updates = (epoch * self.steps + i + 1) // cfg.backward_passes_per_step
+        for schedule in self.schedules:
+            if schedule.interval == "step" and updates % schedule.frequency == 0:
+                schedule.step()
+        return skipped
+
+    def train_epoch(self, epoch: int) -> Dict[str, Any]:
+        """One epoch of steps; its figures over every rank (and validation's)."""
+        cfg, rank, model, step = self.cfg, self.rank, self.model, self.step
         _seed_epoch(cfg.seed, epoch, rank)
         model.train()
         if cfg.lightning:
             model.on_train_epoch_start()
-        sums = torch.zeros(step.width(), dtype=torch.float64, device=device)
+        sums = torch.zeros(step.width(), dtype=torch.float64, device=self.device)
         skipped = 0
         last_report = 0.0
-        for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, size, epoch, steps,
-                                               cfg.shuffle, True, workers, device)):
+        for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, self.size, epoch, self.steps,
+                                               cfg.shuffle, True, self.workers, self.device)):
             if cfg.lr_scaling == "linear":
-                global_step = (epoch * steps + i) // cfg.backward_passes_per_step
-                warm = max(1.0, cfg.warmup_epochs * steps / cfg.backward_passes_per_step)
-                factor = 1 + (size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else size
-                for g, lr in zip(opt.param_groups, base_lrs):
-                    g["lr"] = lr * factor
+                self._scale_lr(epoch, i)
             loss, heads, ys, head_losses = step(model, batch, f"epoch {epoch}, training batch {i}")
             figures = step.figures(loss, heads, ys, head_losses)
             # the one host sync of a step: whether training may go on decides the step
@@ -408,25 +455,17 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
             (loss / cfg.backward_passes_per_step).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
-                if cfg.skip_non_finite:
-                    opt.synchronize()
-                    if _grads_finite(model):
-                        with opt.skip_synchronize():
-                            opt.step()
-                    else:
-                        skipped += 1
-                else:
-                    opt.step()
-                opt.zero_grad()
-                updates = (epoch * steps + i + 1) // cfg.backward_passes_per_step
-                for schedule in schedules:
-                    if schedule.interval == "step" and updates % schedule.frequency == 0:
-                        schedule.step()
+                skipped += self._update(epoch, i)
             if finite:
                 sums += figures
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
-                report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=steps, loss=float(sums[0] / sums[1]))))
+                report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=self.steps,
+                                           loss=float(sums[0] / sums[1]))))
+        return self._epoch_logs(epoch, sums, skipped)
+
+    def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
+        cfg = self.cfg
         totals = sr.allreduce(sums.cpu(), op=sr.Sum)
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
         for j, name in enumerate(cfg.log_names()):
@@ -434,47 +473,60 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
         if cfg.skip_non_finite:
             logs["skipped_steps"] = skipped
         if cfg.lightning:
-            model.on_train_epoch_end()
-            logs.update(step.logged["train"].epoch_means())
-        if val_steps:
-            logs.update(_validate(cfg, step, model, rank, size, epoch, val_steps, workers))
-        for schedule in schedules:
+            self.model.on_train_epoch_end()
+            logs.update(self.step.logged["train"].epoch_means())
+        if self.val_steps:
+            logs.update(_validate(cfg, self.step, self.model, self.rank, self.size, epoch, self.val_steps,
+                                  self.workers))
+        for schedule in self.schedules:
             if schedule.interval == "epoch" and (epoch + 1) % schedule.frequency == 0:
                 schedule.step(logs)
+        return logs
+
+    def end_epoch(self, epoch: int, logs: Dict[str, Any]) -> bool:
+        """Rank 0's callbacks, history, early stopping and checkpoint; whether every rank stops."""
         stop = False
-        if rank == 0:
-            callbacks.call("on_epoch_end", epoch, logs, model)
+        if self.rank == 0:
+            self.callbacks.call("on_epoch_end", epoch, logs, self.model)
             stop = bool(logs.pop("stop_training", False))
-            history.append(dict(logs))
-            board.epoch(epoch, logs)
-            if es:
-                value = logs.get(es["monitor"])
-                if value is None:
-                    raise ValueError(f"earlyStopping monitors {es['monitor']!r} but the epoch logs have "
-                                     f"{sorted(logs)}; monitor one of those")
-                better = best is None or (value < best - es["min_delta"] if es["mode"] == "min"
-                                          else value > best + es["min_delta"])
-                if better:
-                    best, waited = value, 0
-                else:
-                    waited += 1
-                    stop = stop or waited >= es["patience"]
-            _save_checkpoint(cfg, epoch, model, opt, history, stop, best, waited, schedules)
+            self.history.append(dict(logs))
+            assert self.board is not None
+            self.board.epoch(epoch, logs)
+            stop = self._early_stop(logs) or stop
+            _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best, self.waited,
+                             self.schedules)
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=bool(stop))))
-        if sr.broadcast_object(stop, root_rank=0):
-            break
-    if cfg.lightning:
-        model.on_fit_end()
-    if rank != 0:
-        return None
-    callbacks.call("on_train_end", history, model)
-    if board is not None:
-        board.close()
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    cfg.store.write_bytes(cfg.store.model_path(cfg.run_id, "state_dict.pt"), buf.getvalue())
-    return RankResult(state_dict=state, history=history, output_shapes=step.output_shapes)
+        return bool(sr.broadcast_object(stop, root_rank=0))
+
+    def _early_stop(self, logs: Dict[str, Any]) -> bool:
+        es = self.cfg.early_stopping
+        if not es:
+            return False
+        value = logs.get(es["monitor"])
+        if value is None:
+            raise ValueError(f"earlyStopping monitors {es['monitor']!r} but the epoch logs have "
+                             f"{sorted(logs)}; monitor one of those")
+        better = self.best is None or (value < self.best - es["min_delta"] if es["mode"] == "min"
+                                       else value > self.best + es["min_delta"])
+        if better:
+            self.best, self.waited = value, 0
+            return False
+        self.waited += 1
+        return self.waited >= es["patience"]
+
+    def finish(self) -> Optional[RankResult]:
+        if self.cfg.lightning:
+            self.model.on_fit_end()
+        if self.rank != 0:
+            return None
+        self.callbacks.call("on_train_end", self.history, self.model)
+        if self.board is not None:
+            self.board.close()
+        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        self.cfg.store.write_bytes(self.cfg.store.model_path(self.cfg.run_id, "state_dict.pt"), buf.getvalue())
+        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes)
 
 
 def _validate(cfg: TrainConfig, step: Any, model, rank: int, size: int, epoch: int, val_steps: int,
