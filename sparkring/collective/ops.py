@@ -70,28 +70,8 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
                       compression=f"{compression.__module__}:{compression.__qualname__}", path=way,
                       prescale=prescale_factor, postscale=postscale_factor, name=name or "", checked=checked)
 
-    if tensor.numel() == 0:
-        seq = _runtime.enter(recipe("empty"))
-        if checked:
-            _checks.agree("allreduce", tensor, op, name=name)
-        _runtime.completed(seq)
-        return DoneHandle(out if out is not None else tensor.clone())
-    if op == Adasum:
-        if _runtime.in_subset():
-            raise NotImplementedError("Adasum does not support non-global process sets yet (as in Horovod)")
-        seq = _runtime.enter(recipe("adasum"))
-        if checked:
-            _checks.agree("allreduce", tensor, op, name=name)
-        from ._adasum import adasum_allreduce
-
-        # staged like every other op: MPI reads host memory, NCCL device memory (a joined
-        # rank replays on CPU), gloo's point-to-point stages CUDA tensors itself
-        result = adasum_allreduce(to_wire(tensor), b).to(device=tensor.device, dtype=tensor.dtype)
-        _runtime.completed(seq)
-        if out is not None:
-            out.copy_(result)
-            result = out
-        return DoneHandle(result)
+    if tensor.numel() == 0 or op == Adasum:
+        return _allreduce_now(tensor, out, op, recipe("empty" if tensor.numel() == 0 else "adasum"), checked, name)
     work = tensor
     if prescale_factor != 1.0:
         work = scale(work, prescale_factor)
@@ -139,6 +119,29 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     if path == "blocking":
         return DoneHandle(finish(b.allreduce(wire, REDUCE_OPS[op])))
     return PostHandle(b.allreduce_async(wire, REDUCE_OPS[op]), finish)
+
+
+def _allreduce_now(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str, recipe: Recipe, checked: bool,
+                   name: Optional[str]) -> Handle:
+    """An allreduce of nothing, or an Adasum one (computed here, at once)."""
+    if recipe.path == "adasum" and _runtime.in_subset():
+        raise NotImplementedError("Adasum does not support non-global process sets yet (as in Horovod)")
+    seq = _runtime.enter(recipe)
+    if checked:
+        _checks.agree("allreduce", tensor, op, name=name)
+    if recipe.path == "empty":
+        _runtime.completed(seq)
+        return DoneHandle(out if out is not None else tensor.clone())
+    from ._adasum import adasum_allreduce
+
+    # staged like every other op: MPI reads host memory, NCCL device memory (a joined
+    # rank replays on CPU), gloo's point-to-point stages CUDA tensors itself
+    result = adasum_allreduce(to_wire(tensor), _runtime.current()).to(device=tensor.device, dtype=tensor.dtype)
+    _runtime.completed(seq)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return DoneHandle(result)
 
 
 @accepts_process_set

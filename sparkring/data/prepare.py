@@ -65,114 +65,133 @@ def _write_partition_fn(store: Store, data_dir: str, columns: List[ColumnSpec]):
     driver validates without a separate scan of the data."""
 
     def write(batches):
-        import pyarrow as pa
-        import pyarrow.compute as pc
-        import pyarrow.parquet as pq
+        writer = _PartitionWriter(store, data_dir, columns)
+        for batch in batches:
+            writer.add(batch)
+        yield writer.close()
+
+    return write
+
+
+class _PartitionWriter:
+    """One partition's Parquet files (a train and a val split) and the statistics of its rows."""
+
+    def __init__(self, store: Store, data_dir: str, columns: List[ColumnSpec]):
         from pyspark import TaskContext
 
         ctx = TaskContext.get()
-        tag = f"{ctx.partitionId():05d}-{ctx.attemptNumber()}-{uuid.uuid4().hex[:8]}" if ctx else uuid.uuid4().hex
-        writers: Dict[str, Any] = {}
-        pending: Dict[str, List[pa.Table]] = {"train": [], "val": []}
-        counts: Dict[str, List[int]] = {"train": [], "val": []}
-        stats: Dict[str, Any] = {"__rows": 0}
+        self.tag = (f"{ctx.partitionId():05d}-{ctx.attemptNumber()}-{uuid.uuid4().hex[:8]}" if ctx
+                    else uuid.uuid4().hex)
+        self.store, self.data_dir, self.columns = store, data_dir, columns
+        self.writers: Dict[str, Any] = {}
+        self.pending: Dict[str, List[Any]] = {"train": [], "val": []}
+        self.counts: Dict[str, List[int]] = {"train": [], "val": []}
+        self.stats: Dict[str, Any] = {"__rows": 0}
         for c in columns:
-            stats[f"{c.name}__nulls"] = 0
+            self.stats[f"{c.name}__nulls"] = 0
             if c.kind == TENSOR:
-                stats.update({f"{c.name}__dims": [(None, None)] * c.levels, f"{c.name}__null_elems": 0})
-        state = {"ok": True, "row_group_rows": None}
+                self.stats.update({f"{c.name}__dims": [(None, None)] * c.levels, f"{c.name}__null_elems": 0})
+        self.ok = True
+        self.row_group_rows: Optional[int] = None
 
-        def observe(batch: pa.RecordBatch) -> bool:
-            """Update the stats; False when this batch cannot be written as tensors."""
-            ok = True
-            stats["__rows"] += batch.num_rows
-            for c in columns:
-                arr = batch.column(batch.schema.get_field_index(c.name))
-                if arr.null_count:
-                    stats[f"{c.name}__nulls"] += arr.null_count
-                    ok = False
-                if c.kind != TENSOR:
-                    continue
-                dims, bad_rows = tensor_profile(arr, c.levels)
-                merged = []
-                for (lo, hi), (old_lo, old_hi) in zip(dims, stats[f"{c.name}__dims"]):
-                    lo = lo if old_lo is None else (old_lo if lo is None else min(old_lo, lo))
-                    hi = hi if old_hi is None else (old_hi if hi is None else max(old_hi, hi))
-                    merged.append((lo, hi))
-                    if lo != hi or lo == 0:
-                        ok = False
-                stats[f"{c.name}__dims"] = merged
-                if bad_rows:
-                    stats[f"{c.name}__null_elems"] += bad_rows
-                    ok = False
-            return ok
-
-        def encode(batch: pa.RecordBatch) -> pa.Table:
-            arrays = [to_stored(batch.column(batch.schema.get_field_index(c.name)), c) for c in columns]
-            return pa.Table.from_arrays(arrays, names=[c.name for c in columns])
-
-        def flush(split: str, final: bool = False):
-            row_group_rows = state["row_group_rows"]
-            tables = pending[split]
-            rows = sum(t.num_rows for t in tables)
-            if not rows or (rows < row_group_rows and not final):
-                return
-            table = pa.concat_tables(tables).combine_chunks()
-            full = rows if final else rows - rows % row_group_rows
-            if split not in writers:
-                path = f"{data_dir}/{split}/part-{tag}.parquet"
-                store.makedirs(f"{data_dir}/{split}")
-                writers[split] = (pq.ParquetWriter(
-                    store.fs.open_output_stream(path), table.schema, compression="NONE",
-                    use_dictionary=False, write_statistics=False), path)
-            writer = writers[split][0]
-            for start in range(0, full, row_group_rows):
-                part = table.slice(start, min(row_group_rows, full - start))
-                writer.write_table(part, row_group_size=part.num_rows)
-                counts[split].append(part.num_rows)
-            pending[split] = [table.slice(full)] if full < rows else []
-
-        for batch in batches:
-            if batch.num_rows == 0:
+    def _observe(self, batch) -> bool:
+        """Update the stats; False when this batch cannot be written as tensors."""
+        ok, stats = True, self.stats
+        stats["__rows"] += batch.num_rows
+        for c in self.columns:
+            arr = batch.column(batch.schema.get_field_index(c.name))
+            if arr.null_count:
+                stats[f"{c.name}__nulls"] += arr.null_count
+                ok = False
+            if c.kind != TENSOR:
                 continue
-            if not observe(batch):
-                state["ok"] = False
-            if not state["ok"]:
-                continue  # keep counting for the error message, write nothing more
-            table = encode(batch)
-            if state["row_group_rows"] is None:
-                row_bytes = table.nbytes / max(1, table.num_rows)
-                state["row_group_rows"] = int(max(256, min(1 << 20, TARGET_ROW_GROUP_BYTES // max(1, row_bytes))))
-            is_val = batch.column(batch.schema.get_field_index(VAL_COLUMN)).to_numpy(zero_copy_only=False)
-            if is_val.any():
-                mask = pa.array(is_val)
-                pending["val"].append(table.filter(mask))
-                pending["train"].append(table.filter(pc.invert(mask)))
-            else:
-                pending["train"].append(table)
+            dims, bad_rows = tensor_profile(arr, c.levels)
+            merged = []
+            for (lo, hi), (old_lo, old_hi) in zip(dims, stats[f"{c.name}__dims"]):
+                lo = lo if old_lo is None else (old_lo if lo is None else min(old_lo, lo))
+                hi = hi if old_hi is None else (old_hi if hi is None else max(old_hi, hi))
+                merged.append((lo, hi))
+                if lo != hi or lo == 0:
+                    ok = False
+            stats[f"{c.name}__dims"] = merged
+            if bad_rows:
+                stats[f"{c.name}__null_elems"] += bad_rows
+                ok = False
+        return ok
+
+    def _flush(self, split: str, final: bool = False) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        row_group_rows = self.row_group_rows
+        assert row_group_rows is not None
+        tables = self.pending[split]
+        rows = sum(t.num_rows for t in tables)
+        if not rows or (rows < row_group_rows and not final):
+            return
+        table = pa.concat_tables(tables).combine_chunks()
+        full = rows if final else rows - rows % row_group_rows
+        if split not in self.writers:
+            path = f"{self.data_dir}/{split}/part-{self.tag}.parquet"
+            self.store.makedirs(f"{self.data_dir}/{split}")
+            self.writers[split] = (pq.ParquetWriter(
+                self.store.fs.open_output_stream(path), table.schema, compression="NONE",
+                use_dictionary=False, write_statistics=False), path)
+        writer = self.writers[split][0]
+        for start in range(0, full, row_group_rows):
+            part = table.slice(start, min(row_group_rows, full - start))
+            writer.write_table(part, row_group_size=part.num_rows)
+            self.counts[split].append(part.num_rows)
+        self.pending[split] = [table.slice(full)] if full < rows else []
+
+    def add(self, batch) -> None:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        if batch.num_rows == 0:
+            return
+        if not self._observe(batch):
+            self.ok = False
+        if not self.ok:
+            return  # keep counting for the error message, write nothing more
+        table = pa.Table.from_arrays([to_stored(batch.column(batch.schema.get_field_index(c.name)), c)
+                                      for c in self.columns], names=[c.name for c in self.columns])
+        if self.row_group_rows is None:
+            row_bytes = table.nbytes / max(1, table.num_rows)
+            self.row_group_rows = int(max(256, min(1 << 20, TARGET_ROW_GROUP_BYTES // max(1, row_bytes))))
+        is_val = batch.column(batch.schema.get_field_index(VAL_COLUMN)).to_numpy(zero_copy_only=False)
+        if is_val.any():
+            mask = pa.array(is_val)
+            self.pending["val"].append(table.filter(mask))
+            self.pending["train"].append(table.filter(pc.invert(mask)))
+        else:
+            self.pending["train"].append(table)
+        for split in ("train", "val"):
+            self._flush(split)
+
+    def close(self):
+        """Finish the files; one record batch naming them, their row groups and the stats."""
+        import pyarrow as pa
+
+        if self.ok and self.row_group_rows is not None:
             for split in ("train", "val"):
-                flush(split)
-        if state["ok"]:
-            for split in ("train", "val"):
-                flush(split, final=True)
-        out = {"split": [], "path": [], "rows": [], "row_groups": [], "stats": []}
-        for split, (writer, path) in writers.items():
+                self._flush(split, final=True)
+        out: Dict[str, List[Any]] = {"split": [], "path": [], "rows": [], "row_groups": [], "stats": []}
+        for split, (writer, path) in self.writers.items():
             writer.close()
             out["split"].append(split)
             out["path"].append(path)
-            out["rows"].append(sum(counts[split]))
-            out["row_groups"].append(counts[split])
+            out["rows"].append(sum(self.counts[split]))
+            out["row_groups"].append(self.counts[split])
             out["stats"].append(None)
         out["split"].append("stats")
         out["path"].append(None)
-        out["rows"].append(stats["__rows"])
+        out["rows"].append(self.stats["__rows"])
         out["row_groups"].append([])
-        out["stats"].append(json.dumps(stats))
-        yield pa.RecordBatch.from_pydict(out, schema=pa.schema([
+        out["stats"].append(json.dumps(self.stats))
+        return pa.RecordBatch.from_pydict(out, schema=pa.schema([
             ("split", pa.string()), ("path", pa.string()), ("rows", pa.int64()),
             ("row_groups", pa.list_(pa.int64())), ("stats", pa.string())]))
-
-    return write
 
 
 def _cache_key(df, store: Store, spec: FeatureSpec, validation, seed):
