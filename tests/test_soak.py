@@ -1,4 +1,4 @@
-"""Many runs in one session leave nothing behind: 30 back-to-back run()/fit() calls, a third
+"""Many runs in one session leave nothing behind: 15 back-to-back run()/fit() calls, a third
 with a failing rank, each result checked, and the driver's and executors' footprint
 (processes, threads, open files, listening sockets) no larger at the end than after the first."""
 import est_helpers as H
@@ -33,14 +33,14 @@ def _one_call(spark, store, i):
         assert [r["rank"] for r in run(rank_fns.whoami, num_proc=2, verbose=0)] == [0, 1]
 
 
-def test_thirty_runs_and_fits_a_third_failing_leave_no_growing_footprint(spark, tmp_path):
+def test_fifteen_runs_and_fits_a_third_failing_leave_no_growing_footprint(spark, tmp_path):
     store = Store(str(tmp_path / "store"))
     # warm up with one of each kind: Spark starts a Python daemon per kind of job the first time
     for i in range(5):
         _one_call(spark, store, i)
     before = settled_footprint(footprint(), timeout=5)
-    for i in range(5, 35):
+    for i in range(5, 20):
         _one_call(spark, store, i)
     after = settled_footprint(before, timeout=20, slack_fds=4)
     assert after.workers == 0, after
-    assert not after.grown(before, slack_fds=4), f"grew over 30 runs: {after.grown(before, slack_fds=4)}"
+    assert not after.grown(before, slack_fds=4), f"grew over 15 runs: {after.grown(before, slack_fds=4)}"

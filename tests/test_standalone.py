@@ -189,17 +189,18 @@ def _cli(cluster, *args, shipped=True):
     return proc
 
 
-def test_cli_run_and_doctor_on_the_shipped_environment(cluster):
-    script = os.path.join(ROOT, "tests", "helpers", "where_am_i.py")
-    run = _cli(cluster, "run", "-np", "2", script)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    # rank 0's own lines: sparkring imported from the unpacked archive in its executor's directory
-    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("rank 0 of 2"))
-    assert "/environment/lib/" in line and str(cluster["root"]) in line, run.stdout
-    doctor = _cli(cluster, "doctor")
-    assert doctor.returncode == 0, doctor.stdout + doctor.stderr[-3000:]
-    assert doctor.stdout.strip().splitlines()[-1] == "verdict: ready to train"
-    assert doctor.stdout.count("/environment/bin/python") == 2  # each executor's interpreter
+def test_run_and_doctor_in_one_application_on_the_shipped_environment(cluster):
+    # one application (each one unpacks the archive on every executor): run() then doctor()
+    submit = os.path.join(SPARK_HOME, "bin", "spark-submit")
+    proc = subprocess.run([submit, "--master", cluster["master"], *_shipped_conf(cluster),
+                           os.path.join(ROOT, "tests", "helpers", "run_and_doctor.py")],
+                          env=_submit_env(), capture_output=True, text=True, timeout=600, cwd=cluster["root"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # rank 0 imported sparkring from the unpacked archive in its executor's directory
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("rank 0 of 2"))
+    assert "/environment/lib/" in line and str(cluster["root"]) in line, proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "verdict: ready to train"
+    assert proc.stdout.count("/environment/bin/python") == 2  # each executor's interpreter
 
 
 def test_a_worker_with_other_versions_fails_run_fast_and_doctor_names_it(cluster):
