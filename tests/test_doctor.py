@@ -1,14 +1,10 @@
 """sparkring.doctor / python -m sparkring doctor on real Spark sessions."""
-import os
-import subprocess
 import sys
 
 import pytest
 
 import sparkring
 from sparkring.runner import doctor as doctor_module
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_doctor_reports_a_healthy_session_as_ready(spark):
@@ -58,18 +54,22 @@ def test_doctor_runs_on_a_spark_connect_session(spark_connect):
 
 
 def test_doctor_says_when_the_cluster_cannot_run_the_barrier_stage(spark):
-    report = sparkring.doctor(spark, num_tasks=5, timeout=10)
+    report = sparkring.doctor(spark, num_tasks=5, timeout=3)
     assert not report.ok and report.executors == []
     assert report.problems[0].where == "cluster" and "barrier stage of 5 task(s)" in report.problems[0].what
 
 
-def test_doctor_command_line_prints_the_report_and_exits_by_its_verdict():
-    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.run([sys.executable, "-m", "sparkring", "doctor", "--master", "local[2]"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "sparkring doctor: master local[2], 2 task slot(s)" in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1] == "verdict: ready to train"
+def test_doctor_command_line_prints_the_report_and_exits_by_its_verdict(spark, capsys):
+    # in-process on the session at hand (as under spark-submit); the command as a process runs
+    # against a standalone cluster in tests/test_standalone.py
+    from sparkring.__main__ import main
+
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert "sparkring doctor: master local[2], 2 task slot(s)" in out
+    assert out.strip().splitlines()[-1] == "verdict: ready to train"
+    assert main(["doctor", "-np", "5", "--timeout", "3"]) == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("verdict:")
 
 
 pytestmark = pytest.mark.slow
