@@ -10,6 +10,7 @@ import argparse
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,13 +31,30 @@ def bench_launch(spark, rows, reps):
 
     from sparkring import run
 
-    run(bench_fns.trivial_allreduce, num_proc=2, verbose=0)  # warm the Python workers for both
-    ours, td = alternate(lambda: run(bench_fns.trivial_allreduce, num_proc=2, verbose=0),
-                         lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
-                         .run(bench_fns.torch_distributor_trivial), reps)
-    rows.append(Row("runner", "launch: run() of one allreduce on local[2], wall time", f"{ours:.2f} s",
-                    f"TorchDistributor {td:.2f} s", ours / td, "<= 0.5x", higher_is_better=False, goal_value=0.5))
+    def ours():
+        return run(bench_fns.trivial_allreduce, num_proc=2, verbose=0)
 
+    def theirs():
+        return TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
+            bench_fns.torch_distributor_trivial)
+
+    ours()
+    theirs()
+    # TorchDistributor's job ends the Spark Python workers it ran in, so the run() right after it
+    # starts fresh workers that import torch again: timed apart (a reference row); the launch
+    # itself is the next run(), as back-to-back runs see it.
+    after_td, steady, td = [], [], []
+    for _ in range(reps):
+        after_td.append(timed(ours))
+        steady.append(timed(ours))
+        td.append(timed(theirs))
+    ours_s, td_s, after_s = statistics.median(steady), statistics.median(td), statistics.median(after_td)
+    rows.append(Row("runner", "launch: run() of one allreduce on local[2], wall time (each side in its steady "
+                    "state: Python workers up)", f"{ours_s:.2f} s", f"TorchDistributor {td_s:.2f} s", ours_s / td_s,
+                    "<= 0.15x", higher_is_better=False, goal_value=0.15))
+    rows.append(Row("runner", "launch: run() right after a TorchDistributor job (which ends Spark's Python workers: "
+                    "fresh workers import torch)", f"{after_s:.2f} s", f"TorchDistributor {td_s:.2f} s",
+                    after_s / td_s, "(reference)", higher_is_better=False))
 
 
 def bench_connect(spark, rows, reps, tmp, n=200_000):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 
 import torch.distributed as dist
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 def rendezvous_store(addr: str, port: int, size: int, rank: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """Rank 0 hosts the store on ``addr:port``; every other rank connects to it."""
     if rank != 0:
+        wait_until_listening(addr, port, timeout.total_seconds())
         return dist.TCPStore(addr, port, size, is_master=False, timeout=timeout, wait_for_workers=False)
     listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -26,3 +28,18 @@ def rendezvous_store(addr: str, port: int, size: int, rank: int, timeout: dateti
 def client_store(addr: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
     """One more connection to the store (for a thread that blocks on it)."""
     return dist.TCPStore(addr, port, is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def wait_until_listening(addr: str, port: int, timeout_s: float) -> None:
+    """Return once rank 0's store accepts connections (or after ``timeout_s``; TCPStore then
+    says what is wrong). Ranks start together, so a client usually asks before the store
+    listens, and TCPStore's own retry backs off for up to a second; polling here costs
+    milliseconds."""
+    deadline = time.monotonic() + timeout_s
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    while time.monotonic() < deadline:
+        with socket.socket(family) as probe:
+            probe.settimeout(1.0)
+            if probe.connect_ex((addr, port)) == 0:
+                return
+        time.sleep(0.005)

@@ -328,8 +328,10 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
     # user code that calls init_process_group itself (env://, the torchrun way)
     mine = Rendezvous(ports=free_ports(my_ip, 2) if rank == 0 else None, task_attempt_id=ctx.taskAttemptId(),
                       live=driver is not None, versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error)
-    gathered = [Rendezvous.from_json(text)
-                for text in _all_gather(ctx, mine.to_json(), spec.start_timeout, spec.num_proc)]
+    gathered = _gather_through_driver(ctx, driver, mine, spec) if driver is not None else None
+    if gathered is None:
+        gathered = [Rendezvous.from_json(text)
+                    for text in _all_gather(ctx, mine.to_json(), spec.start_timeout, spec.num_proc)]
     ports = gathered[0].ports
     assert ports is not None  # rank 0 chose them
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
@@ -347,6 +349,28 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
         joined.control = channel.connect(resolve(hosts[0]), relay_port, spec.secret, timeout=spec.start_timeout)
         joined.control.send(Hello(rank=rank))
     return joined
+
+
+def _gather_through_driver(ctx, driver: channel.Connection, mine: Rendezvous,
+                           spec: TaskSpec) -> Optional[List[Rendezvous]]:
+    """Every rank's record, gathered by the driver (milliseconds, where Spark's allGather takes
+    about a second); None when the driver says to use allGather (a task cannot reach it) or
+    goes away."""
+    driver.send(protocol.Join(rank=ctx.partitionId(), stage=ctx.stageId(), record=mine))
+    driver.sock.settimeout(spec.start_timeout)
+    try:
+        while True:
+            frame = driver.recv()
+            if frame is None:
+                return None
+            if isinstance(frame, protocol.Gathered):
+                return frame.records
+            if isinstance(frame, Abort):
+                raise RuntimeError(f"rank {ctx.partitionId()} was stopped before it started: {frame.reason}")
+    except OSError:  # a timeout: the driver is stuck; Spark's allGather decides
+        return None
+    finally:
+        driver.sock.settimeout(None)
 
 
 def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: _Outbox) -> Optional[RingGpus]:

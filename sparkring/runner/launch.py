@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 
@@ -31,7 +31,9 @@ from .protocol import (
     Error,
     Event,
     Frame,
+    Gathered,
     Hello,
+    Join,
     Log,
     Stacks,
     Started,
@@ -43,6 +45,10 @@ log = logging.getLogger(__name__)
 # How a cancelled job reads: Spark 4's error class, Spark 3.5's "Job 12 cancelled part of ..."
 _CANCELLED = re.compile(r"SPARK_JOB_CANCELLED|Job \d+ cancelled")
 _SLOTS_CHECK = "BarrierJobSlotsNumberCheckFailed"
+# How long the driver waits, from a stage's first join, for every rank to join before the tasks
+# gather through Spark's allGather instead (a task that cannot reach the driver gives up after
+# TaskSpec.connect_timeout).
+JOIN_WINDOW_S = 10.0
 
 
 class ScriptExit(SystemExit):
@@ -104,6 +110,8 @@ class _RunState:
         self.pids: List[int] = []
         self.channel: Optional[DriverChannel] = None
         self.detached = False
+        self.joins: Dict[int, Dict[int, Tuple[Join, Any]]] = {}  # stage -> rank -> (join, its connection)
+        self.join_started: Dict[int, float] = {}
 
     def handle(self, msg: Frame, conn=None) -> None:
         """One frame from a rank: live from the channel (``conn``), or replayed from the
@@ -116,6 +124,8 @@ class _RunState:
         elif isinstance(msg, Hello):
             self._hello(msg, conn)
         elif isinstance(msg, ConnectionClosed):
+            if conn is not None:
+                self.forget_joins_of(conn)
             if conn is not None and conn.info.get("task"):
                 rank, attempt = int(conn.info["rank"]), int(conn.info["attempt"])
                 with self.lock:
@@ -140,6 +150,44 @@ class _RunState:
                 self.done.setdefault(msg.attempt, set()).add(msg.rank)
         elif isinstance(msg, Error):
             self._error(msg, conn)
+        elif isinstance(msg, Join) and conn is not None:
+            self._join(msg, conn)
+
+    def _join(self, msg: Join, conn) -> None:
+        """Gather the tasks' rendezvous records here; once every rank of the stage joined, each
+        gets all of them. A newer join of a rank replaces an older one (a retried stage)."""
+        with self.lock:
+            group = self.joins.setdefault(msg.stage, {})
+            self.join_started.setdefault(msg.stage, time.monotonic())
+            group[msg.rank] = (msg, conn)
+            if len(group) < self.num_proc:
+                return
+            del self.joins[msg.stage]
+            self.join_started.pop(msg.stage, None)
+        records = [group[rank][0].record for rank in range(self.num_proc)]
+        for _, member in group.values():
+            member.send(Gathered(records=records))
+
+    def forget_joins_of(self, conn) -> None:
+        """A task's connection closed: its join is stale (its stage attempt failed)."""
+        with self.lock:
+            for group in self.joins.values():
+                for rank in [r for r, (_, c) in group.items() if c is conn]:
+                    del group[rank]
+
+    def expire_joins(self, window: float) -> None:
+        """Joins that waited ``window`` seconds without every rank: some task cannot reach the
+        driver, so all of them gather through Spark's allGather (decided here once per stage)."""
+        now = time.monotonic()
+        with self.lock:
+            late = [stage for stage, since in self.join_started.items() if now - since > window]
+            groups = [self.joins.pop(stage) for stage in late]
+            for stage in late:
+                del self.join_started[stage]
+        for group in groups:
+            log.info("not every task reached the driver: the ranks meet through Spark's allGather")
+            for _, member in group.values():
+                member.send(Gathered(records=None))
 
     def _hello(self, msg: Hello, conn) -> None:
         if conn is not None:
@@ -359,6 +407,7 @@ class _Watch:
 
     def failure(self) -> Optional[BaseException]:
         state, num_proc, now = self.state, self.plan.num_proc, time.monotonic()
+        state.expire_joins(JOIN_WINDOW_S)
         with state.lock:
             attempt = state.attempt
             greeted = state.hello.get(attempt, set())

@@ -131,9 +131,30 @@ class ConnectionClosed:
     TAG: ClassVar[str] = "connection-closed"
 
 
-Frame = Union[Arrived, Hello, Detached, Started, Log, Event, Stacks, Done, Error, Abort, Cause, ConnectionClosed]
+@dataclass(frozen=True)
+class Join:
+    """Task to driver: this rank's Rendezvous record, to be gathered by the driver (a Spark
+    barrier allGather costs about a second: its first caller polls once a second)."""
+
+    TAG: ClassVar[str] = "join"
+    rank: int
+    stage: int
+    record: "Rendezvous"
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Driver to tasks: every rank's record, by rank; None: gather through Spark's allGather
+    instead (some task did not join in time: it cannot reach the driver)."""
+
+    TAG: ClassVar[str] = "gathered"
+    records: Optional[List["Rendezvous"]]
+
+
+Frame = Union[Arrived, Hello, Detached, Started, Log, Event, Stacks, Done, Error, Abort, Cause, Join, Gathered,
+              ConnectionClosed]
 _WIRE: Dict[str, Type[Any]] = {cls.TAG: cls for cls in (Arrived, Hello, Detached, Started, Log, Event, Stacks,
-                                                         Done, Error, Abort, Cause)}
+                                                         Done, Error, Abort, Cause, Join, Gathered)}
 
 
 def to_wire(frame: Frame) -> Dict[str, Any]:
@@ -160,6 +181,10 @@ def from_wire(obj: Dict[str, Any]) -> Frame:
     values = {k: v for k, v in obj.items() if k in known}
     if cls is Cause:
         values["error"] = from_wire({**values["error"], "t": Error.TAG})
+    elif cls is Join:
+        values["record"] = Rendezvous(**values["record"])
+    elif cls is Gathered and values.get("records") is not None:
+        values["records"] = [Rendezvous(**r) for r in values["records"]]
     try:
         return cls(**values)
     except TypeError as exc:
