@@ -279,6 +279,7 @@ def _vector_df(spark, n, d=64, partitions=4):
 
 def bench_data(spark, rows, reps, tmp):
     import numpy as np
+    import pyarrow as pa
     import pyarrow.parquet as pq
     import torch
 
@@ -314,7 +315,8 @@ def bench_data(spark, rows, reps, tmp):
                 t = f.read_row_group(i)
                 col = t.column("features").chunk(0)
                 _, off, data = col.buffers()
-                start = np.frombuffer(off, dtype=np.int64)[col.offset]
+                width = np.int64 if pa.types.is_large_binary(col.type) else np.int32  # binary or large_binary
+                start = np.frombuffer(off, dtype=width)[col.offset]
                 x = torch.from_numpy(np.frombuffer(data, dtype=np.float32, count=len(col) * 64,
                                                    offset=int(start)).reshape(len(col), 64))
                 y = torch.from_numpy(t.column("label").to_numpy())
