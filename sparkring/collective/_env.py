@@ -1,5 +1,7 @@
 """The environment contract between the runner (which sets it) and a rank (collective.init(),
 the worker, reports to the driver): every SPARKRING_* name, in one place."""
+from ..processes import START_VARIABLE
+
 RANK = "SPARKRING_RANK"
 SIZE = "SPARKRING_SIZE"
 LOCAL_RANK = "SPARKRING_LOCAL_RANK"
@@ -16,7 +18,7 @@ SECRET = "SPARKRING_SECRET"            # the run's HMAC key, hex
 ATTEMPT = "SPARKRING_ATTEMPT"          # the stage attempt's key
 EVENT_FILE = "SPARKRING_EVENT_FILE"    # where reports go when the driver is out of reach
 PARENT_PID = "SPARKRING_PARENT_PID"    # the task process the worker dies with
-WORKER_START = "SPARKRING_WORKER_START"  # fork | spawn (sparkring.processes decides)
+WORKER_START = START_VARIABLE            # fork | spawn (sparkring.processes decides)
 SHM = "SPARKRING_SHM"                  # 0: allreduce between ranks of one host through gloo, not shared memory
 GPU = "SPARKRING_GPU"                  # the CUDA ordinal of this rank's GPU (in its CUDA_VISIBLE_DEVICES)
 HOST_ID = "SPARKRING_HOST_ID"          # the host a rank says it is on (tests simulate several hosts)

@@ -173,11 +173,15 @@ def open_files() -> Dict[int, Tuple[int, int]]:
     files = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            st = os.fstat(int(name))
+            files[int(name)] = _file_of(int(name))
         except OSError:  # the descriptor listdir itself used
             continue
-        files[int(name)] = (st.st_dev, st.st_ino)
     return files
+
+
+def _file_of(fd: int) -> Tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
 
 
 def release_inherited(inherited: Dict[int, Tuple[int, int]], null: int) -> None:
@@ -194,7 +198,7 @@ def release_inherited(inherited: Dict[int, Tuple[int, int]], null: int) -> None:
         if fd <= 2 or fd == null:
             continue
         try:
-            if (lambda st: (st.st_dev, st.st_ino))(os.fstat(fd)) == identity:
+            if _file_of(fd) == identity:
                 os.dup2(null, fd, inheritable=False)
         except OSError:
             pass
