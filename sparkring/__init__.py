@@ -30,8 +30,8 @@ _LAZY = {
     "SparkRingModel": "sparkring.estimator",
     "Store": "sparkring.data",
     "run": "sparkring.runner",
-    "doctor": "sparkring.runner.doctor",
-    "TorchDistributor": "sparkring.runner.distributor",
+    "doctor": "sparkring.runner.driver.doctor",
+    "TorchDistributor": "sparkring.runner.driver.distributor",
 }
 
 

@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _doctor(args) -> int:
-    from sparkring.runner.doctor import doctor
+    from sparkring.runner.driver.doctor import doctor
 
     spark, owned = _session(args.master, args.num_proc, args.remote)
     try:
@@ -79,8 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "doctor":
         return _doctor(args)
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
-    from sparkring.runner.launch import ScriptMain
-    from sparkring.runner.plan import CLI_NAMES, check_timeouts
+    from sparkring.runner.driver.launch import ScriptMain
+    from sparkring.runner.driver.plan import CLI_NAMES, check_timeouts
 
     try:  # mistakes in the command line fail before a Spark session starts
         check_timeouts(args.timeout, args.start_timeout, CLI_NAMES)

@@ -10,7 +10,7 @@ import psutil
 
 def live_workers():
     """Rank workers still alive: the pids the last run reported, plus anything named like one."""
-    from sparkring.runner.launch import last_worker_pids
+    from sparkring.runner.driver.launch import last_worker_pids
 
     alive = set()
     for pid in last_worker_pids():
@@ -23,7 +23,7 @@ def live_workers():
         name, cmdline = p.info.get("name") or "", p.info.get("cmdline") or []
         if p.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
-        if name.startswith("sparkring-r") or "sparkring.runner._worker" in cmdline or name in ("mpiexec", "hydra_pmi_proxy"):
+        if name.startswith("sparkring-r") or "sparkring.runner.task.worker" in cmdline or name in ("mpiexec", "hydra_pmi_proxy"):
             alive.add(p.pid)
     return sorted(alive)
 

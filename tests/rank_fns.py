@@ -310,4 +310,4 @@ def gpu_view():
         cmdline = f.read().replace(b"\0", b" ").decode()
     return {"rank": sr.rank(), "local_rank": sr.local_rank(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "gpu": os.environ.get("SPARKRING_GPU"), "backend": sr.backend(),
-            "spawned": "sparkring.runner._worker" in cmdline}
+            "spawned": "sparkring.runner.task.worker" in cmdline}

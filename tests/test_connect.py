@@ -25,7 +25,7 @@ def _no_rank_processes(timeout=15):
     while time.time() < deadline:
         alive = [p.pid for p in psutil.process_iter(["name", "cmdline"])
                  if (p.info.get("name") or "").startswith("sparkring-r")
-                 or "sparkring.runner._worker" in (p.info.get("cmdline") or [])]
+                 or "sparkring.runner.task.worker" in (p.info.get("cmdline") or [])]
         if not alive:
             return []
         time.sleep(0.2)
@@ -33,7 +33,7 @@ def _no_rank_processes(timeout=15):
 
 
 def test_connect_session_has_no_spark_context_and_run_returns_collectives_by_rank(spark_connect):
-    from sparkring.runner.session import is_connect
+    from sparkring.runner.driver.session import is_connect
 
     assert is_connect(spark_connect)
     results = run(rank_fns.collectives_tour, num_proc=2, spark=spark_connect)
@@ -169,7 +169,7 @@ def test_cross_validator_on_connect_and_the_best_model_saves_over_an_existing_pa
 def test_unreachable_client_is_detected_and_the_run_completes_detached(spark_connect, monkeypatch, capsys):
     from sparkring.runner.channel import DriverChannel
 
-    launch_module = sys.modules["sparkring.runner.launch"]  # the package exports a function of that name
+    launch_module = sys.modules["sparkring.runner.driver.launch"]  # the package exports a function of that name
 
     class Unreachable(DriverChannel):
         """Listens nowhere: every task's connection attempt is refused, as behind NAT."""

@@ -4,7 +4,7 @@ import sys
 import pytest
 
 import sparkring
-from sparkring.runner import doctor as doctor_module
+from sparkring.runner.driver import doctor as doctor_module
 
 
 def test_doctor_reports_a_healthy_session_as_ready(spark):

@@ -19,7 +19,7 @@ from sparkring.processes import start_method
 from sparkring.runner import plan, to_bytes
 from sparkring.runner.gpus import cuda_names, device_ordinal, host_gpus
 
-plan_module = importlib.import_module("sparkring.runner.plan")  # the package's `plan` is the function
+plan_module = importlib.import_module("sparkring.runner.driver.plan")  # the package's `plan` is the function
 
 
 # -- Spark addresses -> CUDA names and ordinals ------------------------------------------------
@@ -101,7 +101,7 @@ def test_ranks_sharing_a_gpu_refuse_nccl_and_auto_picks_gloo_with_one_warning(nc
         plan(_session("local[4]", driver_gpus=["0", "1"], **{"spark.task.resource.gpu.amount": "0.5"}), 4,
              use_gpu=True, backend="nccl")
     caplog.clear()
-    with caplog.at_level("WARNING", logger="sparkring.runner.plan"):
+    with caplog.at_level("WARNING", logger="sparkring.runner.driver.plan"):
         half = plan(_session("local-cluster[2,2,1024]", **HALF_GPU_CLUSTER), 4)
     assert half.backend == "gloo" and half.use_gpu
     assert [r.getMessage() for r in caplog.records if "share a GPU" in r.getMessage()] == [
@@ -137,7 +137,7 @@ def test_ranks_fork_beside_other_threads_and_spawn_only_for_cuda_or_when_asked(m
 
 FORK_KEEPS_NUMBERS = """
 import os, sys
-from sparkring.runner._process import open_files, release_inherited
+from sparkring.runner.task.process import open_files, release_inherited
 old_rule = sys.argv[1] == "close"
 inherited_object = open(os.devnull)          # a Python object the child inherits, owning a descriptor
 files = open_files()

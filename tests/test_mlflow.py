@@ -43,7 +43,7 @@ def _estimator(tmp_path, **kw):
 
 def _how_this_rank_started():
     with open("/proc/self/cmdline", "rb") as f:
-        return "spawned" if b"sparkring.runner._worker" in f.read() else "forked"
+        return "spawned" if b"sparkring.runner.task.worker" in f.read() else "forked"
 
 
 def _runs(experiment_id):

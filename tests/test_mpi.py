@@ -36,7 +36,7 @@ def _mpi_processes_left():
     left = []
     for p in psutil.process_iter(["name", "cmdline"]):
         cmd = " ".join(p.info.get("cmdline") or [])
-        if "sparkring.runner._worker" in cmd or ("mpiexec" in (p.info.get("name") or "") and "sparkring" in cmd):
+        if "sparkring.runner.task.worker" in cmd or ("mpiexec" in (p.info.get("name") or "") and "sparkring" in cmd):
             try:
                 if p.status() != psutil.STATUS_ZOMBIE:
                     left.append((p.pid, cmd[:120]))
@@ -181,7 +181,7 @@ def test_process_sets_work_on_mpi_as_on_gloo(spark):
 
 
 def test_mpi_runs_leave_dev_shm_as_they_found_it(spark):
-    from sparkring.runner._process import mpi_shm_segments
+    from sparkring.runner.task.process import mpi_shm_segments
 
     before = mpi_shm_segments()
     assert len(run(rank_fns.whoami, num_proc=2, backend="mpi")) == 2

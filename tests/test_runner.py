@@ -27,7 +27,7 @@ def test_run_returns_results_ordered_by_rank_with_ranks_layout(spark):
     assert all(r["size"] == 2 and r["local_size"] == 2 for r in results)
     assert [r["local_rank"] for r in results] == [0, 1]
     assert results[0]["pid"] != results[1]["pid"] != os.getpid()
-    from sparkring.runner.launch import last_worker_pids
+    from sparkring.runner.driver.launch import last_worker_pids
 
     assert sorted(last_worker_pids()) == sorted(r["pid"] for r in results)
     assert results[0]["cuda"] == ""  # no GPU asked: no GPU visible
@@ -425,7 +425,7 @@ def test_ranks_exit_when_the_driver_process_dies(tmp_path):
 
 
 def test_executors_whose_versions_differ_from_the_driver_fail_before_any_rank_starts(spark, monkeypatch):
-    launch_module = importlib.import_module("sparkring.runner.launch")  # the package's `launch` is the function
+    launch_module = importlib.import_module("sparkring.runner.driver.launch")  # the package's `launch` is the function
     real = launch_module.package_versions()
     # the driver claims other versions: the (real) executors must see the skew and say so
     monkeypatch.setattr(launch_module, "package_versions", lambda: dict(real, torch="2.12.0", python="3.10.4"))

@@ -5,6 +5,18 @@
 >>> sr.allreduce(torch.ones(2), op=sr.Sum)  # doctest: +SKIP
 """
 from ..errors import HorovodInternalError, MismatchError, NotInitializedError
+from . import _replay  # noqa: F401 - registers what a joined rank does (a new-ring hook)
+from ._autograd import (
+    allgather,
+    allreduce,
+    alltoall,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    reducescatter,
+)
 from ._checks import check_same_shapes
 from ._optimizer import DistributedOptimizer
 from ._runtime import (
@@ -39,28 +51,19 @@ from .ops import (
     Min,
     Product,
     Sum,
-    allgather,
     allgather_async,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall,
     alltoall_async,
     barrier,
-    broadcast,
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    grouped_allgather,
     grouped_allgather_async,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_reducescatter,
     grouped_reducescatter_async,
     join,
     poll,
-    reducescatter,
     reducescatter_async,
     sparse_allreduce_async,
     synchronize,

@@ -1,16 +1,18 @@
-"""Gradients through the collectives, with Horovod's rules (horovod/torch/mpi_ops.py):
+"""The collectives that take part in autograd, with Horovod's gradient rules (horovod/torch/mpi_ops.py):
 allreduce's gradient is the allreduce of the gradient (same op and scaling); allgather's is
 this rank's slice of the averaged gradient; broadcast's is the averaged gradient on the root
 and zero elsewhere; alltoall routes gradients back by the received splits; reducescatter's
-is the allgather of the (rescaled) gradient. The public functions in ``ops`` use these only
-when a tensor requires grad, so the plain path pays nothing."""
+is the allgather of the (rescaled) gradient. The public functions here use them only when a
+tensor requires grad, so the plain path (``ops``' ``*_now`` forms, below this module) pays nothing."""
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
 from . import _runtime, ops
+from .compression import Compression
+from .process_sets import accepts_process_set
 
 
 def _in_forwards_set(backward):
@@ -37,7 +39,7 @@ class Allreduce(torch.autograd.Function):
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, grad: torch.Tensor):
-        return ops.allreduce(grad.contiguous(), op=ctx.op, prescale_factor=ctx.prescale,
+        return allreduce(grad.contiguous(), op=ctx.op, prescale_factor=ctx.prescale,
                              postscale_factor=ctx.postscale), None, None, None, None, None
 
 
@@ -51,7 +53,7 @@ class GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, *grads: torch.Tensor):
-        reduced = ops.grouped_allreduce([g.contiguous() for g in grads], op=ctx.op,
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=ctx.op,
                                         prescale_factor=ctx.prescale, postscale_factor=ctx.postscale)
         return (None, None, None, None, *reduced)
 
@@ -66,7 +68,7 @@ class Allgather(torch.autograd.Function):
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, grad: torch.Tensor):
-        reduced = ops.allreduce(grad.contiguous(), op=ops.Average)
+        reduced = allreduce(grad.contiguous(), op=ops.Average)
         rows = ops.allgather_now(torch.tensor([ctx.rows], dtype=torch.int64))
         offset = int(rows[:_runtime.rank()].sum())
         return reduced.narrow(0, offset, ctx.rows), None
@@ -82,7 +84,7 @@ class Broadcast(torch.autograd.Function):
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, grad: torch.Tensor):
-        reduced = ops.allreduce(grad.contiguous(), op=ops.Average)
+        reduced = allreduce(grad.contiguous(), op=ops.Average)
         if _runtime.global_rank() != ctx.root_rank:  # root_rank is global, as in Horovod
             reduced = reduced * 0
         return reduced, None, None
@@ -121,4 +123,131 @@ class Reducescatter(torch.autograd.Function):
             grad = grad * ctx.prescale
         if ctx.postscale != 1.0:
             grad = grad * ctx.postscale
-        return ops.allgather(grad.contiguous()), None, None, None
+        return allgather(grad.contiguous()), None, None, None
+
+
+# -- the public collectives that take part in autograd -----------------------------
+
+@accepts_process_set
+def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
+              compression=Compression.none, op: Optional[str] = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks (default: average) and return a new tensor.
+
+    >>> sr.allreduce(torch.tensor([float(sr.rank())]))  # 2 ranks  # doctest: +SKIP
+    tensor([0.5000])
+    """
+    op = ops.resolve_op(average, op)
+    if _differentiable(tensor):
+        return Allreduce.apply(tensor, op, compression, prescale_factor, postscale_factor, name)
+    return ops.allreduce_now(tensor, op, compression, prescale_factor, postscale_factor, name)
+
+
+def _differentiable(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+@accepts_process_set
+def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = None,
+                      name: Optional[str] = None, compression=Compression.none,
+                      op: Optional[str] = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Allreduce a list of tensors as one fused operation per dtype.
+
+    >>> a, b = sr.grouped_allreduce([torch.ones(2), torch.zeros(3)])  # doctest: +SKIP
+    """
+    op = ops.resolve_op(average, op)
+    if _differentiable(*tensors):
+        return list(GroupedAllreduce.apply(op, compression, prescale_factor, postscale_factor, *tensors))
+    return ops.grouped_allreduce_now(tensors, op, compression, prescale_factor, postscale_factor)
+
+
+@accepts_process_set
+def grouped_allreduce_(tensors: List[torch.Tensor], **kwargs) -> List[torch.Tensor]:
+    """In-place variant of ``grouped_allreduce``.
+
+    >>> sr.grouped_allreduce_([w1, w2])  # doctest: +SKIP
+    """
+    for t, r in zip(tensors, grouped_allreduce(tensors, **kwargs)):
+        t.copy_(r)
+    return tensors
+
+
+@accepts_process_set
+def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
+    """Concatenate every rank's tensor along dim 0; the first dimension may differ by rank.
+
+    >>> sr.allgather(torch.full((sr.rank() + 1,), sr.rank()))  # 2 ranks  # doctest: +SKIP
+    tensor([0, 1, 1])
+    """
+    if _differentiable(tensor):
+        return Allgather.apply(tensor, name)
+    return ops.allgather_now(tensor, name)
+
+
+@accepts_process_set
+def grouped_allgather(tensors: List[torch.Tensor], name: Optional[str] = None) -> List[torch.Tensor]:
+    """Allgather each tensor of a list.
+
+    >>> a, b = sr.grouped_allgather([torch.ones(1), torch.zeros(2, 3)])  # doctest: +SKIP
+    """
+    return [allgather(t, name=f"{name}.{i}" if name else None) for i, t in enumerate(tensors)]
+
+
+@accepts_process_set
+def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
+    """Return root's copy of ``tensor`` on every rank.
+
+    >>> sr.broadcast(torch.tensor([sr.rank()]), root_rank=0)  # doctest: +SKIP
+    tensor([0])
+    """
+    if _differentiable(tensor):
+        return Broadcast.apply(tensor, root_rank, name)
+    return ops.synchronize(ops.broadcast_async(tensor, root_rank, name))
+
+
+@accepts_process_set
+def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
+             name: Optional[str] = None):
+    """Scatter slices of ``tensor`` (dim 0, by ``splits``) to every rank and gather what
+    they send back, concatenated by source rank. As in Horovod: without ``splits`` the
+    output tensor; with ``splits`` the pair ``(output, received_splits)``.
+
+    >>> sr.alltoall(torch.arange(4))  # 2 ranks: rank 0 gets [0, 1] + rank 1's [0, 1]  # doctest: +SKIP
+    >>> out, received = sr.alltoall(t, splits=[1, 3])  # doctest: +SKIP
+    """
+    if _differentiable(tensor):
+        output, received = Alltoall.apply(tensor, splits, name)
+    else:
+        output, received = ops.alltoall_now(tensor, splits, name)
+    return output if splits is None else (output, received)
+
+
+@accepts_process_set
+def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
+                  op: str = ops.Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` over all ranks and return this rank's slice of dim 0 (the first
+    ranks get one row more when it does not divide evenly, as in Horovod).
+
+    >>> sr.reducescatter(torch.ones(4, 2))  # 2 ranks: a (2, 2) tensor of ones  # doctest: +SKIP
+    """
+    if op not in (ops.Average, ops.Sum):
+        raise ValueError(f"reducescatter: op={op!r} is not supported; use Average or Sum (as Horovod)")
+    compressed, ctx = compression.compress(tensor)
+    if _differentiable(compressed):
+        reduced = Reducescatter.apply(compressed, op, prescale_factor, postscale_factor)
+    else:
+        reduced = ops.reducescatter_now(compressed, op, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+@accepts_process_set
+def grouped_reducescatter(tensors: List[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
+                          op: str = ops.Average, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
+    """Reducescatter each tensor of a list.
+
+    >>> a, b = sr.grouped_reducescatter([torch.ones(4), torch.ones(2, 2)])  # doctest: +SKIP
+    """
+    return [reducescatter(t, compression=compression, op=op, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor) for t in tensors]

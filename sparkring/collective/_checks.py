@@ -108,9 +108,7 @@ def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
     if b.size == 1:
         return
     mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    from .functions import allgather_object
-
-    everyone = allgather_object(mine)
+    everyone = _runtime.gather_objects(mine)
     for r, theirs in enumerate(everyone):
         if theirs == mine or theirs is None:  # None: a rank that join()ed sends nothing
             continue
@@ -150,3 +148,6 @@ def hold_name(name: Optional[str], handle: object, what: str) -> None:
 def release(handle: object) -> None:
     for name in [n for n, h in in_flight.items() if h is handle]:
         del in_flight[name]
+
+
+_runtime.on_new_ring(lambda _backend: forget_names())

@@ -29,8 +29,6 @@ import threading
 import time
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
-import torch
-
 PREFIX = "sparkring/join/"
 _FOREVER = datetime.timedelta(days=30)
 _HISTORY_LIMIT = 100_000
@@ -211,53 +209,3 @@ class Joiner:
         except Exception:  # noqa: BLE001 - shutting down after a failure: nothing to save
             pass
         self._thread.join(timeout=2.0)
-
-
-# -- replay on a joined rank ----------------------------------------------------------
-
-def _neutral(shape: Tuple[int, ...], dtype: torch.dtype, op: str) -> torch.Tensor:
-    """What a joined rank contributes to an allreduce: the identity of ``op``."""
-    from .ops import Max, Min, Product
-
-    if op in (Min, Max):
-        if dtype == torch.bool:
-            value: Any = op == Min
-        elif dtype.is_floating_point:
-            value = float("inf") if op == Min else float("-inf")
-        else:
-            info = torch.iinfo(dtype)
-            value = info.max if op == Min else info.min
-    else:
-        value = 1 if op == Product else 0
-    return torch.full(shape, value, dtype=dtype)
-
-
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.split(".")[-1])
-
-
-def replay(recipe: Recipe) -> None:
-    """Run, on a joined rank, the collective the active ranks are running."""
-    import importlib
-
-    from . import _checks, _runtime, ops
-
-    kind = recipe.kind
-    me = _runtime.current().rank
-    if kind == "allreduce":
-        module, _, qualname = recipe.compression.partition(":")
-        compression = importlib.import_module(module)
-        for part in qualname.split("."):
-            compression = getattr(compression, part)
-        tensor = _neutral(recipe.shape, _dtype(recipe.dtype), recipe.op)
-        # the path the active ranks took, so every rank runs matching transfers
-        ops.allreduce_start(tensor, None, recipe.op, compression, recipe.prescale, recipe.postscale,
-                            path=recipe.path, name=recipe.name or None, checked=recipe.checked).wait()
-    elif kind in _checks.NOT_WITH_JOIN:
-        # take part in the agreement step only, saying "joined": every rank then raises, as
-        # Horovod does for these collectives while a rank has joined
-        _checks.agree(kind, joined=True, name=recipe.name or None)
-    elif kind == "barrier":
-        ops.barrier()
-    else:  # a newer peer: fail loudly rather than hang
-        raise RuntimeError(f"join(): rank {me} cannot take part in a {kind!r} collective")

@@ -45,7 +45,7 @@ def _lives_at(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
             and grad.storage_offset() == offset)
 
 
-class _DistributedOptimizerMixin:
+class DistributedOptimizerMixin:
     """Methods grafted onto a subclass of the user's optimizer class."""
 
     def _sr_setup(self, named_parameters, compression, backward_passes_per_step, op,
@@ -276,7 +276,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # num_groups/groups are Horovod's fusion hints; the buckets already fuse, so they are
     # accepted and change nothing.
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               {k: v for k, v in _DistributedOptimizerMixin.__dict__.items()
+               {k: v for k, v in DistributedOptimizerMixin.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
     wrapped: Any = object.__new__(cls)
     # an LR scheduler made before the wrap (Lightning's configure_optimizers does) replaced the

@@ -5,16 +5,14 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import TYPE_CHECKING, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ..errors import NotInitializedError
 from . import _env
 from ._backend import Backend
-
-if TYPE_CHECKING:
-    from ._join import Joiner, Recipe
+from ._join import Joiner, Recipe
 
 
 class _State:
@@ -25,7 +23,7 @@ class _State:
     local_size = 1
     cross_rank = 0
     cross_size = 1
-    joiner: Optional["Joiner"] = None  # when the ring has more than one rank
+    joiner: Optional[Joiner] = None  # when the ring has more than one rank
     lock = threading.Lock()
 
 
@@ -86,16 +84,30 @@ def init(backend: Optional[str] = None) -> None:
         state.local_size = int(env.get(_env.LOCAL_SIZE, str(state.backend.size)))
         state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
         state.cross_size = int(env.get(_env.CROSS_SIZE, "1"))
-        from ._checks import forget_names
-        from .process_sets import forget_all
+        for hook in _new_ring_hooks:
+            hook(state.backend)
 
-        forget_names()
-        forget_all()
-        stores = state.backend.join_stores()
-        if stores is not None:
-            from ._join import Joiner, replay
 
-            state.joiner = Joiner(state.backend.rank, state.backend.size, stores[0], stores[1], replay)
+# What the modules above this one reset or start for each new ring (names in flight, process
+# sets, the join watcher): they register here, so the ring's lifecycle imports none of them.
+_new_ring_hooks: List[Callable[[Backend], None]] = []
+
+
+def on_new_ring(hook: Callable[[Backend], None]) -> None:
+    """Call ``hook(backend)`` each time this process joins a ring, before any collective.
+
+    >>> on_new_ring(lambda backend: print(backend.size))  # doctest: +SKIP
+    """
+    _new_ring_hooks.append(hook)
+
+
+def gather_objects(obj: Any) -> List[Any]:
+    """Every rank's object, unchecked: for the collective's own agreements (argument checks,
+    process sets), below the public, checked ``allgather_object``. A joined rank sends None."""
+    seq = enter(Recipe("gather_objects"))
+    out = current().allgather_object(obj)
+    completed(seq)
+    return out
 
 
 def shutdown() -> None:
@@ -225,7 +237,7 @@ def in_subset() -> bool:
     return getattr(_scope, "backend", None) is not None
 
 
-def enter(recipe: "Recipe") -> int:
+def enter(recipe: Recipe) -> int:
     """Number this collective (and keep how to replay it) for ranks that join(); join() is
     about the global ring, so collectives of a process set are not numbered."""
     joiner = state.joiner

@@ -8,6 +8,7 @@ import torch
 
 from . import _checks, _runtime, ops
 from ._join import Recipe
+from ._optimizer import DistributedOptimizerMixin
 from .process_sets import accepts_process_set
 
 
@@ -114,9 +115,7 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
         for p in group["params"]:
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-    from ._optimizer import _DistributedOptimizerMixin
-
-    if isinstance(optimizer, _DistributedOptimizerMixin):
+    if isinstance(optimizer, DistributedOptimizerMixin):
         super(optimizer.__class__, optimizer).step()
     else:
         optimizer.step()

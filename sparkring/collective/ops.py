@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _checks, _runtime
+from ._adasum import adasum_allreduce
 from ._backend import Handle
 from ._handles import DoneHandle, PostHandle
 from ._join import Recipe
@@ -43,7 +44,7 @@ def scale(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return (tensor.double() * factor).trunc().to(tensor.dtype)
 
 
-def _resolve_op(average: Optional[bool], op: Optional[str]) -> str:
+def resolve_op(average: Optional[bool], op: Optional[str]) -> str:
     if average is not None and op is not None:
         raise ValueError("allreduce: pass either average= (deprecated) or op=, not both")
     if op is None:
@@ -132,8 +133,6 @@ def _allreduce_now(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str, r
     if recipe.path == "empty":
         _runtime.completed(seq)
         return DoneHandle(out if out is not None else tensor.clone())
-    from ._adasum import adasum_allreduce
-
     # staged like every other op: MPI reads host memory, NCCL device memory (a joined
     # rank replays on CPU), gloo's point-to-point stages CUDA tensors itself
     result = adasum_allreduce(to_wire(tensor), _runtime.current()).to(device=tensor.device, dtype=tensor.dtype)
@@ -153,7 +152,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     >>> h = sr.allreduce_async(torch.ones(3)); sr.synchronize(h)  # doctest: +SKIP
     tensor([1., 1., 1.])
     """
-    handle = allreduce_start(tensor, None, _resolve_op(average, op), compression, prescale_factor,
+    handle = allreduce_start(tensor, None, resolve_op(average, op), compression, prescale_factor,
                              postscale_factor, name=name, checked=True)
     _checks.hold_name(name, handle, "allreduce_async")
     return handle
@@ -167,27 +166,10 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
     >>> h = sr.allreduce_async_(t); sr.synchronize(h)  # doctest: +SKIP
     """
-    handle = allreduce_start(tensor, tensor, _resolve_op(average, op), Compression.none, prescale_factor,
+    handle = allreduce_start(tensor, tensor, resolve_op(average, op), Compression.none, prescale_factor,
                              postscale_factor, name=name, checked=True)
     _checks.hold_name(name, handle, "allreduce_async_")
     return handle
-
-
-@accepts_process_set
-def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-              compression=Compression.none, op: Optional[str] = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks (default: average) and return a new tensor.
-
-    >>> sr.allreduce(torch.tensor([float(sr.rank())]))  # 2 ranks  # doctest: +SKIP
-    tensor([0.5000])
-    """
-    op = _resolve_op(average, op)
-    if _differentiable(tensor):
-        from ._autograd import Allreduce
-
-        return Allreduce.apply(tensor, op, compression, prescale_factor, postscale_factor, name)
-    return allreduce_now(tensor, op, compression, prescale_factor, postscale_factor, name)
 
 
 def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, prescale_factor: float = 1.0,
@@ -195,10 +177,6 @@ def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, p
     """A blocking out-of-place allreduce, without autograd."""
     return synchronize(allreduce_start(tensor, None, op, compression, prescale_factor, postscale_factor,
                                        blocking=True, name=name, checked=True))
-
-
-def _differentiable(*tensors: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 @accepts_process_set
@@ -209,25 +187,8 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
 
     >>> t = torch.ones(2); sr.allreduce_(t, op=sr.Sum)  # doctest: +SKIP
     """
-    return synchronize(allreduce_start(tensor, tensor, _resolve_op(average, op), Compression.none,
+    return synchronize(allreduce_start(tensor, tensor, resolve_op(average, op), Compression.none,
                                        prescale_factor, postscale_factor, blocking=True, name=name, checked=True))
-
-
-@accepts_process_set
-def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = None,
-                      name: Optional[str] = None, compression=Compression.none,
-                      op: Optional[str] = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> List[torch.Tensor]:
-    """Allreduce a list of tensors as one fused operation per dtype.
-
-    >>> a, b = sr.grouped_allreduce([torch.ones(2), torch.zeros(3)])  # doctest: +SKIP
-    """
-    op = _resolve_op(average, op)
-    if _differentiable(*tensors):
-        from ._autograd import GroupedAllreduce
-
-        return list(GroupedAllreduce.apply(op, compression, prescale_factor, postscale_factor, *tensors))
-    return grouped_allreduce_now(tensors, op, compression, prescale_factor, postscale_factor)
 
 
 def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Compression.none,
@@ -256,17 +217,6 @@ def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Comp
     return results  # type: ignore[return-value]
 
 
-@accepts_process_set
-def grouped_allreduce_(tensors: List[torch.Tensor], **kwargs) -> List[torch.Tensor]:
-    """In-place variant of ``grouped_allreduce``.
-
-    >>> sr.grouped_allreduce_([w1, w2])  # doctest: +SKIP
-    """
-    for t, r in zip(tensors, grouped_allreduce(tensors, **kwargs)):
-        t.copy_(r)
-    return tensors
-
-
 def poll(handle: Handle) -> bool:
     """True when the asynchronous operation behind ``handle`` has finished.
 
@@ -289,20 +239,6 @@ def synchronize(handle: Handle):
 
 
 @accepts_process_set
-def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
-    """Concatenate every rank's tensor along dim 0; the first dimension may differ by rank.
-
-    >>> sr.allgather(torch.full((sr.rank() + 1,), sr.rank()))  # 2 ranks  # doctest: +SKIP
-    tensor([0, 1, 1])
-    """
-    if _differentiable(tensor):
-        from ._autograd import Allgather
-
-        return Allgather.apply(tensor, name)
-    return allgather_now(tensor, name)
-
-
-@accepts_process_set
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
     """Start an allgather; ``synchronize(handle)`` returns the result. (The exchange runs when
     it is issued: gloo and MPI serve one collective at a time per ring.)
@@ -310,15 +246,6 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
     >>> sr.synchronize(sr.allgather_async(torch.ones(2)))  # doctest: +SKIP
     """
     return DoneHandle(allgather_now(tensor, name))
-
-
-@accepts_process_set
-def grouped_allgather(tensors: List[torch.Tensor], name: Optional[str] = None) -> List[torch.Tensor]:
-    """Allgather each tensor of a list.
-
-    >>> a, b = sr.grouped_allgather([torch.ones(1), torch.zeros(2, 3)])  # doctest: +SKIP
-    """
-    return [allgather(t, name=f"{name}.{i}" if name else None) for i, t in enumerate(tensors)]
 
 
 @accepts_process_set
@@ -382,20 +309,6 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
 
 
 @accepts_process_set
-def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
-    """Return root's copy of ``tensor`` on every rank.
-
-    >>> sr.broadcast(torch.tensor([sr.rank()]), root_rank=0)  # doctest: +SKIP
-    tensor([0])
-    """
-    if _differentiable(tensor):
-        from ._autograd import Broadcast
-
-        return Broadcast.apply(tensor, root_rank, name)
-    return synchronize(broadcast_async(tensor, root_rank, name))
-
-
-@accepts_process_set
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Overwrite ``tensor`` with root's copy, in place.
 
@@ -437,25 +350,6 @@ def join(device: int = -1) -> int:
 
 
 @accepts_process_set
-def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
-             name: Optional[str] = None):
-    """Scatter slices of ``tensor`` (dim 0, by ``splits``) to every rank and gather what
-    they send back, concatenated by source rank. As in Horovod: without ``splits`` the
-    output tensor; with ``splits`` the pair ``(output, received_splits)``.
-
-    >>> sr.alltoall(torch.arange(4))  # 2 ranks: rank 0 gets [0, 1] + rank 1's [0, 1]  # doctest: +SKIP
-    >>> out, received = sr.alltoall(t, splits=[1, 3])  # doctest: +SKIP
-    """
-    if _differentiable(tensor):
-        from ._autograd import Alltoall
-
-        output, received = Alltoall.apply(tensor, splits, name)
-    else:
-        output, received = alltoall_now(tensor, splits, name)
-    return output if splits is None else (output, received)
-
-
-@accepts_process_set
 def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
                    name: Optional[str] = None) -> Handle:
     """Start an alltoall; ``synchronize(handle)`` returns what ``alltoall`` would.
@@ -494,26 +388,6 @@ def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.T
     return output, torch.tensor(recv_counts, dtype=torch.int32)
 
 
-@accepts_process_set
-def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=Compression.none,
-                  op: str = Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks and return this rank's slice of dim 0 (the first
-    ranks get one row more when it does not divide evenly, as in Horovod).
-
-    >>> sr.reducescatter(torch.ones(4, 2))  # 2 ranks: a (2, 2) tensor of ones  # doctest: +SKIP
-    """
-    if op not in (Average, Sum):
-        raise ValueError(f"reducescatter: op={op!r} is not supported; use Average or Sum (as Horovod)")
-    compressed, ctx = compression.compress(tensor)
-    if _differentiable(compressed):
-        from ._autograd import Reducescatter
-
-        reduced = Reducescatter.apply(compressed, op, prescale_factor, postscale_factor)
-    else:
-        reduced = reducescatter_now(compressed, op, prescale_factor, postscale_factor)
-    return compression.decompress(reduced, ctx)
-
-
 def reducescatter_now(tensor: torch.Tensor, op: str = Average, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """Reducescatter without autograd or compression."""
@@ -538,18 +412,6 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: st
     >>> part = sr.synchronize(sr.reducescatter_async(torch.ones(4, 2), op=sr.Sum))  # doctest: +SKIP
     """
     return DoneHandle(reducescatter_now(tensor, op, prescale_factor, postscale_factor))
-
-
-@accepts_process_set
-def grouped_reducescatter(tensors: List[torch.Tensor], name: Optional[str] = None, compression=Compression.none,
-                          op: str = Average, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> List[torch.Tensor]:
-    """Reducescatter each tensor of a list.
-
-    >>> a, b = sr.grouped_reducescatter([torch.ones(4), torch.ones(2, 2)])  # doctest: +SKIP
-    """
-    return [reducescatter(t, compression=compression, op=op, prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor) for t in tensors]
 
 
 @accepts_process_set

@@ -76,9 +76,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         raise ValueError(f"add_process_set: ranks {ps.ranks} must be distinct ranks in 0..{size - 1}")
     if any(other.ranks == ps.ranks for other in _registered.values()):
         raise ValueError(f"add_process_set: a process set with ranks {ps.ranks} is registered already")
-    from .functions import allgather_object
-
-    everyone = allgather_object(ps.ranks)
+    everyone = _runtime.gather_objects(ps.ranks)
     for r, ranks in enumerate(everyone):
         if ranks != ps.ranks:
             raise ValueError(f"add_process_set: rank {r} registers ranks {ranks} but rank {_runtime.rank()} "
@@ -140,3 +138,6 @@ def accepts_process_set(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+_runtime.on_new_ring(lambda _backend: forget_all())

@@ -10,16 +10,7 @@ import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import _runtime, ops
-
-
-class _AllreduceSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor):
-        return ops.allreduce(tensor, op=ops.Sum)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ops.allreduce(grad.contiguous(), op=ops.Sum)
+from ._autograd import allreduce
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -44,7 +35,7 @@ class SyncBatchNorm(_BatchNorm):
         x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         count = torch.tensor([input.numel() / channels], dtype=x.dtype, device=input.device)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        stats = _AllreduceSum.apply(stats)
+        stats = allreduce(stats, op=ops.Sum)  # differentiable: its gradient is the summed gradient
         total = stats[-1]
         mean = stats[:channels] / total
         var = (stats[channels:2 * channels] / total - mean * mean).clamp_min(0)

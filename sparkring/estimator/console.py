@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Any, List, Optional
 
-from ..runner.session import is_connect
+from ..runner.driver.session import is_connect
 from .events import EpochDone, FitBegan, StepDone, TrainingEvent
 
 # Spark's ConsoleProgressBar draws nothing within 500 ms of its finishAll() (which also

@@ -39,7 +39,7 @@ class _InlineBytes:
 
 def _ship(spark, data: bytes):
     """A broadcast variable on classic sessions, the bytes themselves on Spark Connect."""
-    from ..runner.session import is_connect
+    from ..runner.driver.session import is_connect
 
     return _InlineBytes(data) if is_connect(spark) else spark.sparkContext.broadcast(data)
 

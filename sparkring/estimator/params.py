@@ -12,7 +12,7 @@ from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilit
 
 from ..data import READERS
 from ..errors import ConfigurationError
-from ..runner.plan import BACKENDS
+from ..runner.driver.plan import BACKENDS
 from .tracking import MODES as MLFLOW_MODES
 
 

@@ -24,7 +24,7 @@ class SparkRingWriter(MLWriter):
     def _handleOverwrite(self, path: str) -> None:
         """Delete what is at ``path`` through the Store (pyarrow/fsspec), as Spark's own
         handler would through Hadoop's FileSystem, which a Spark Connect client cannot reach."""
-        from ..runner.session import is_connect
+        from ..runner.driver.session import is_connect
 
         if not is_connect(self.sparkSession):
             return super()._handleOverwrite(path)

@@ -6,10 +6,10 @@
 """
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .channel import report
-from .launch import launch, run
+from .driver.launch import launch, run
+from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
+from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
-from .plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
-from .session import spark_major
 
 __all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts",

@@ -9,13 +9,17 @@ that enumerates through CUDA). Written by hand: neither Spark nor torch maps one
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+import subprocess
 from dataclasses import dataclass
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from ..errors import ConfigurationError
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
+log = logging.getLogger(__name__)
 
 
 def preset_devices(environ: Mapping[str, str] = os.environ) -> Optional[List[str]]:
@@ -124,3 +128,15 @@ def torch_uuids() -> List[str]:
     import torch
 
     return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count())]
+
+
+def discover_gpus(script: Optional[str]) -> Tuple[str, ...]:
+    """Run a Spark GPU discovery script (prints ``{"name": "gpu", "addresses": [...]}``)."""
+    if not script:
+        return ()
+    try:
+        out = subprocess.run([script], capture_output=True, text=True, timeout=60, check=True).stdout
+        return tuple(str(a) for a in json.loads(out).get("addresses", []))
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        log.warning("GPU discovery script %s failed: %s", script, exc)
+        return ()

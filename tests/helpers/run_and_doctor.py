@@ -5,7 +5,7 @@ import sys
 from pyspark.sql import SparkSession
 
 import sparkring
-from sparkring.runner.doctor import doctor
+from sparkring.runner.driver.doctor import doctor
 
 
 def where_am_i():

@@ -18,10 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ..collective import _env
-from ..errors import ChannelError, ConfigurationError
-from . import channel, protocol
-from ._process import (
+from ...collective import _env
+from ...errors import ChannelError, ConfigurationError
+from .. import channel, protocol
+from ..failures import is_secondary
+from ..gpus import VISIBLE, HostGpus, cuda_names, discover_gpus, host_gpus
+from ..protocol import Abort, Cause, Detached, Done, Error, Event, Frame, Hello, Log, Rendezvous, Stacks, Started
+from ..versions import package_versions, skew, skew_message
+from .process import (
     describe_exit,
     dump_stacks,
     free_ports,
@@ -33,10 +37,6 @@ from ._process import (
     resolve,
     start_worker,
 )
-from .failures import is_secondary
-from .gpus import VISIBLE, HostGpus, cuda_names, host_gpus
-from .protocol import Abort, Cause, Detached, Done, Error, Event, Frame, Hello, Log, Rendezvous, Stacks, Started
-from .versions import package_versions, skew, skew_message
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
 # kind "message": one frame (protocol.dumps) the driver handles as if it came live.
@@ -189,8 +189,6 @@ class RingGpus:
 def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> RingGpus:
     driver_gpus = list(spec.driver_gpus)
     if not driver_gpus and spec.driver_gpu_script and any(g.gpus is None for g in gathered):
-        from .session import discover_gpus
-
         driver_gpus = cuda_names(discover_gpus(spec.driver_gpu_script))
     by_host: Dict[str, HostGpus] = {}
     for host in dict.fromkeys(hosts):

@@ -16,13 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 
-from ..collective import _env
-from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
-from . import pickling, protocol
-from ._task import RECORD_SCHEMA, TaskSpec, stage_function
-from .channel import DriverChannel
-from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
-from .protocol import (
+from ...collective import _env
+from ...errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from .. import pickling, protocol
+from ..channel import DriverChannel
+from ..protocol import (
     Abort,
     Arrived,
     ConnectionClosed,
@@ -38,8 +36,10 @@ from .protocol import (
     Stacks,
     Started,
 )
+from ..task.barrier import RECORD_SCHEMA, TaskSpec, stage_function
+from ..versions import package_versions
+from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
 from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
-from .versions import package_versions
 
 log = logging.getLogger(__name__)
 # How a cancelled job reads: Spark 4's error class, Spark 3.5's "Job 12 cancelled part of ..."

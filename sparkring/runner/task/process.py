@@ -11,13 +11,13 @@ import sys
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from ..collective import _env
-from ..processes import log_if_spawning, start_method
-from ._probe import find_mpiexec
+from ...collective import _env
+from ...processes import log_if_spawning, start_method
+from .._probe import find_mpiexec
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = "sparkring.runner._worker"
+WORKER_MODULE = "sparkring.runner.task.worker"
 
 
 def resolve(host: str) -> str:
@@ -136,7 +136,7 @@ class ForkedWorker:
                 sys.stdin = open(0, "r", closefd=False)
                 sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
                 sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
-                from ._worker import main
+                from .worker import main
 
                 main(workdir)
             finally:

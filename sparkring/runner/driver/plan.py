@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ..collective._runtime import BACKENDS as TRANSPORTS
-from ..errors import ConfigurationError
+from ...collective._runtime import BACKENDS as TRANSPORTS
+from ...errors import ConfigurationError
 from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, session_facts
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class LaunchPlan:
 
 
 def _check_mpi_installed() -> None:
-    from ._probe import find_mpiexec
+    from .._probe import find_mpiexec
 
     missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
                                      ("mpiexec", find_mpiexec() is not None)) if not ok]

@@ -14,11 +14,11 @@ from typing import Any, Callable, Dict, List, Optional, Union
 
 import cloudpickle
 
-from ..collective import _env
-from ..errors import ConfigurationError, RankFailedError, RankTimeoutError
-from ._process import dump_stacks, free_ports, kill_tree
+from ...collective import _env
+from ...errors import ConfigurationError, RankFailedError, RankTimeoutError
+from ..pickling import to_bytes
+from ..task.process import dump_stacks, free_ports, kill_tree
 from .launch import ScriptMain, _active_spark, run
-from .pickling import to_bytes
 
 
 class TorchDistributor:
@@ -104,7 +104,7 @@ def run_local(fn: Callable[..., Any], args, kwargs, num_proc: int, use_gpu: bool
                     print(f"[{rank}] {line}" if verbose >= 2 else line, file=target, flush=True)
         stream.close()
 
-    from ._process import start_worker
+    from ..task.process import start_worker
 
     try:
         for rank in range(num_proc):

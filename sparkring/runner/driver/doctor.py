@@ -12,9 +12,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from . import _probe
+from .. import _probe
+from ..versions import package_versions, skew
 from .session import JobTag, session_facts
-from .versions import package_versions, skew
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import threading
 import time
 import traceback
 
-from ..collective import _env
+from ...collective import _env
 
 
 def _die_with_parent() -> None:
@@ -47,10 +47,10 @@ def _die_with_parent() -> None:
 
 
 def _report_error(tb: str, exit_code=None) -> None:
-    from . import channel, protocol
+    from .. import channel, protocol
 
     try:
-        from .failures import is_secondary
+        from ..failures import is_secondary
 
         channel.report_raw(protocol.Error(rank=0, attempt=0, kind=protocol.EXCEPTION, traceback=tb,
                                           exit_code=exit_code, secondary=is_secondary(tb)))
@@ -89,7 +89,7 @@ def main(workdir: str) -> None:
 
     with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
-    from . import channel
+    from .. import channel
 
     if os.environ.get(_env.SECRET):
         channel.take_secret()  # before any user code runs
@@ -101,7 +101,7 @@ def main(workdir: str) -> None:
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():
             torch.set_num_threads(int(threads))  # the env var alone is too late after a fork
-        from ..collective import _torchrun
+        from ...collective import _torchrun
 
         _torchrun.install()
         # No sr.init() here: sparkring.collective joins the ring on first use, so code that
@@ -111,7 +111,7 @@ def main(workdir: str) -> None:
         with open(tmp, "wb") as f:
             cloudpickle.dump(result, f)
         os.replace(tmp, os.path.join(workdir, "result.pkl"))
-        from ..collective import _runtime
+        from ...collective import _runtime
 
         _runtime.close()
         _release_users_group()

@@ -3,12 +3,10 @@ sessions (``spark.conf`` only; the scheduler is asked directly only where a Spar
 and how jobs of a run are tagged and cancelled on either kind of session."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import socket
-import subprocess
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -201,18 +199,6 @@ def session_facts(spark) -> SessionFacts:
         driver_host=_driver_host(spark, connect),
         secured_by=tuple(key for key in SECURITY_SETTINGS if _flag(spark, key)),
         plain_traffic_accepted=_flag(spark, ACCEPT_PLAIN_TRAFFIC))
-
-
-def discover_gpus(script: Optional[str]) -> Tuple[str, ...]:
-    """Run a Spark GPU discovery script (prints ``{"name": "gpu", "addresses": [...]}``)."""
-    if not script:
-        return ()
-    try:
-        out = subprocess.run([script], capture_output=True, text=True, timeout=60, check=True).stdout
-        return tuple(str(a) for a in json.loads(out).get("addresses", []))
-    except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        log.warning("GPU discovery script %s failed: %s", script, exc)
-        return ()
 
 
 class JobTag:
