@@ -186,18 +186,7 @@ def bench_optimizer(spark, rows, reps):
                     c["unchecked"] / c["checked"], "(reference)"))
 
 
-ON_PAPER = """## On paper: the hierarchical allreduce on 8 hosts x 8 ranks
-
-A gradient of S bytes, 64 ranks. A flat ring sends 2 x 63/64 x S = 1.97 S from every rank per
-step, over 126 sequential steps of S/64-byte messages. Ranked host by host, 8 of its 64 links
-cross the network: 15.75 S leave the hosts per step (1.97 S per host NIC), and the other 56
-links carry 110 S through TCP loopback inside the hosts; placed as Spark pleases, up to all 64
-links cross hosts: 126 S on the network. The hierarchical path reduces inside each host
-through shared memory (no network, no loopback, at memory speed: the rows above), then 8
-leaders run a ring of 2 x 7/8 x S = 1.75 S each: 14 S on the network per step (1.75 S per host
-NIC, 11% less than the best flat ring and 89% less than the worst), over 14 sequential steps
-of S/8-byte messages instead of 126 of S/64 — the latency term shrinks 9x.
-"""
+NOTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "notes.md")  # prose under the table
 
 
 def bench_shm(spark, rows, reps, tmp, n=1_000_000):
@@ -485,7 +474,7 @@ def main():
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
                 all_rows.append(row)
-        write_table(all_rows, args.out, header, ON_PAPER)
+        write_table(all_rows, args.out, header, open(NOTES).read())
 
     import pyarrow
     import pyspark

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Dict
 
-from .collective import _env
+from .collective import environment
 
 try:  # the pytorch-lightning package, or the unified lightning package
     from pytorch_lightning.plugins.environments import ClusterEnvironment
@@ -72,7 +72,7 @@ class SparkRingEnvironment(ClusterEnvironment):
     @staticmethod
     def detect() -> bool:
         """True in a rank the sparkring runner started."""
-        return _env.RANK in os.environ and "MASTER_PORT" in os.environ
+        return environment.RANK in os.environ and "MASTER_PORT" in os.environ
 
     def world_size(self) -> int:
         return _number("WORLD_SIZE")

@@ -10,7 +10,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import NotInitializedError
-from . import _env
+from . import environment
 from ._backend import Backend
 from ._join import Joiner, Recipe
 
@@ -63,27 +63,23 @@ def init(backend: Optional[str] = None) -> None:
     with state.lock:
         if state.backend is not None:
             return
-        env = os.environ
-        rank = int(env.get(_env.RANK, "0"))
-        size = int(env.get(_env.SIZE, "1"))
-        name = (backend or env.get(_env.BACKEND) or "auto").lower()
+        place = environment.RankEnv.from_env()
+        name = (backend or place.backend).lower()
         if name == "auto":  # a script run on its own; under the runner the driver decided
-            name = "nccl" if torch.cuda.is_available() and env.get("CUDA_VISIBLE_DEVICES") else "gloo"
-        if env.get(_env.GPU) and torch.cuda.is_available():
+            name = "nccl" if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES") else "gloo"
+        if place.gpu is not None and torch.cuda.is_available():
             # the runner gives every rank of a host the same CUDA_VISIBLE_DEVICES, ordered by
             # local rank: this is the rank's own GPU (what set_device(local_rank) picks too)
-            torch.cuda.set_device(int(env[_env.GPU]))
-        timeout = float(env.get(_env.TIMEOUT, "1800"))
-        start_timeout = float(env.get(_env.START_TIMEOUT, timeout))  # rendezvous
+            torch.cuda.set_device(environment.rank_device())
         factory = BACKENDS.get(name)
         if factory is None:
             raise ValueError(f"backend={name!r} is not known; use one of {', '.join(sorted(BACKENDS))} or 'auto'")
-        port = state.next_port or env.get(_env.MASTER_PORT)
-        state.backend = factory(name, rank, size, env.get(_env.MASTER_ADDR), port, timeout, start_timeout)
-        state.local_rank = int(env.get(_env.LOCAL_RANK, str(state.backend.rank)))
-        state.local_size = int(env.get(_env.LOCAL_SIZE, str(state.backend.size)))
-        state.cross_rank = int(env.get(_env.CROSS_RANK, "0"))
-        state.cross_size = int(env.get(_env.CROSS_SIZE, "1"))
+        port = state.next_port or (str(place.master_port) if place.master_port is not None else None)
+        state.backend = factory(name, place.rank, place.size, place.master_addr, port, place.collective_timeout,
+                                place.rendezvous_timeout)
+        state.local_rank = state.backend.rank if place.local_rank is None else place.local_rank
+        state.local_size = state.backend.size if place.local_size is None else place.local_size
+        state.cross_rank, state.cross_size = place.cross_rank, place.cross_size
         for hook in _new_ring_hooks:
             hook(state.backend)
 
@@ -141,7 +137,7 @@ def _agree_next_port(backend: Backend) -> None:
     import time
 
     store = backend.rendezvous()
-    addr = os.environ.get(_env.MASTER_ADDR)
+    addr = environment.RankEnv.from_env().master_addr
     if store is None or not addr:
         return
     prefix = f"sparkring/ring{state.generation}/"
@@ -180,10 +176,6 @@ def is_initialized() -> bool:
     return state.backend is not None
 
 
-def _in_a_run() -> bool:
-    return _env.RANK in os.environ
-
-
 def current() -> Backend:
     """The backend of the ring (or of the process set a collective runs in); inside a
     sparkring run the first call joins the ring (lazy init, so code that sets up
@@ -191,7 +183,7 @@ def current() -> Backend:
     sub = getattr(_scope, "backend", None)
     if sub is not None:
         return sub
-    if state.backend is None and _in_a_run():
+    if state.backend is None and environment.in_a_run():
         init()
     if state.backend is None:
         raise NotInitializedError(

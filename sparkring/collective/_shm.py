@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HorovodInternalError
-from . import _env
+from . import environment
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class HostLayout:
 def host_id() -> str:
     """What identifies this rank's host: its hostname (SPARKRING_HOST_ID overrides it, for
     tests that simulate several hosts on one machine)."""
-    return os.environ.get(_env.HOST_ID) or platform.node()
+    return os.environ.get(environment.HOST_ID) or platform.node()
 
 
 def segment_bytes(local_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
@@ -85,8 +85,8 @@ def segment_bytes(local_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 def unusable_reason(local_size: int, chunk_bytes: int = CHUNK_BYTES) -> Optional[str]:
     """Why this host cannot run the shared-memory allreduce, or None."""
-    if os.environ.get(_env.SHM, "1").strip().lower() in ("0", "false", "off", "no"):
-        return f"{_env.SHM}=0"
+    if os.environ.get(environment.SHM, "1").strip().lower() in ("0", "false", "off", "no"):
+        return f"{environment.SHM}=0"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} orders stores weakly; the shared-memory path is x86-64 only"
     try:

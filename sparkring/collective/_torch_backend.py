@@ -13,6 +13,7 @@ from ._backend import Backend, Handle
 from ._buffers import ResultBuffers
 from ._shm import HostRing
 from ._store import client_store, rendezvous_store
+from .environment import rank_device
 
 _OPS = {
     "sum": dist.ReduceOp.SUM,
@@ -147,7 +148,7 @@ class TorchBackend(Backend):
 
     @property
     def device(self) -> Optional[torch.device]:
-        return torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl" else None
+        return rank_device() if self.name == "nccl" else None
 
     def _host_ring_for(self, tensor: torch.Tensor) -> Optional[HostRing]:
         """The shared-memory ring where it takes ``tensor`` (the whole ring's CPU tensors)."""

@@ -2,16 +2,22 @@
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Dict, Hashable, Optional
+from typing import Dict, Hashable, Optional, Protocol
 
-if TYPE_CHECKING:  # the Dataset deletes its entry here: no import back at run time
-    from .dataset import Dataset
 
-_cache: Dict[Hashable, "Dataset"] = {}
+class Prepared(Protocol):
+    """What the cache needs of a prepared Dataset (which imports this module, so not the class)."""
+
+    data_dir: str
+
+    def exists(self) -> bool: ...
+
+
+_cache: Dict[Hashable, Prepared] = {}
 _lock = threading.Lock()
 
 
-def lookup(key: Optional[Hashable]) -> Optional["Dataset"]:
+def lookup(key: Optional[Hashable]) -> Optional[Prepared]:
     """The Dataset prepared under ``key`` if its files still exist."""
     if key is None:
         return None
@@ -20,7 +26,7 @@ def lookup(key: Optional[Hashable]) -> Optional["Dataset"]:
     return ds if ds is not None and ds.exists() else None
 
 
-def remember(key: Optional[Hashable], ds: "Dataset") -> None:
+def remember(key: Optional[Hashable], ds: Prepared) -> None:
     if key is not None:
         with _lock:
             _cache[key] = ds

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import cloudpickle
@@ -14,7 +15,16 @@ from pyspark.ml.util import MLReadable, MLWritable
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs, prepare
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
-from ..runner import ESTIMATOR_NAMES, ConfigurationError, check_picklable, check_timeouts, launch, plan, to_bytes
+from ..runner import (
+    ESTIMATOR_NAMES,
+    ConfigurationError,
+    LaunchPlan,
+    check_picklable,
+    check_timeouts,
+    launch,
+    plan,
+    to_bytes,
+)
 from . import losses, tracking
 from .console import Progress, SparkBarPause
 from .events import TrainingEvent, from_payload
@@ -24,7 +34,18 @@ from .model import SparkRingModel
 from .params import OBJECT_PARAMS, PARAMS, SparkRingParams, check_values, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
 from .tracking import FitTracker
-from .training import RankResult, TrainConfig, non_finite_reason, train_rank
+from .training import EarlyStopping, RankResult, TrainConfig, non_finite_reason, train_rank
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the checks before any Spark job decided, for fit() to go on with."""
+
+    metrics: Dict[str, Any]
+    early_stopping: Optional[EarlyStopping]
+    plan: LaunchPlan
+    store: Store
+    spec: FeatureSpec
 
 
 class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
@@ -68,7 +89,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return that
 
     # -- validation before any Spark job ----------------------------------------------
-    def _validate(self, df) -> Dict[str, Any]:
+    def _validate(self, df) -> "_Checked":
         """Every check that needs no Spark job, with the facts fit() goes on with."""
         lightning, metrics = self._check_training()
         spec = self._check_columns(df)
@@ -87,7 +108,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
                                      "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
         store.check_writable()
-        return {"metrics": metrics, "early_stopping": es, "plan": launch_plan, "store": store, "spec": spec}
+        return _Checked(metrics=metrics, early_stopping=es, plan=launch_plan, store=store, spec=spec)
 
     def _check_training(self) -> Tuple[bool, Dict[str, Any]]:
         """The model, optimizer, losses, metrics and Param values; (is a LightningModule, metrics)."""
@@ -202,7 +223,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                                      "(configure_optimizers: optimizer and LR schedulers; training_step: the loss; "
                                      "self.log: metrics): drop " + ", ".join(f"{name}=" for name in given))
 
-    def _early_stopping(self, has_val: bool, metrics, lightning: bool = False) -> Optional[Dict[str, Any]]:
+    def _early_stopping(self, has_val: bool, metrics, lightning: bool = False) -> Optional[EarlyStopping]:
         es = self.getOrDefault("earlyStopping")
         if es is None:
             return None
@@ -222,8 +243,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         mode = es.get("mode", "max" if "acc" in monitor else "min")
         if mode not in ("min", "max"):
             raise ConfigurationError(f"earlyStopping mode={mode!r}: use 'min' or 'max'")
-        return {"monitor": monitor, "patience": int(es["patience"]), "mode": mode,
-                "min_delta": float(es.get("min_delta", 0.0))}
+        return EarlyStopping(monitor=monitor, patience=int(es["patience"]), mode=mode,
+                             min_delta=float(es.get("min_delta", 0.0)))
 
     def _check_labels(self, df) -> None:
         """Class-index losses need integral, non-negative labels: one small job checks them all."""
@@ -258,7 +279,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._check_labels(dataset)
         # one run directory holds this fit's prepared data and its checkpoints
         run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
-        ds = prepare(dataset, checked["store"], spec=checked["spec"], validation=self.getOrDefault("validation"),
+        ds = prepare(dataset, checked.store, spec=checked.spec, validation=self.getOrDefault("validation"),
                      seed=self.getOrDefault("seed"), run_id=run_id)
         self._prepared = ds
         try:
@@ -281,27 +302,45 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             tracker.fail()
             raise
 
-    def _fit_prepared(self, spark, ds, checked, run_id: str, tracker: Optional[FitTracker]) -> SparkRingModel:
-        launch_plan = checked["plan"]
-        num_proc = launch_plan.num_proc
+    def _steps_per_epoch(self, ds, num_proc: int) -> Tuple[int, int]:
+        """Training and validation steps of each rank's epoch, decided here for every rank: the
+        Params where set, else what the data gives each of ``num_proc`` ranks (training steps in
+        whole multiples of backwardPassesPerStep; validation: the longest rank's share)."""
         bs = self.getOrDefault("batchSize")
+        val_bs = self.getOrDefault("valBatchSize") or bs
+        passes = self.getOrDefault("backwardPassesPerStep")
         if ds.num_batches(bs, num_proc) == 0:
             raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
                                      f"on each of numProc={num_proc} ranks: lower batchSize or numProc")
+        train = self.getOrDefault("trainStepsPerEpoch") or ds.num_batches(bs, num_proc)
+        train -= train % passes
+        if train == 0:
+            raise ConfigurationError(f"an epoch of {ds.num_batches(bs, num_proc)} step(s) per rank holds no whole "
+                                     f"backwardPassesPerStep={passes}: lower backwardPassesPerStep or batchSize")
+        val = 0
+        if ds.num_rows("val") > 0:
+            val = self.getOrDefault("validationStepsPerEpoch") or max(
+                ds.num_batches(val_bs, num_proc, "val", False, r) for r in range(num_proc))
+        return train, val
+
+    def _fit_prepared(self, spark, ds, checked: _Checked, run_id: str, tracker: Optional[FitTracker]) -> SparkRingModel:
+        launch_plan = checked.plan
+        num_proc = launch_plan.num_proc
+        bs = self.getOrDefault("batchSize")
+        train_steps, val_steps = self._steps_per_epoch(ds, num_proc)
         verbose = self.getOrDefault("verbose")
         labels = self.labelColumns()
         cfg = TrainConfig(
             model=self.getOrDefault("model"), optimizer=self.getOrDefault("optimizer"),
-            losses=self.lossList(), metrics=checked["metrics"], dataset=ds, store=checked["store"],
+            losses=self.lossList(), metrics=checked.metrics, dataset=ds, store=checked.store,
             run_id=run_id, spec=ds.spec, loss_weights=self.getOrDefault("lossWeights") or [1.0] * len(labels),
             batch_size=bs, val_batch_size=self.getOrDefault("valBatchSize") or bs,
             epochs=self.getOrDefault("epochs"), shuffle=self.getOrDefault("shuffle"), seed=self.getOrDefault("seed"),
             backward_passes_per_step=self.getOrDefault("backwardPassesPerStep"),
             compression=self.getOrDefault("gradientCompression"),
             lr_scaling=self.getOrDefault("learningRateScaling"), warmup_epochs=self.getOrDefault("warmupEpochs"),
-            train_steps=self.getOrDefault("trainStepsPerEpoch"),
-            val_steps=self.getOrDefault("validationStepsPerEpoch"),
-            callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked["early_stopping"],
+            train_steps=train_steps, val_steps=val_steps,
+            callbacks=list(self.getOrDefault("callbacks") or []), early_stopping=checked.early_stopping,
             use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0,
             transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
@@ -332,7 +371,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         trained.load_state_dict(result.state_dict)
         model = SparkRingModel()
         self._copyValues(model)
-        model._set(model=trained, runId=run_id, store=checked["store"], optimizer=None)
+        model._set(model=trained, runId=run_id, store=checked.store, optimizer=None)
         model.history = result.history
         model.featureSpec = ds.spec
         model.outputShapes = result.output_shapes

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..runner import ConfigurationError
+from ..runner.versions import pinned
 from .events import EpochDone, TrainingEvent
 
 log = logging.getLogger(__name__)
@@ -275,15 +276,7 @@ class _run_active:
 def _requirements(packages: Sequence[str]) -> List[str]:
     """Pinned requirements of the logged model (given, so MLflow does not load the model in a
     subprocess to infer them)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    pinned = []
-    for name in packages:
-        try:
-            pinned.append(f"{name}=={version(name).split('+')[0]}")
-        except PackageNotFoundError:
-            pinned.append(name)
-    return pinned
+    return [pinned(name) for name in packages]
 
 
 def example_args(model, dataset) -> Optional[tuple]:

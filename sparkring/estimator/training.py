@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})\.pt$")
 
 
+@dataclass(frozen=True)
+class EarlyStopping:
+    """The earlyStopping Param, checked: stop once ``monitor`` has not improved by ``min_delta``
+    for ``patience`` epochs (``mode`` "min" or "max")."""
+
+    monitor: str
+    patience: int
+    mode: str = "min"
+    min_delta: float = 0.0
+
+
 @dataclass
 class TrainConfig:
     model: torch.nn.Module
@@ -48,10 +59,10 @@ class TrainConfig:
     compression: str
     lr_scaling: str
     warmup_epochs: float
-    train_steps: Optional[int]
-    val_steps: Optional[int]
+    train_steps: int                  # steps of each rank's epoch (a multiple of backward_passes_per_step)
+    val_steps: int                    # validation steps of each rank's epoch (0: no validation)
     callbacks: List[Any] = field(default_factory=list)
-    early_stopping: Optional[Dict[str, Any]] = None
+    early_stopping: Optional["EarlyStopping"] = None
     use_gpu: bool = False
     has_validation: bool = False
     transform_fn: Optional[Callable] = None
@@ -340,9 +351,7 @@ class _Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.rank, self.size = sr.rank(), sr.size()
-        # the rank's own GPU: sr.init() made it current (see the runner's CUDA_VISIBLE_DEVICES)
-        self.device = (torch.device("cuda", torch.cuda.current_device()) if cfg.use_gpu and torch.cuda.is_available()
-                       else torch.device("cpu"))
+        self.device = sr.rank_device(cfg.use_gpu)
         torch.manual_seed(cfg.seed)
         self.model = cfg.model.to(self.device)
         self.schedules: List[Schedule] = []
@@ -357,12 +366,7 @@ class _Trainer:
         self.opt = sr.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
                                            compression=getattr(sr.Compression, cfg.compression),
                                            backward_passes_per_step=cfg.backward_passes_per_step)
-        steps = cfg.train_steps or cfg.dataset.num_batches(cfg.batch_size, self.size)
-        self.steps = steps - steps % cfg.backward_passes_per_step
-        self.val_steps = 0
-        if cfg.has_validation:
-            self.val_steps = cfg.val_steps or max(cfg.dataset.num_batches(cfg.val_batch_size, self.size, "val",
-                                                                          False, r) for r in range(self.size))
+        self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
         self.workers = 0
         if cfg.transform_fn is not None:
             self.workers = (cfg.reader_workers if cfg.reader_workers is not None
@@ -500,19 +504,19 @@ class _Trainer:
 
     def _early_stop(self, logs: Dict[str, Any]) -> bool:
         es = self.cfg.early_stopping
-        if not es:
+        if es is None:
             return False
-        value = logs.get(es["monitor"])
+        value = logs.get(es.monitor)
         if value is None:
-            raise ValueError(f"earlyStopping monitors {es['monitor']!r} but the epoch logs have "
+            raise ValueError(f"earlyStopping monitors {es.monitor!r} but the epoch logs have "
                              f"{sorted(logs)}; monitor one of those")
-        better = self.best is None or (value < self.best - es["min_delta"] if es["mode"] == "min"
-                                       else value > self.best + es["min_delta"])
+        better = self.best is None or (value < self.best - es.min_delta if es.mode == "min"
+                                       else value > self.best + es.min_delta)
         if better:
             self.best, self.waited = value, 0
             return False
         self.waited += 1
-        return self.waited >= es["patience"]
+        return self.waited >= es.patience
 
     def finish(self) -> Optional[RankResult]:
         if self.cfg.lightning:

@@ -54,7 +54,12 @@ def find_mpiexec() -> Optional[str]:
     return None
 
 
-def _version(name: str) -> str:
+def installed_version(name: str) -> str:
+    """The version of ``name`` this interpreter would import: "missing" where it is not there,
+    sparkring's own from its code (it may arrive as --py-files, without metadata). The one
+    version reader of the project (this module travels by value, so it imports nothing of it)."""
+    if name == "python":
+        return platform.python_version()
     if importlib.util.find_spec(name) is None:
         return "missing"
     if name == "sparkring":
@@ -75,7 +80,7 @@ def probe(executor: str, gpus: List[str], driver_host: str, driver_port: int,
     """Look around this task's executor (import torch where it is there: GPUs, NCCL); the
     fields of TaskFacts as a dict (a dataclass pickled by value loses its __init__ under the
     cloudpickle of Spark 3.5)."""
-    versions = {"python": platform.python_version(), **{name: _version(name) for name in PACKAGES}}
+    versions = {"python": platform.python_version(), **{name: installed_version(name) for name in PACKAGES}}
     facts: Dict[str, Any] = {
         "executor": executor, "hostname": socket.gethostname(), "python_executable": sys.executable,
         "versions": versions, "cpu_count": os.cpu_count() or 1, "gpus_assigned": list(gpus), "gpus_visible": None,

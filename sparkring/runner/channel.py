@@ -20,7 +20,7 @@ import struct
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ..collective import _env
+from ..collective import environment
 from ..errors import ChannelError
 from . import protocol
 from .protocol import ConnectionClosed, Frame
@@ -232,12 +232,11 @@ def report_raw(frame: Union[protocol.Event, protocol.Error]) -> bool:
     tasks' reach, to the file its task returns with the results), as this rank of this attempt;
     False outside a run."""
     global _worker_conn
-    address = os.environ.get(_env.DRIVER)
-    event_file = os.environ.get(_env.EVENT_FILE)
+    place = environment.RankEnv.from_env()
+    address, event_file = place.driver, place.event_file
     if not address and not event_file:
         return False
-    frame = dataclasses.replace(frame, rank=int(os.environ.get(_env.RANK, "0")),
-                                attempt=int(os.environ.get(_env.ATTEMPT, "0")))
+    frame = dataclasses.replace(frame, rank=place.rank, attempt=place.attempt)
     with _worker_lock:
         if not address:
             with open(event_file, "ab") as f:
@@ -261,9 +260,9 @@ def take_secret() -> bytes:
     """
     global _worker_secret
     if _worker_secret is None:
-        _worker_secret = bytes.fromhex(os.environ.pop(_env.SECRET))
+        _worker_secret = bytes.fromhex(os.environ.pop(environment.SECRET))
     else:
-        os.environ.pop(_env.SECRET, None)
+        os.environ.pop(environment.SECRET, None)
     return _worker_secret
 
 

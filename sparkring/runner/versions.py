@@ -4,10 +4,10 @@ the barrier stage's first rendezvous, so a skew fails with one message instead o
 unpickling traceback deep inside a task."""
 from __future__ import annotations
 
-import importlib.metadata
-import platform
 import re
 from typing import Dict, List, Mapping
+
+from ._probe import installed_version
 
 # name -> how many leading release numbers must agree (torch's local build tag, +cpu or +cu128,
 # may differ: a CPU driver and GPU executors are a normal setup)
@@ -20,18 +20,17 @@ def package_versions() -> Dict[str, str]:
     >>> sorted(package_versions())
     ['cloudpickle', 'pyarrow', 'python', 'sparkring', 'torch']
     """
-    from .. import __version__
+    return {name: installed_version(name) for name in COMPARED}
 
-    # sparkring's own from the code that runs (it may arrive as --py-files, without metadata)
-    out = {"python": platform.python_version(), "sparkring": __version__}
-    for name in COMPARED:
-        if name in out:
-            continue
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "missing"
-    return out
+
+def pinned(name: str) -> str:
+    """``name==X.Y.Z`` for the installed release (no local build tag), or the bare name.
+
+    >>> pinned("torch").startswith("torch==")
+    True
+    """
+    version = installed_version(name)
+    return f"{name}=={version.split('+')[0]}" if version not in ("missing", "unknown") else name
 
 
 def _release(version: str, parts: int) -> tuple:

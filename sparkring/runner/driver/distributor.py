@@ -3,22 +3,22 @@
 local processes on the driver host with ``local_mode=True``), so switching is an import."""
 from __future__ import annotations
 
-import collections
 import os
-import shutil
 import sys
-import tempfile
 import threading
-import time
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import cloudpickle
 
-from ...collective import _env
+from ...collective import environment
 from ...errors import ConfigurationError, RankFailedError, RankTimeoutError
+from ..gpus import VISIBLE
 from ..pickling import to_bytes
-from ..task.process import dump_stacks, free_ports, kill_tree
-from .launch import ScriptMain, _active_spark, run
+from ..task.process import free_ports
+from ..task.rank import RankProcess, first_to_fail, supervise
+from ..task.workdir import WorkDir
+from .launch import ScriptMain, active_spark, run
+from .plan import local_backend
 
 
 class TorchDistributor:
@@ -48,13 +48,8 @@ class TorchDistributor:
         self.start_timeout = start_timeout
         self.verbose = verbose
         self.spark = spark
-        if local_mode and use_gpu:
-            import torch
-
-            if torch.cuda.device_count() < num_processes:
-                raise ConfigurationError(
-                    f"use_gpu=True with local_mode=True needs {num_processes} GPU(s) on this host, which has "
-                    f"{torch.cuda.device_count()}: pass use_gpu=False, or fewer num_processes")
+        if local_mode:
+            local_backend(num_processes, use_gpu)  # refuses, before any process starts, what it cannot run
 
     def run(self, train_object: Union[Callable[..., Any], str], *args: Any, **kwargs: Any) -> Optional[Any]:
         """Run ``train_object`` on every process; rank 0's return value for a function, None
@@ -76,105 +71,59 @@ class TorchDistributor:
         else:
             results = run(fn, args=args, kwargs=kwargs, num_proc=self.num_processes, use_gpu=self.use_gpu,
                           start_timeout=self.start_timeout, timeout=self.timeout, verbose=self.verbose,
-                          spark=self.spark or _active_spark())
+                          spark=self.spark or active_spark())
         return None if script else results[0]
 
 
 def run_local(fn: Callable[..., Any], args, kwargs, num_proc: int, use_gpu: bool, timeout: Optional[float],
               verbose: int = 1) -> List[Any]:
     """Run ``fn`` on ``num_proc`` fresh processes of this host, no Spark tasks (what
-    TorchDistributor's local_mode does); results ordered by rank.
+    TorchDistributor's local_mode does), through the barrier task's own rank launcher; results
+    ordered by rank.
 
     >>> run_local(fn, (), {}, 2, use_gpu=False, timeout=None)  # doctest: +SKIP
     """
     host = os.environ.get("SPARK_LOCAL_IP") or "127.0.0.1"
     store_port, torch_port = free_ports(host, 2)
     payload = to_bytes((fn, tuple(args), kwargs or {}))
-    gpus = ",".join(str(i) for i in range(num_proc)) if use_gpu else ""
-    procs, workdirs = [], []
-    lock = threading.Lock()
-    tails: Dict[int, collections.deque] = {}
-
-    def pump(stream, rank: int, target):
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            tails[rank].append(line)
-            if verbose >= 2 or (verbose == 1 and rank == 0):
-                with lock:
-                    print(f"[{rank}] {line}" if verbose >= 2 else line, file=target, flush=True)
-        stream.close()
-
-    from ..task.process import start_worker
-
+    backend = local_backend(num_proc, use_gpu)
+    printing = threading.Lock()
+    ranks: List[RankProcess] = []
     try:
         for rank in range(num_proc):
-            workdir = tempfile.mkdtemp(prefix=f"sparkring-local{rank}-")
-            workdirs.append(workdir)
-            with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
-                f.write(payload)
-            env = dict(os.environ)
-            env.update({
-                _env.RANK: str(rank), _env.SIZE: str(num_proc), _env.LOCAL_RANK: str(rank),
-                _env.LOCAL_SIZE: str(num_proc), _env.CROSS_RANK: "0", _env.CROSS_SIZE: "1",
-                _env.MASTER_ADDR: host, _env.MASTER_PORT: str(store_port), _env.BACKEND: "auto",
-                _env.PARENT_PID: str(os.getpid()), _env.WORKER_START: "spawn",
-                _env.EVENT_FILE: os.path.join(workdir, "events.jsonl"),
-                "CUDA_VISIBLE_DEVICES": gpus, "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-            })
-            env.pop(_env.DRIVER, None)
-            env.update(_env.torchrun_env(rank=rank, size=num_proc, local_rank=rank, local_size=num_proc,
-                                         node_rank=0, nodes=1, master_addr=host, master_port=torch_port,
-                                         run_id="local"))
-            tails[rank] = collections.deque(maxlen=40)
-            proc = start_worker(workdir, env)  # spawn: the driver holds a JVM, which must not be forked
-            procs.append(proc)
-            for stream, target in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                threading.Thread(target=pump, args=(stream, rank, target), daemon=True).start()
-        started = time.monotonic()
-        while any(p.poll() is None for p in procs):
-            failed = [rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)]
-            if failed:
-                rank = _first_to_fail(failed, workdirs)
-                raise _local_failure(rank, procs[rank].returncode, workdirs[rank], tails[rank])
-            if timeout is not None and time.monotonic() - started > timeout:
-                late = [r for r, p in enumerate(procs) if p.poll() is None]
-                stacks = "\n\n".join(f"rank {r}:\n{dump_stacks(procs[r], workdirs[r])}" for r in late)
-                raise RankTimeoutError(f"ranks {late} exceeded timeout={timeout:g}s and were killed; where "
-                                       f"their threads were:\n{stacks}", late)
-            time.sleep(0.05)
-        failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
-        if failed:
-            rank = _first_to_fail(failed, workdirs)
-            raise _local_failure(rank, procs[rank].returncode, workdirs[rank], tails[rank])
-        results = []
-        for workdir in workdirs:
-            with open(os.path.join(workdir, "result.pkl"), "rb") as f:
-                results.append(cloudpickle.load(f))
-        return results
+            workdir = WorkDir.create(rank)
+            place = environment.RankEnv(
+                rank=rank, size=num_proc, local_rank=rank, local_size=num_proc, master_addr=host,
+                master_port=store_port, torch_port=torch_port, run_id="local", backend=backend,
+                parent_pid=os.getpid(), event_file=workdir.events, gpu=rank if use_gpu else None)
+            env = {k: v for k, v in os.environ.items() if k != environment.DRIVER}
+            env.update(place.to_env())
+            env.update({environment.WORKER_START: "spawn",  # the driver holds a JVM, which must not be forked
+                        VISIBLE: ",".join(str(i) for i in range(num_proc)) if use_gpu else "",
+                        "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+            ranks.append(RankProcess(rank, workdir, payload, env, _printer(rank, verbose, printing)))
+        late = supervise(ranks, timeout)
+        if late:
+            stacks = "\n\n".join(f"rank {r.rank}:\n{r.stacks}" for r in late)
+            raise RankTimeoutError(f"ranks {[r.rank for r in late]} exceeded timeout={timeout:g}s and were killed; "
+                                   f"where their threads were:\n{stacks}", [r.rank for r in late])
+        if any(r.failed() for r in ranks):
+            first = first_to_fail(ranks)
+            raise RankFailedError(first.rank, first.failure(), first.returncode)
+        return [cloudpickle.loads(r.result()) for r in ranks]
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_tree(proc)
-        for workdir in workdirs:
-            shutil.rmtree(workdir, ignore_errors=True)
+        for r in ranks:
+            r.close()
 
 
-def _first_to_fail(ranks: List[int], workdirs: List[str]) -> int:
-    """The rank that failed first (its error file is the oldest): the others usually fail
-    because it went away."""
-    def written(rank: int) -> float:
-        try:
-            return os.stat(os.path.join(workdirs[rank], "error.txt")).st_mtime_ns
-        except OSError:
-            return float("inf")
+def _printer(rank: int, verbose: int, lock: threading.Lock) -> Callable[[str, str], None]:
+    """What the user asked to see of a local rank's output: rank 0's (verbose=1), every rank's
+    prefixed with its number (verbose=2), nothing (verbose=0)."""
 
-    return min(ranks, key=written)
+    def show(stream: str, line: str) -> None:
+        if verbose >= 2 or (verbose == 1 and rank == 0):
+            with lock:
+                print(f"[{rank}] {line}" if verbose >= 2 else line,
+                      file=sys.stdout if stream == "stdout" else sys.stderr, flush=True)
 
-
-def _local_failure(rank: int, code: int, workdir: str, tail) -> RankFailedError:
-    path = os.path.join(workdir, "error.txt")
-    if os.path.exists(path):
-        with open(path) as f:
-            return RankFailedError(rank, f.read(), code)
-    return RankFailedError(rank, f"process exited with code {code}; last output:\n" + "\n".join(tail), code)
+    return show

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 
-from ...collective import _env
+from ...collective import environment
 from ...errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .. import pickling, protocol
 from ..channel import DriverChannel
@@ -237,7 +237,7 @@ class _RunState:
             return self.errors[attempt]
 
 
-def _active_spark():
+def active_spark():
     """The caller's session: the active one (classic or Connect), else a new one from the
     builder (which honours SPARK_REMOTE)."""
     from pyspark.sql import SparkSession
@@ -275,7 +275,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         fn, args, kwargs = ScriptMain(str(fn), list(args)), (), None
     elif not callable(fn):
         raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
-    spark = spark or _active_spark()
+    spark = spark or active_spark()
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
                        names=RUN_NAMES, shared_memory=shared_memory)
     return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
@@ -293,7 +293,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     """
     num_proc = launch_plan.num_proc
     facts = launch_plan.facts
-    shm_env = {} if launch_plan.shared_memory else {_env.SHM: "0"}
+    shm_env = {} if launch_plan.shared_memory else {environment.SHM: "0"}
     if facts.local and not facts.connect:  # the barrier tasks run in this driver's JVM
         release_barrier_timer_at_exit(spark)
     named: Dict[str, Any] = {"fn": fn}

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ...collective._runtime import BACKENDS as TRANSPORTS
+from ...collective.hosting import TRANSPORTS
 from ...errors import ConfigurationError
 from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, session_facts
 
@@ -30,6 +30,7 @@ class ParamNames:
 
 RUN_NAMES = ParamNames()
 ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend")
+DISTRIBUTOR_NAMES = ParamNames(num_proc="num_processes", use_gpu="use_gpu", backend="backend")
 CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", timeout="--timeout",
                        start_timeout="--start-timeout")
 
@@ -126,6 +127,23 @@ def _decide_backend(backend: str, use_gpu: bool, shared_gpus: bool, names: Param
                     "task a whole GPU (spark.task.resource.gpu.amount=1) for NCCL")
         return "gloo"
     return "nccl"
+
+
+def local_backend(num_proc: int, use_gpu: bool) -> str:
+    """The backend of ranks started on the driver's host without Spark (TorchDistributor's
+    ``local_mode``): a GPU of this host each when ``use_gpu``, so NCCL where torch has it.
+
+    >>> local_backend(2, use_gpu=False)
+    'gloo'
+    """
+    if use_gpu:
+        import torch
+
+        if torch.cuda.device_count() < num_proc:
+            raise ConfigurationError(
+                f"use_gpu=True with local_mode=True needs {num_proc} GPU(s) on this host, which has "
+                f"{torch.cuda.device_count()}: pass use_gpu=False, or fewer num_processes")
+    return _decide_backend("auto", use_gpu, shared_gpus=False, names=DISTRIBUTOR_NAMES)
 
 
 def _check_security(facts: SessionFacts) -> None:

@@ -10,15 +10,12 @@ from __future__ import annotations
 import collections
 import os
 import shutil
-import signal
 import sys
-import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
-from ...collective import _env
+from ...collective import environment
 from ...errors import ChannelError, ConfigurationError
 from .. import channel, protocol
 from ..failures import is_secondary
@@ -26,17 +23,15 @@ from ..gpus import VISIBLE, HostGpus, cuda_names, discover_gpus, host_gpus
 from ..protocol import Abort, Cause, Detached, Done, Error, Event, Frame, Hello, Log, Rendezvous, Stacks, Started
 from ..versions import package_versions, skew, skew_message
 from .process import (
-    describe_exit,
-    dump_stacks,
     free_ports,
     interface_of,
-    kill_tree,
     mpi_network_env,
     mpi_shm_segments,
     remove_orphan_segments,
     resolve,
-    start_worker,
 )
+from .rank import RankProcess, supervise
+from .workdir import WorkDir
 
 # One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
 # kind "message": one frame (protocol.dumps) the driver handles as if it came live.
@@ -152,14 +147,6 @@ def _rank_layout(hosts: List[str], rank: int) -> Tuple[int, int, int, int]:
     return (same_host.index(rank), len(same_host), unique_hosts.index(hosts[rank]), len(unique_hosts))
 
 
-def _pump(stream, outbox: _Outbox, rank: int, attempt: int, name: str, tail) -> None:
-    for raw in iter(stream.readline, b""):
-        line = raw.decode("utf-8", "replace").rstrip("\n")
-        tail.append(line)
-        outbox.send(Log(rank=rank, attempt=attempt, stream=name, line=line))
-    stream.close()
-
-
 def _connect_driver(spec: TaskSpec) -> Optional[channel.Connection]:
     if not spec.stream:
         return None
@@ -193,9 +180,9 @@ def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> 
     by_host: Dict[str, HostGpus] = {}
     for host in dict.fromkeys(hosts):
         ranks = [r for r, h in enumerate(hosts) if h == host]
-        names = [gathered[r].gpus if gathered[r].gpus is not None
-                 else ([driver_gpus[i % len(driver_gpus)]] if driver_gpus else [])
-                 for i, r in enumerate(ranks)]
+        names: List[List[str]] = [
+            list(own) if own is not None else ([driver_gpus[i % len(driver_gpus)]] if driver_gpus else [])
+            for i, own in enumerate(gathered[r].gpus for r in ranks)]
         by_host[host] = host_gpus(names)
     shared = [h for h, g in by_host.items() if g.shared]
     backend = spec.backend
@@ -227,49 +214,40 @@ def _gpu_plan(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> O
     return _ring_gpus(spec, hosts, gathered)
 
 
-def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], rank: int, hosts: List[str], my_ip: str,
-              ports: List[int], attempt: int, live: bool, workdir: str) -> Dict[str, str]:
+def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workdir: WorkDir) -> Dict[str, str]:
+    rank, hosts = joined.rank, joined.hosts
     local_rank, local_size, cross_rank, cross_size = _rank_layout(hosts, rank)
+    host_gpus_ = gpus.by_host[hosts[rank]] if gpus is not None else None
+    place = environment.RankEnv(
+        rank=rank, size=spec.num_proc, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank,
+        cross_size=cross_size, master_addr=resolve(hosts[0]), master_port=joined.ports[0],
+        torch_port=joined.ports[1], run_id=str(joined.attempt),
+        backend=gpus.backend if gpus is not None else spec.backend, secret=spec.secret.hex(),
+        attempt=joined.attempt, start_timeout=spec.start_timeout, parent_pid=os.getpid(),
+        # a rank blocked in a collective fails with the run's timeout, not gloo's 30 minutes
+        timeout=spec.timeout,
+        driver=f"{spec.driver_host}:{spec.driver_port}" if joined.live else None,
+        event_file=None if joined.live else workdir.events,
+        gpu=host_gpus_.ordinals[local_rank] if host_gpus_ is not None else None)
     env = dict(os.environ)
     env.update({k: str(v) for k, v in spec.env.items()})
-    master_ip = resolve(hosts[0])
-    env.update({
-        _env.RANK: str(rank), _env.SIZE: str(spec.num_proc),
-        _env.LOCAL_RANK: str(local_rank), _env.LOCAL_SIZE: str(local_size),
-        _env.CROSS_RANK: str(cross_rank), _env.CROSS_SIZE: str(cross_size),
-        _env.MASTER_ADDR: master_ip, _env.MASTER_PORT: str(ports[0]),
-        _env.BACKEND: gpus.backend if gpus is not None else spec.backend,
-        _env.SECRET: spec.secret.hex(), _env.ATTEMPT: str(attempt),
-        _env.START_TIMEOUT: str(spec.start_timeout), _env.PARENT_PID: str(os.getpid()),
-        # a rank blocked in a collective fails with the run's timeout, not gloo's 30 minutes
-        **({_env.TIMEOUT: str(spec.timeout)} if spec.timeout is not None else {}),
-        # Everything this task can import, the worker can import (py-files, zips, tests).
-        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-        "PYTHONUNBUFFERED": "1",
-    })
-    env.update(_env.torchrun_env(rank=rank, size=spec.num_proc, local_rank=local_rank, local_size=local_size,
-                                 node_rank=cross_rank, nodes=cross_size, master_addr=master_ip,
-                                 master_port=ports[1], run_id=str(attempt)))
-    if live:
-        env[_env.DRIVER] = f"{spec.driver_host}:{spec.driver_port}"
-    else:
-        env.pop(_env.DRIVER, None)
-        env[_env.EVENT_FILE] = os.path.join(workdir, "events.jsonl")
-    iface = interface_of(my_ip)
+    for stale in (environment.DRIVER, environment.EVENT_FILE, environment.GPU):
+        env.pop(stale, None)
+    env.update(place.to_env())
+    # Everything this task can import, the worker can import (py-files, zips, tests).
+    env.update({"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "PYTHONUNBUFFERED": "1"})
+    iface = interface_of(joined.my_ip)
     if iface:
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
     if spec.backend == "mpi":
-        for key, value in mpi_network_env(iface, my_ip).items():
+        for key, value in mpi_network_env(iface, joined.my_ip).items():
             env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, spec.task_cpus)))
-    if gpus is not None:
-        host = gpus.by_host[hosts[rank]]
-        env[VISIBLE] = ",".join(host.visible)
-        env[_env.GPU] = str(host.ordinals[local_rank])
+    if host_gpus_ is not None:
+        env[VISIBLE] = ",".join(host_gpus_.visible)
     else:
         env.setdefault(VISIBLE, "")
-        env.pop(_env.GPU, None)
     return env
 
 
@@ -390,84 +368,67 @@ def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: _Outbox) -> Optional[R
 
 
 class _Supervisor:
-    """Follows a running worker: relays its output, obeys Abort and Cause frames from the driver
+    """Follows a running rank: relays its output, obeys Abort and Cause frames from the driver
     or the relay, and kills it past the run's timeout."""
 
-    def __init__(self, spec: TaskSpec, joined: _Joined, outbox: _Outbox, proc, workdir: str):
-        self.spec, self.joined, self.outbox, self.proc, self.workdir = spec, joined, outbox, proc, workdir
+    def __init__(self, spec: TaskSpec, joined: _Joined, outbox: _Outbox):
+        self.spec, self.joined, self.outbox = spec, joined, outbox
         self.aborted: Dict[str, str] = {}
         self.cause: List[Error] = []
         self.cause_known = threading.Event()
         self.died_first = threading.Event()
-        self.tail: collections.deque = collections.deque(maxlen=40)
         self.timed_out = False
-        self.stacks = ""
 
-    def listen(self, conn: channel.Connection) -> None:
-        proc, rank, attempt = self.proc, self.joined.rank, self.joined.attempt
+    def relay(self, stream: str, line: str) -> None:
+        self.outbox.send(Log(rank=self.joined.rank, attempt=self.joined.attempt, stream=stream, line=line))
+
+    def listen(self, conn: channel.Connection, worker: RankProcess) -> None:
+        rank, attempt = self.joined.rank, self.joined.attempt
         try:
             while True:
                 msg = conn.recv()
                 if msg is None:
-                    if conn is self.joined.control and proc.poll() is None:  # task 0 is gone: so is the stage
+                    if conn is self.joined.control and worker.running():  # task 0 is gone: so is the stage
                         self.aborted.setdefault("reason", "task 0 of the stage is gone")
-                        kill_tree(proc)
+                        worker.kill()
                     return
                 if isinstance(msg, Cause):
                     self.cause.append(msg.error)
                     self.cause_known.set()
                 elif isinstance(msg, Abort) and not self.aborted:
-                    if proc.poll() is not None and proc.returncode != 0:
+                    if worker.failed():
                         # this rank had died already (a peer's "connection closed" beat its
                         # report to the driver): it is the cause, and still reports its end
                         self.died_first.set()
                     self.aborted["reason"] = msg.reason or "the run was aborted"
                     if msg.dump:
-                        self.outbox.send(Stacks(rank=rank, attempt=attempt, stacks=dump_stacks(proc, self.workdir)))
-                    kill_tree(proc)
+                        self.outbox.send(Stacks(rank=rank, attempt=attempt, stacks=worker.dump_stacks()))
+                    worker.kill()
         except (OSError, ChannelError, ValueError):
             return
 
-    def follow(self) -> None:
+    def follow(self, worker: RankProcess) -> None:
         """Until the worker ends (or is killed past the timeout), with its output relayed."""
-        rank, attempt = self.joined.rank, self.joined.attempt
-        pumps = [threading.Thread(target=_pump, args=(s, self.outbox, rank, attempt, n, self.tail), daemon=True)
-                 for s, n in ((self.proc.stdout, "stdout"), (self.proc.stderr, "stderr"))]
-        for p in pumps:
-            p.start()
         for conn in (self.joined.driver, self.joined.control):
             if conn is not None:
-                threading.Thread(target=self.listen, args=(conn,), daemon=True).start()
-        started = time.monotonic()
-        while self.proc.poll() is None:
-            if self.spec.timeout is not None and time.monotonic() - started > self.spec.timeout:
-                self.timed_out = True
-                self.stacks = dump_stacks(self.proc, self.workdir)
-                kill_tree(self.proc)
-                break
-            time.sleep(0.05)
-        for p in pumps:
-            p.join(timeout=5)
-        _forward_events(self.workdir, self.outbox)
+                threading.Thread(target=self.listen, args=(conn, worker), daemon=True).start()
+        self.timed_out = bool(supervise([worker], self.spec.timeout))
+        worker.output_done()
+        for event in worker.events():  # what a detached rank reported goes out as records
+            self.outbox.send(event)
 
-    def error(self) -> Optional[Error]:
+    def error(self, worker: RankProcess) -> Optional[Error]:
         """How the rank ended, if badly (raises where Spark should rerun the stage instead)."""
-        rank, attempt, proc = self.joined.rank, self.joined.attempt, self.proc
+        rank, attempt = self.joined.rank, self.joined.attempt
         if self.timed_out:
             return Error(rank=rank, attempt=attempt, kind=protocol.TIMEOUT,
                          traceback=(f"rank {rank} exceeded timeout={self.spec.timeout:g}s and was killed; "
-                                    f"where its threads were:\n{self.stacks}"))
+                                    f"where its threads were:\n{worker.stacks}"))
         if self.aborted and self.spec.attempts > 1 and not self.died_first.is_set():
             raise RuntimeError(f"rank {rank} was stopped: {self.aborted['reason']}")
-        if (not self.aborted or self.died_first.is_set()) and proc.returncode != 0:
-            err_path = os.path.join(self.workdir, "error.txt")
-            if os.path.exists(err_path):
-                with open(err_path) as f:
-                    tb = f.read()
-            else:
-                tb = (f"rank {rank}'s worker process {describe_exit(proc.returncode)}; last output:\n"
-                      + "\n".join(self.tail))
-            return Error(rank=rank, attempt=attempt, kind=protocol.EXIT, exit_code=proc.returncode, traceback=tb,
+        if (not self.aborted or self.died_first.is_set()) and worker.failed():
+            tb = worker.failure()
+            return Error(rank=rank, attempt=attempt, kind=protocol.EXIT, exit_code=worker.returncode, traceback=tb,
                          secondary=is_secondary(tb))
         return None
 
@@ -491,66 +452,46 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     outbox = _Outbox(joined.driver, joined.control)
     outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank]))
     gpus = _ring_checks(spec, joined, outbox)
-    workdir = tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-")
-    env = _rank_env(spec, gpus, rank, joined.hosts, joined.my_ip, joined.ports, attempt, joined.live, workdir)
-    proc = None
+    workdir = WorkDir.create(rank)
+    env = _rank_env(spec, gpus, joined, workdir)
+    worker: Optional[RankProcess] = None
     shm_before = None
     if spec.backend == "mpi":
         remove_orphan_segments(set(), older_than_s=60.0)  # what killed tasks of earlier runs left
         shm_before = mpi_shm_segments()
     try:
-        with open(os.path.join(workdir, "payload.pkl"), "wb") as f:
-            f.write(spec.payload)
-        proc = start_worker(workdir, env)
-        outbox.send(Started(rank=rank, attempt=attempt, pid=proc.pid))
-        supervisor = _Supervisor(spec, joined, outbox, proc, workdir)
-        supervisor.follow()
-        error = supervisor.error()
+        supervisor = _Supervisor(spec, joined, outbox)
+        worker = RankProcess(rank, workdir, spec.payload, env, supervisor.relay)
+        outbox.send(Started(rank=rank, attempt=attempt, pid=worker.pid))
+        supervisor.follow(worker)
+        error = supervisor.error(worker)
         if error is not None:
             supervisor.report(error)
         result = None
         if error is None and not supervisor.aborted:
-            with open(os.path.join(workdir, "result.pkl"), "rb") as f:
-                result = f.read()
+            result = worker.result()
             outbox.send(Done(rank=rank, attempt=attempt))
         if joined.control is not None:
             # Detached: task 0's relay must outlive every rank, so the tasks leave together.
             ctx.barrier()
         yield from _records(rank, outbox, result, spec.chunk_bytes)
     finally:
-        _clean_up(proc, shm_before, workdir)
+        _clean_up(worker, shm_before, workdir)
         joined.close()
 
 
-def _clean_up(proc, shm_before, workdir: str) -> None:
+def _clean_up(worker: Optional[RankProcess], shm_before, workdir: WorkDir) -> None:
     """The worker and anything it left behind: its process group, MPI segments, its directory."""
-    if proc is not None and proc.poll() is None:
-        kill_tree(proc)
-    elif proc is not None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    if worker is not None:
+        worker.close()
     if shm_before is not None:
-        if proc is not None:
+        if worker is not None:
             try:
-                proc.wait(timeout=5)
+                worker.proc.wait(timeout=5)
             except Exception:  # noqa: BLE001 - leave the segments of a process that will not go
                 pass
         remove_orphan_segments(shm_before)
-    shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _forward_events(workdir: str, outbox: _Outbox) -> None:
-    """Events a detached rank reported (written to a file by its worker) go out as records."""
-    path = os.path.join(workdir, "events.jsonl")
-    if not os.path.exists(path):
-        return
-    with open(path, "rb") as f:
-        for line in f:
-            frame = protocol.loads(line)
-            if isinstance(frame, Event):
-                outbox.send(frame)
+    shutil.rmtree(workdir.path, ignore_errors=True)
 
 
 def stage_function(spec: TaskSpec):

@@ -11,9 +11,10 @@ import sys
 import time
 from typing import Dict, List, Optional, Set, Tuple
 
-from ...collective import _env
+from ...collective import environment
 from ...processes import log_if_spawning, start_method
 from .._probe import find_mpiexec
+from .workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,9 @@ def kill_tree(proc) -> None:
 
 def dump_stacks(proc, workdir: str) -> str:
     """Ask the worker for its Python stacks (faulthandler on SIGUSR1) before killing it."""
-    path = os.path.join(workdir, "stacks.txt")
+    path = WorkDir(workdir).stacks
     try:
-        with open(os.path.join(workdir, "pid")) as f:
+        with open(WorkDir(workdir).pid) as f:
             pid = int(f.read())
     except (OSError, ValueError):
         pid = proc.pid
@@ -161,11 +162,13 @@ class ForkedWorker:
 
     def wait(self, timeout: Optional[float] = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
+        while True:
+            code = self.poll()
+            if code is not None:
+                return code
+            if timeout is not None and deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
             time.sleep(0.02)
-        return self.returncode
 
 
 def open_files() -> Dict[int, Tuple[int, int]]:
@@ -299,14 +302,15 @@ def start_worker(workdir: str, env: Dict[str, str]):
     """Fork or spawn a fresh interpreter (:func:`sparkring.processes.start_method`); MPI ranks always start
     fresh under ``mpiexec -n 1``, which MPI_Init needs."""
     command = [sys.executable, "-m", WORKER_MODULE, workdir]
-    if env.get(_env.BACKEND) == "mpi":
+    place = environment.RankEnv.from_env(env)
+    if place.backend == "mpi":
         mpiexec = find_mpiexec()
         if mpiexec is None:
             raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
         command = [mpiexec, "-n", "1"] + command
     else:
-        start = start_method(uses_gpu=bool(env.get(_env.GPU)), env=env)
-        log_if_spawning(f"rank {env.get(_env.RANK, '?')}'s worker", start)
+        start = start_method(uses_gpu=place.gpu is not None, env=env)
+        log_if_spawning(f"rank {place.rank}'s worker", start)
         if start.forks:
             return ForkedWorker(workdir, env)
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

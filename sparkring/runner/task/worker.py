@@ -9,13 +9,14 @@ import threading
 import time
 import traceback
 
-from ...collective import _env
+from ...collective import environment
+from .workdir import WorkDir
 
 
 def _die_with_parent() -> None:
     """Exit when the task process that owns this rank is gone (it is the parent of a forked
     worker, the grandparent under mpiexec)."""
-    task = int(os.environ.get(_env.PARENT_PID, "0"))
+    task = environment.RankEnv.from_env().parent_pid or 0
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us with our parent
@@ -62,7 +63,7 @@ def _name_process() -> None:
     """Show up as sparkring-rank<N> in ps/top (a forked worker keeps its parent's cmdline)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.prctl(15, f"sparkring-r{os.environ.get(_env.RANK, '?')}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
+        libc.prctl(15, f"sparkring-r{os.environ.get(environment.RANK, '?')}".encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except OSError:
         pass
 
@@ -76,22 +77,23 @@ def _release_users_group() -> None:
         dist.destroy_process_group()
 
 
-def main(workdir: str) -> None:
+def main(path: str) -> None:
+    workdir = WorkDir(path)
     _die_with_parent()
     _name_process()
     import faulthandler
 
-    with open(os.path.join(workdir, "pid"), "w") as f:
+    with open(workdir.pid, "w") as f:
         f.write(str(os.getpid()))
-    stacks = open(os.path.join(workdir, "stacks.txt"), "w")
+    stacks = open(workdir.stacks, "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import cloudpickle
 
-    with open(os.path.join(workdir, "payload.pkl"), "rb") as f:
+    with open(workdir.payload, "rb") as f:
         fn, args, kwargs = cloudpickle.load(f)
     from .. import channel
 
-    if os.environ.get(_env.SECRET):
+    if os.environ.get(environment.SECRET):
         channel.take_secret()  # before any user code runs
     try:
         import torch
@@ -101,24 +103,22 @@ def main(workdir: str) -> None:
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():
             torch.set_num_threads(int(threads))  # the env var alone is too late after a fork
-        from ...collective import _torchrun
+        from ...collective import hosting
 
-        _torchrun.install()
+        hosting.before_user_code()
         # No sr.init() here: sparkring.collective joins the ring on first use, so code that
         # sets up torch.distributed itself (torchrun-style scripts) comes first.
         result = fn(*args, **(kwargs or {}))
-        tmp = os.path.join(workdir, "result.pkl.tmp")
+        tmp = workdir.result + ".tmp"
         with open(tmp, "wb") as f:
             cloudpickle.dump(result, f)
-        os.replace(tmp, os.path.join(workdir, "result.pkl"))
-        from ...collective import _runtime
-
-        _runtime.close()
+        os.replace(tmp, workdir.result)
+        hosting.after_user_code()
         _release_users_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the driver
         exit_code = getattr(exc, "exit_code", None)
         tb = traceback.format_exc()
-        with open(os.path.join(workdir, "error.txt"), "w") as f:
+        with open(workdir.error, "w") as f:
             f.write(tb)
         _report_error(tb, exit_code)
         sys.stdout.flush()

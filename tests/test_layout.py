@@ -1,0 +1,121 @@
+"""The package's layout holds in the code (ARCHITECTURE.md): no import circle, deferred imports
+included; layers import downward only; the runner's task side never imports its driver side; no
+package reaches into another's private modules; no function longer than a screen. Part of the
+fast layer."""
+import ast
+import pathlib
+from typing import Dict, List, Set
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparkring"
+MAX_FUNCTION_LINES = 80
+
+
+def _modules() -> Dict[str, pathlib.Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> Set[str]:
+    """Every sparkring module ``name`` imports anywhere in its body (deferred and TYPE_CHECKING too)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in MODULES and t != name)
+    return found
+
+
+GRAPH = {name: _imports(name) for name in MODULES}
+
+
+def _cycles() -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    on_stack: Set[str] = set()
+    components: List[List[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def test_no_module_takes_part_in_an_import_circle_deferred_imports_included():
+    assert _cycles() == []
+
+
+@pytest.mark.parametrize("lower, upper", [
+    ("sparkring.collective", "sparkring.runner"), ("sparkring.collective", "sparkring.estimator"),
+    ("sparkring.collective", "sparkring.data"), ("sparkring.data", "sparkring.runner"),
+    ("sparkring.data", "sparkring.estimator"), ("sparkring.data", "sparkring.collective"),
+    ("sparkring.runner", "sparkring.estimator"), ("sparkring.runner.task", "sparkring.runner.driver"),
+    ("sparkring.errors", "sparkring.runner"), ("sparkring.processes", "sparkring.collective"),
+])
+def test_a_layer_never_imports_one_above_it(lower, upper):
+    wrong = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if m == lower or m.startswith(lower + ".")
+                   for t in targets if t == upper or t.startswith(upper + "."))
+    assert wrong == []
+
+
+def test_no_package_imports_another_packages_private_modules():
+    def package_of(module: str) -> str:
+        path = MODULES[module]
+        return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+    wrong = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+                   if t.rsplit(".", 1)[-1].startswith("_") and not t.endswith("__")
+                   and not (package_of(m) + ".").startswith(t.rsplit(".", 1)[0] + "."))
+    assert wrong == []
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}: {lines} lines")
+    assert long == []
