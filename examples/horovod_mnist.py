@@ -1,8 +1,9 @@
-"""Horovod's classic pytorch_mnist.py, unchanged except for its import line, running on
-Spark through sparkring. MNIST cannot be downloaded here, so the data is synthetic and
-MNIST-shaped (28x28 images of 10 classes).
+"""Horovod's classic pytorch_mnist.py, with the checkpoint-and-resume of Horovod's ImageNet
+example, unchanged except for its import line, running on Spark through sparkring. MNIST cannot
+be downloaded here, so the data is synthetic and MNIST-shaped (28x28 images of 10 classes).
 
-    python -m sparkring run -np 2 examples/horovod_mnist.py --epochs 2
+    python -m sparkring run -np 2 examples/horovod_mnist.py --epochs 2 --checkpoint-dir /tmp/ckpt
+    python -m sparkring run -np 2 examples/horovod_mnist.py --epochs 3 --checkpoint-dir /tmp/ckpt  # resumes
 """
 import argparse
 import os
@@ -26,7 +27,8 @@ parser.add_argument("--log-interval", type=int, default=10)
 parser.add_argument("--fp16-allreduce", action="store_true", default=False)
 parser.add_argument("--use-adasum", action="store_true", default=False)
 parser.add_argument("--train-size", type=int, default=2048)
-parser.add_argument("--checkpoint-dir", default=None)
+parser.add_argument("--checkpoint-dir", default=None, help="save checkpoint-<epoch>.pt here after every epoch; "
+                    "a later run resumes from the last one")
 parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
 
 
@@ -121,21 +123,44 @@ if __name__ == "__main__":
         test_dataset, num_replicas=hvd.size(), rank=hvd.rank())
     test_loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=test_sampler)
 
+    # Horovod's ImageNet example: rank 0 finds the last checkpoint and tells the others.
+    checkpoint_format = os.path.join(args.checkpoint_dir or ".", "checkpoint-{epoch}.pt")
+    resume_from_epoch = 0
+    for try_epoch in range(args.epochs, 0, -1):
+        if args.checkpoint_dir and os.path.exists(checkpoint_format.format(epoch=try_epoch)):
+            resume_from_epoch = try_epoch
+            break
+    resume_from_epoch = hvd.broadcast(torch.tensor(resume_from_epoch), root_rank=0,
+                                      name="resume_from_epoch").item()
+
     model = Net()
     if args.cuda:
         model.cuda()
     lr_scaler = hvd.size() if not args.use_adasum else 1
     optimizer = optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                          compression=compression,
                                          op=hvd.Adasum if args.use_adasum else hvd.Average)
 
-    for epoch in range(1, args.epochs + 1):
+    # Restore on the first worker, which broadcasts weights and optimizer state to the others.
+    if resume_from_epoch > 0 and hvd.rank() == 0:
+        checkpoint = torch.load(checkpoint_format.format(epoch=resume_from_epoch))
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    if resume_from_epoch > 0:
+        momentum = sum(float(s["momentum_buffer"].abs().sum()) for s in optimizer.state.values())
+        everyone = hvd.allgather_object(round(momentum, 6))
+        if hvd.rank() == 0:
+            print("Resumed from epoch {}: momentum buffers {} on {} ranks (sum {:.6f})".format(
+                resume_from_epoch, "equal" if len(set(everyone)) == 1 else "DIFFER", hvd.size(), momentum))
+
+    for epoch in range(resume_from_epoch + 1, args.epochs + 1):
         train(epoch)
         test()
-    if hvd.rank() == 0 and args.checkpoint_dir:
-        os.makedirs(args.checkpoint_dir, exist_ok=True)
-        torch.save(model.state_dict(), os.path.join(args.checkpoint_dir, "checkpoint.pt"))
+        if hvd.rank() == 0 and args.checkpoint_dir:
+            os.makedirs(args.checkpoint_dir, exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                       checkpoint_format.format(epoch=epoch))

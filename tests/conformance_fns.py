@@ -291,6 +291,177 @@ def peer_loss():
     return "no error"
 
 
+def async_ops_in_any_order():
+    """Horovod's coordinator semantics: an async op runs once every rank started it, whatever
+    else each rank did in between; poll() is False until then; a name in flight twice raises."""
+    r = hvd.rank()
+    out = {}
+    t = torch.full((3,), float(r + 1))
+    if r == 0:  # Horovod's duplicate-name test: rank 0 starts its op before a barrier, rank 1 after
+        first = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
+        out["polled_before"] = hvd.poll(first)
+        out["second"] = _raises(lambda: hvd.allreduce_async(t, name="dup"))
+    hvd.barrier()
+    if r > 0:
+        first = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
+        out["polled_before"] = hvd.poll(first)
+        out["second"] = _raises(lambda: hvd.allreduce_async(t, name="dup"))
+    hvd.barrier()
+    out["dup"] = hvd.synchronize(first)
+    # the same two named ops started in opposite orders, then one unnamed op of each kind
+    a, b = torch.tensor([1.0 + r]), torch.tensor([10.0 * (r + 1)])
+    names = ["a", "b"] if r == 0 else ["b", "a"]
+    handles = {n: hvd.allreduce_async(a if n == "a" else b, name=n, op=hvd.Sum) for n in names}
+    out["b"] = hvd.synchronize(handles["b"])
+    out["a"] = hvd.synchronize(handles["a"])
+    kinds = [hvd.allgather_async(torch.tensor([r])), hvd.broadcast_async(torch.tensor([r + 5]), 1),
+             hvd.reducescatter_async(torch.ones(4) * (r + 1), op=hvd.Sum),
+             hvd.alltoall_async(torch.arange(hvd.size()) + 10 * r)]
+    out["polled"] = [hvd.poll(h) for h in kinds]
+    out["kinds"] = [hvd.synchronize(h) for h in kinds]
+    out["after"] = [hvd.poll(h) for h in kinds]
+    return out
+
+
+def _raises(call):
+    try:
+        call()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def ring_usable_after_errors():
+    """After a mismatch, a wait for an op no other rank started, and refused arguments, every
+    rank is at the same point: ten good collectives of different kinds follow."""
+    r = hvd.rank()
+    out = {"errors": []}
+    for bad in (lambda: hvd.allreduce(torch.ones(2 + r)),
+                lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(1), name="only-on-0")) if r == 0
+                else hvd.barrier(),
+                lambda: hvd.reducescatter(torch.tensor(float(r))),
+                lambda: hvd.reducescatter(torch.ones(4), op=hvd.Adasum)):
+        try:
+            bad()
+            out["errors"].append(None)
+        except (RuntimeError, ValueError) as exc:
+            out["errors"].append((type(exc).__name__, isinstance(exc, RuntimeError), str(exc)))
+    good = []
+    for i in range(10):
+        kind = i % 5
+        if kind == 0:
+            good.append(hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).item())
+        elif kind == 1:
+            good.append(hvd.allgather(torch.tensor([r])).tolist())
+        elif kind == 2:
+            good.append(hvd.broadcast(torch.tensor([r + i]), root_rank=0).item())
+        elif kind == 3:
+            good.append(hvd.allgather_object(("obj", r)))
+        else:
+            hvd.barrier()
+            good.append("barrier")
+    out["good"] = good
+    return out
+
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+}
+
+
+def resume_broadcast_of_optimizer_state(wrapped):
+    """Horovod's resume pattern: only rank 0 has optimizer state (it loaded a checkpoint); after
+    broadcast_parameters + broadcast_optimizer_state every rank holds rank 0's, for any optimizer."""
+    r = hvd.rank()
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        torch.manual_seed(r)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+        opt = make(model.parameters())
+        if wrapped:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        if r == 0:  # rank 0 loads a checkpoint: weights and optimizer state of two trained steps
+            source = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+            trained = make(source.parameters())
+            for _ in range(2):
+                trained.zero_grad()
+                source(torch.ones(5, 4)).pow(2).sum().backward()
+                trained.step()
+            model.load_state_dict(source.state_dict())
+            opt.load_state_dict(trained.state_dict())
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        state = opt.state_dict()
+        out[name] = {"params": [v.clone() for _, v in sorted(model.state_dict().items())],
+                     "state": {pid: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+                               for pid, s in state["state"].items()},
+                     "groups": [{k: v for k, v in g.items() if k != "params"} for g in state["param_groups"]]}
+        # and it trains on from there, identically on every rank
+        opt.zero_grad()
+        model(torch.ones(5, 4)).pow(2).sum().backward()
+        opt.step()
+        out[name]["after_step"] = [v.clone() for _, v in sorted(model.state_dict().items())]
+    return out
+
+
+def optimizers_horovod_style():
+    """DistributedOptimizer without named_parameters (Horovod's _parameter_names), SparseAdam with
+    sparse embeddings (sparse_as_dense or not), an optimizer on a process set this rank is not in,
+    and barrier(process_set) positional."""
+    r = hvd.rank()
+    out = {}
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10), torch.nn.Linear(10, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                    {"params": model[1].parameters()}], lr=0.001))
+    out["names"] = sorted(opt._parameter_names.values())
+    out["all_names"] = hvd.allgather_object(set(opt._parameter_names.values()))
+    for sparse_as_dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        sparse_opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                              sparse_as_dense=sparse_as_dense)
+        ids = torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]] if r == 0 else [[1, 3, 4], [4, 7, 9]])
+        sparse_opt.zero_grad()
+        emb(ids).sum().backward()
+        sparse_opt.step()
+        out[f"sparse_adam_{sparse_as_dense}"] = emb.weight.detach().clone()
+    evens = hvd.add_process_set([k for k in range(hvd.size()) if k % 2 == 0])
+    odds = hvd.add_process_set([k for k in range(hvd.size()) if k % 2 == 1])
+    torch.manual_seed(r)
+    net = torch.nn.Linear(3, 2)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    set_opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5),
+                                       named_parameters=net.named_parameters(), process_set=evens)
+    net(torch.ones(2, 3) * (r + 1)).sum().backward()
+    set_opt.step()
+    mine = evens if r % 2 == 0 else odds
+    out["set_weights"] = hvd.allgather(net.weight.detach().reshape(1, -1), process_set=mine)
+    started = time.monotonic()
+    if r == 0:
+        time.sleep(1.0)
+    hvd.barrier(mine)  # positional, as Horovod's test calls it
+    out["barrier_s"] = time.monotonic() - started
+    hvd.remove_process_set(odds)
+    hvd.remove_process_set(evens)
+    return out
+
+
+def reinit_seconds(times):
+    """Seconds each shutdown() + init() + first collective takes (gloo mode does it per test)."""
+    out = []
+    for _ in range(times):
+        started = time.monotonic()
+        hvd.shutdown()
+        hvd.init()
+        hvd.allreduce(torch.ones(1))
+        out.append(time.monotonic() - started)
+    return out
+
+
 def outcome(fn_name, **kwargs):
     """("ok", result) or ("error", traceback) of one function here: every rank's outcome reaches
     the test, also where a rank raising would end the run (sparkring.run on MPI)."""

@@ -222,3 +222,96 @@ def test_a_peer_that_goes_away_raises_horovod_internal_error_on_the_survivor():
     # ranks on one host meet in shared memory, which sees the process end; gloo sees the socket close
     assert ("on this host ended while this rank waited" in survivor["message"]
             or ("Connection closed by peer" in survivor["message"] and survivor["cause"] == "RuntimeError"))
+
+
+# -- what Horovod's own test_torch.py found (each failure class has a test of its own here) ------
+
+@rings(*EVERY_RING)
+def test_async_operations_run_once_every_rank_started_them_whatever_the_order(on):
+    results = on("async_ops_in_any_order")
+    n = on.ring.size
+    total = n * (n + 1) / 2
+    for rank, r in enumerate(results):
+        assert r["polled_before"] is False
+        assert "an operation named 'dup' is still in flight" in r["second"]
+        assert r["dup"].tolist() == [total] * 3
+        assert r["a"].item() == total and r["b"].item() == 10 * total
+        assert r["polled"] == [False] * 4 and r["after"] == [True] * 4
+        gathered, broadcast, scattered, swapped = r["kinds"]
+        assert gathered.tolist() == list(range(n)) and broadcast.tolist() == [6]
+        rows = 4 // n + (1 if rank < 4 % n else 0)
+        assert scattered.tolist() == [total] * rows
+        assert swapped.tolist() == [rank + 10 * j for j in range(n)]
+
+
+@rings(*RINGS_OF_TWO)
+def test_after_a_mismatch_a_stuck_wait_and_refused_arguments_every_rank_goes_on_together(on):
+    results = on("ring_usable_after_errors")
+    n = on.ring.size
+    for r in results:
+        mismatch, stuck, scalar, adasum = r["errors"]
+        assert mismatch[:2] == ("MismatchError", True) and "mismatched allreduce" in mismatch[2]
+        assert stuck[:2] == ("MismatchError", True)
+        assert "rank 0 waits in sync 'only-on-0' with 'only-on-0' queued" in stuck[2]
+        assert "rank 1 waits in barrier" in stuck[2]
+        assert scalar[0] == "ValueError" and "scalar" in scalar[2]
+        assert adasum[:2] == ("NotImplementedError", True) and "Adasum" in adasum[2]
+        assert r["good"] == [n * (n - 1) / 2, list(range(n)), 2, [("obj", k) for k in range(n)], "barrier",
+                             n * (n - 1) / 2, list(range(n)), 7, [("obj", k) for k in range(n)], "barrier"]
+
+
+@rings(GLOO_2, GLOO_3, MPI_2)
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "distributed"])
+def test_broadcast_optimizer_state_gives_every_rank_the_roots_state_for_any_optimizer(on, wrapped):
+    results = on("resume_broadcast_of_optimizer_state", wrapped=wrapped)
+    root = results[0]
+    assert set(root) == set(conformance_fns.OPTIMIZERS)
+    for name, want in root.items():
+        assert want["state"], name  # the root had state to send
+        for r in results[1:]:
+            got = r[name]
+            for a, b in zip(got["params"], want["params"]):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+            assert got["groups"] == want["groups"], name
+            assert got["state"].keys() == want["state"].keys(), name
+            for pid, entries in want["state"].items():
+                assert got["state"][pid].keys() == entries.keys(), (name, pid)
+                for key, value in entries.items():
+                    if torch.is_tensor(value):
+                        torch.testing.assert_close(got["state"][pid][key], value, atol=0, rtol=0)
+                    else:
+                        assert got["state"][pid][key] == value, (name, pid, key)
+            for a, b in zip(got["after_step"], want["after_step"]):
+                torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@rings(GLOO_2, GLOO_3)
+def test_distributed_optimizer_the_horovod_way_names_sparse_adam_and_process_sets(on):
+    results = on("optimizers_horovod_style")
+    n = on.ring.size
+    names = ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0", "allreduce.noname.1.1"]
+    ids = [torch.LongTensor([[1, 2, 4, 5], [4, 3, 2, 9]])] + [torch.LongTensor([[1, 3, 4], [4, 7, 9]])] * (n - 1)
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    reference = torch.optim.SparseAdam(list(emb.parameters()), lr=0.1)
+    (sum(emb(i).sum() for i in ids) / n).backward()
+    reference.step()
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    evens = [k for k in range(n) if k % 2 == 0]
+    for rank, r in enumerate(results):
+        assert r["names"] == names and r["all_names"] == [set(names)] * n
+        for sparse_as_dense in (False, True):
+            torch.testing.assert_close(r[f"sparse_adam_{sparse_as_dense}"], emb.weight.detach(), atol=1e-6, rtol=0)
+        grad = sum(2.0 * (k + 1) for k in evens) / len(evens) if rank in evens else 2.0 * (rank + 1)
+        for row in r["set_weights"]:
+            torch.testing.assert_close(row, (net.weight.detach() - 0.5 * grad).reshape(-1), atol=1e-6, rtol=0)
+        if rank in evens and len(evens) > 1 or rank == 0:
+            assert r["barrier_s"] >= 0.9  # a member of the even set waited for rank 0's second of sleep
+        elif rank % 2 == 1:
+            assert r["barrier_s"] < 0.9
+
+
+def test_init_after_shutdown_forms_the_next_ring_in_well_under_a_second():
+    times = [t for r in _ranks("reinit_seconds", times=5) for t in r]
+    assert sorted(times)[len(times) // 2] < 0.5, times

@@ -79,20 +79,30 @@ def test_imagenet_style_loop_with_warmup_metrics_resume_fp16_and_two_passes_per_
         assert r0["lr"] == pytest.approx(0.05 * 2 * 2)  # warmed up to base_lr * size * passes
 
 
-def test_horovod_mnist_script_runs_on_spark_with_only_its_import_changed(tmp_path):
+def test_horovod_mnist_script_runs_on_spark_with_only_its_import_changed_and_resumes_from_its_checkpoint(tmp_path):
     script = os.path.join(ROOT, "examples", "horovod_mnist.py")
     source = open(script).read()
     code = source.split('"""', 2)[2]  # after the module docstring
     assert code.count("sparkring") == 1  # the one changed import line
     assert "import sparkring.collective as hvd  # was: import horovod.torch as hvd" in source
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.run([sys.executable, "-m", "sparkring", "run", "-np", "2", "--master", "local[2]", script,
-                           "--epochs", "3", "--checkpoint-dir", str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"Test set: Average loss: ([0-9.]+)", proc.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0]
-    assert os.path.getsize(tmp_path / "checkpoint.pt") > 10_000
+
+    def train(epochs):
+        proc = subprocess.run([sys.executable, "-m", "sparkring", "run", "-np", "2", "--master", "local[2]", script,
+                               "--epochs", str(epochs), "--checkpoint-dir", str(tmp_path), "--train-size", "1024"],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        return proc.stdout, [float(x) for x in re.findall(r"Test set: Average loss: ([0-9.]+)", proc.stdout)]
+
+    first, losses = train(2)
+    assert len(losses) == 2 and losses[-1] < losses[0] and "Resumed" not in first
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-1.pt", "checkpoint-2.pt"]
+    # the second run starts at the saved epoch, with rank 0's SGD+momentum state on every rank
+    second, more = train(3)
+    assert "Resumed from epoch 2: momentum buffers equal on 2 ranks" in second, second[-2000:]
+    assert re.search(r"Train Epoch: 3 ", second) and not re.search(r"Train Epoch: [12] ", second)
+    assert len(more) == 1 and more[0] < losses[0]
+    assert os.path.getsize(tmp_path / "checkpoint-3.pt") > 10_000
 
 
 def test_join_lets_ranks_with_uneven_steps_finish_with_horovods_semantics():

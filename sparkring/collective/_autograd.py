@@ -79,7 +79,7 @@ class Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name):
         _remember_set(ctx)
         ctx.root_rank = root_rank
-        return ops.synchronize(ops.broadcast_async(tensor.detach(), root_rank, name))
+        return ops.synchronize(ops.broadcast_start(tensor.detach().clone(), root_rank, name))
 
     @staticmethod
     @_in_forwards_set
@@ -203,7 +203,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) 
     """
     if _differentiable(tensor):
         return Broadcast.apply(tensor, root_rank, name)
-    return ops.synchronize(ops.broadcast_async(tensor, root_rank, name))
+    return ops.synchronize(ops.broadcast_start(tensor.clone(), root_rank, name))
 
 
 @accepts_process_set
@@ -231,8 +231,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
 
     >>> sr.reducescatter(torch.ones(4, 2))  # 2 ranks: a (2, 2) tensor of ones  # doctest: +SKIP
     """
-    if op not in (ops.Average, ops.Sum):
-        raise ValueError(f"reducescatter: op={op!r} is not supported; use Average or Sum (as Horovod)")
+    ops.check_reducescatter(tensor, op)
     compressed, ctx = compression.compress(tensor)
     if _differentiable(compressed):
         reduced = Reducescatter.apply(compressed, op, prescale_factor, postscale_factor)

@@ -10,23 +10,27 @@ once, when the optimizer was built (check_same_shapes)."""
 from __future__ import annotations
 
 import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
 from ..errors import MismatchError
-from . import _runtime
+from . import _pending, _runtime
+from ._join import Recipe
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "broadcast_object", "reducescatter",
-         "allgather_object")
+         "allgather_object", "barrier", "sync")
+SYNC = "sync"  # a rank in synchronize(): it meets the others only to run queued operations (_pending)
 # What Horovod refuses while a rank has joined ("... is not supported with Join at this time");
 # allreduce and barrier go on, with neutral inputs from the joined ranks.
 NOT_WITH_JOIN = ("allgather", "broadcast", "alltoall", "broadcast_object", "reducescatter", "allgather_object")
+_SYNC_ID = KINDS.index(SYNC) + 1
 _DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
            torch.float32, torch.float64, torch.bool, torch.complex64, torch.complex128)
 _OPS = ("", "Average", "Sum", "Min", "Max", "Product", "Adasum")
 _MAX_DIMS = 8
-_SIG_LEN = 17  # kind, dtype, op, root, ndim, name, dim0, dims 1..8, overflow hash, joined
+_SIG_LEN = 18  # kind, dtype, op, root, ndim, name, dim0, dims 1..8, overflow hash, joined, queued
+_JOINED, _QUEUED = 16, 17
 
 
 def _signature(kind: str, tensor: Optional[torch.Tensor], op: str, root: int, name: Optional[str]) -> List[int]:
@@ -65,20 +69,45 @@ def _describe_sig(sig: Sequence[int], free_first: bool) -> str:
 def agree(kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: int = -1,
           name: Optional[str] = None, joined: bool = False) -> List[int]:
     """Every rank's first dimension, once all ranks have checked that they call the same
-    collective the same way; raises MismatchError on every rank otherwise.
+    collective the same way; raises MismatchError on every rank otherwise. Where a rank has
+    async operations queued, the ranks first run those every rank queued (``_pending``);
+    ``kind="sync"`` (synchronize()) meets the others for that alone.
 
     >>> firsts = agree("allgather", t, name="emb")  # doctest: +SKIP
     """
     b = _runtime.current()
     sig = _signature(kind, tensor, op, root, name)
-    sig[16] = int(joined)
-    mine = torch.tensor(sig, dtype=torch.int64)
+    sig[_JOINED] = int(joined)
     if b.size == 1:
-        return [int(mine[6])]
+        return [sig[6]]
+    while True:
+        sig[_QUEUED] = 0 if _pending.negotiating() else _pending.count(b)
+        seq = _runtime.enter(Recipe("negotiate")) if kind == SYNC else -1
+        rows = _gather(b, sig)
+        syncing = any(row[0] == _SYNC_ID for row in rows)
+        if not syncing and not any(row[_QUEUED] for row in rows):
+            break
+        progressed, everyone = _pending.run_round(b, joined, _describe_sig(sig, False) + (f" {name!r}" if name else ""))
+        _runtime.completed(seq)
+        if not syncing and all(row[0] == rows[0][0] for row in rows):
+            break  # every rank is at the same collective: check it below
+        if not progressed:
+            raise MismatchError(_pending.stuck_message(everyone))
+        if kind == SYNC:
+            return []  # the caller looks at its handle and comes back if it has not run yet
+    _check_rows(kind, rows)
+    return [row[6] for row in rows]
+
+
+def _gather(b, sig: List[int]) -> List[List[int]]:
+    mine = torch.tensor(sig, dtype=torch.int64)
     device = b.device
     gathered = b.allgather_same_shape(mine if device is None else mine.to(device))
-    rows = [g.cpu().tolist() for g in gathered]
-    joined_ranks = [r for r, row in enumerate(rows) if row[16]]
+    return [g.cpu().tolist() for g in gathered]
+
+
+def _check_rows(kind: str, rows: List[List[int]]) -> None:
+    joined_ranks = [r for r, row in enumerate(rows) if row[_JOINED]]
     if joined_ranks and kind in NOT_WITH_JOIN:
         raise MismatchError(f"{kind} is not supported while rank{'s' if len(joined_ranks) > 1 else ''} "
                             f"{', '.join(map(str, joined_ranks))} joined (Horovod raises too): call it before "
@@ -96,7 +125,6 @@ def agree(kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: 
                 f"{_describe_sig(row, free_first)}; every rank must call the same collectives in the same order "
                 "with the same dtype, shape" + (" (but the first dimension)" if free_first else "")
                 + ", op, root and name")
-    return [row[6] for row in rows]
 
 
 def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
@@ -125,29 +153,3 @@ def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
 
 def _describe(entry) -> str:
     return "missing" if entry is None else f"shape {entry[0]} {entry[1]}"
-
-
-def forget_names() -> None:
-    """A new ring (init after shutdown) starts with no name in flight."""
-    in_flight.clear()
-
-
-in_flight: Dict[str, object] = {}  # names of async operations not synchronized yet
-
-
-def hold_name(name: Optional[str], handle: object, what: str) -> None:
-    """Horovod refuses a second in-flight operation under the same name."""
-    if name is None:
-        return
-    if name in in_flight:
-        raise ValueError(f"{what}: an operation named {name!r} is still in flight on rank "
-                         f"{_runtime.rank()}; synchronize() it before reusing the name")
-    in_flight[name] = handle
-
-
-def release(handle: object) -> None:
-    for name in [n for n, h in in_flight.items() if h is handle]:
-        del in_flight[name]
-
-
-_runtime.on_new_ring(lambda _backend: forget_names())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -75,12 +75,17 @@ class DistributedOptimizerMixin:
         if backward_passes_per_step < 1:
             raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
         self._sr_names = by_id
-        self._sr_set = backend_of(process_set)  # None: the global ring
-        if self._sr_set is not None and op == ops.Adasum:
+        self._parameter_names = {p: by_id[id(p)] for p in params}  # Horovod's attribute: parameter -> name
+        # Horovod: a rank outside the optimizer's process set steps on its own gradients
+        member = process_set is None or process_set.included() is not False
+        self._sr_set = backend_of(process_set) if member else None  # None: the global ring
+        if process_set is not None and not process_set._is_global() and op == ops.Adasum:
             raise NotImplementedError("Adasum does not support non-global process sets (as in Horovod)")
-        with _runtime.scope(self._sr_set):
-            _checks.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
-            self._sr_size = _runtime.size()
+        self._sr_size = 1
+        if member:
+            with _runtime.scope(self._sr_set):
+                _checks.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
+                self._sr_size = _runtime.size()
         self._sr_compression = compression
         self._sr_bpps = backward_passes_per_step
         self._sr_op = op
@@ -89,6 +94,7 @@ class DistributedOptimizerMixin:
         self._sr_synchronized = False
         self._sr_sparse_as_dense = sparse_as_dense
         self._sr_sparse: Dict[int, torch.Tensor] = {}  # params whose grads came sparse -> this step's grad
+        self._sr_densified: Set[int] = set()  # params whose sparse grads travel dense (sparse_as_dense)
         trainable = [p for p in params if p.requires_grad]
         self._sr_params = trainable
         self._sr_param_by_id = {id(p): p for p in trainable}
@@ -128,8 +134,9 @@ class DistributedOptimizerMixin:
             return
         bucket = self._sr_bucket_of[key]
         if p.grad is not None and p.grad.is_sparse:
-            if self._sr_sparse_as_dense:
+            if self._sr_sparse_as_dense:  # reduced dense, handed back sparse (SparseAdam takes only sparse)
                 p.grad = p.grad.to_dense()
+                self._sr_densified.add(key)
             else:  # indices + values, as Horovod: the dense bucket never carries this parameter
                 self._sr_take_out_of_bucket(p, bucket)
                 self._sr_sparse[key] = p.grad  # exchanged together in synchronize()
@@ -216,6 +223,10 @@ class DistributedOptimizerMixin:
                     p.grad.copy_(reduced[offset:offset + p.numel()].view_as(p.grad))
             bucket.handle = None
             bucket.pending = set(id(p) for p in bucket.params)
+        for key in self._sr_densified:
+            param = self._sr_param_by_id[key]
+            param.grad = param.grad.to_sparse()
+        self._sr_densified = set()
         self._sr_next_launch = 0
         for key in self._sr_passes:
             self._sr_passes[key] = 0
@@ -252,6 +263,15 @@ class DistributedOptimizerMixin:
                 "still in flight; call step() or synchronize() after backward() first")
         # the wrapped optimizer class's own zero_grad (this mixin sits in front of it)
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+
+def local_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of the optimizer on this rank's gradients only: a DistributedOptimizer's own
+    class's step (its class is a subclass made by DistributedOptimizer), no allreduce."""
+    if "_sr_setup" in type(optimizer).__dict__:
+        super(type(optimizer), optimizer).step()  # type: ignore[misc]
+    else:
+        optimizer.step()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

@@ -51,6 +51,8 @@ def replay(recipe: Recipe) -> None:
         _checks.agree(kind, joined=True, name=recipe.name or None)
     elif kind == "gather_objects":  # an internal agreement: a joined rank has nothing to say
         _runtime.current().allgather_object(None)
+    elif kind == "negotiate":  # the others meet to run their queued async operations
+        _checks.agree(_checks.SYNC, joined=True)
     elif kind == "barrier":
         ops.barrier()
     else:  # a newer peer: fail loudly rather than hang

@@ -8,7 +8,7 @@ import torch
 
 from . import _checks, _runtime, ops
 from ._join import Recipe
-from ._optimizer import DistributedOptimizerMixin
+from ._optimizer import local_step
 from .process_sets import accepts_process_set
 
 
@@ -55,7 +55,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
         if not isinstance(p, torch.Tensor):
             raise TypeError("broadcast_parameters expects tensors; got " + type(p).__name__)
         target = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(ops.broadcast_async_(target, root_rank))
+        handles.append(ops.broadcast_start(target, root_rank))
     for h in handles:
         h.wait()
 
@@ -98,7 +98,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     buf = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
                 else:
                     buf = buf.clone()
-                handles.append(ops.broadcast_async_(buf, root_rank))
+                handles.append(ops.broadcast_start(buf, root_rank))
                 new_state[pid][key] = buf
             else:
                 new_state[pid][key] = value
@@ -110,12 +110,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Horovod's way to give a fresh optimizer (Adam & co. create state on their first step)
     the state the root will send: zero gradients and one plain step, never the distributed one
-    (its allreduce would wait for ranks that do not step)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-    if isinstance(optimizer, DistributedOptimizerMixin):
-        super(optimizer.__class__, optimizer).step()
-    else:
-        optimizer.step()
+    (its allreduce would wait for ranks that do not step). Unlike Horovod, the parameters and
+    gradients are put back afterwards: a zero-gradient step still moves weights under weight
+    decay (AdamW, SGD's weight_decay), which would part this rank's model from the root's."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    try:
+        local_step(optimizer)
+    finally:
+        with torch.no_grad():
+            for p, value, grad in saved:
+                p.copy_(value)
+                p.grad = grad

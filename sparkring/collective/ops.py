@@ -2,17 +2,19 @@
 grouped forms), allgather, broadcast, alltoall, reducescatter, barrier and join."""
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _checks, _runtime
+from ..errors import MismatchError
+from . import _checks, _pending, _runtime
 from ._adasum import adasum_allreduce
 from ._backend import Handle
 from ._handles import DoneHandle, PostHandle
 from ._join import Recipe
 from .compression import Compression
-from .process_sets import accepts_process_set
+from .process_sets import ProcessSet, accepts_process_set, backend_of
 
 Average = "Average"
 Sum = "Sum"
@@ -152,10 +154,9 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
     >>> h = sr.allreduce_async(torch.ones(3)); sr.synchronize(h)  # doctest: +SKIP
     tensor([1., 1., 1.])
     """
-    handle = allreduce_start(tensor, None, resolve_op(average, op), compression, prescale_factor,
-                             postscale_factor, name=name, checked=True)
-    _checks.hold_name(name, handle, "allreduce_async")
-    return handle
+    op = resolve_op(average, op)
+    return _pending.defer("allreduce", name, lambda: allreduce_start(
+        tensor, None, op, compression, prescale_factor, postscale_factor, name=name, checked=True), "allreduce_async")
 
 
 @accepts_process_set
@@ -166,10 +167,10 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
     >>> h = sr.allreduce_async_(t); sr.synchronize(h)  # doctest: +SKIP
     """
-    handle = allreduce_start(tensor, tensor, resolve_op(average, op), Compression.none, prescale_factor,
-                             postscale_factor, name=name, checked=True)
-    _checks.hold_name(name, handle, "allreduce_async_")
-    return handle
+    op = resolve_op(average, op)
+    return _pending.defer("allreduce", name, lambda: allreduce_start(
+        tensor, tensor, op, Compression.none, prescale_factor, postscale_factor, name=name, checked=True),
+        "allreduce_async_")
 
 
 def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, prescale_factor: float = 1.0,
@@ -232,9 +233,17 @@ def synchronize(handle: Handle):
     >>> sr.synchronize(sr.allreduce_async(torch.ones(1)))  # doctest: +SKIP
     tensor([1.])
     """
-    _checks.release(handle)
     if callable(handle) and not isinstance(handle, Handle):  # sparse_allreduce_async's, as Horovod's
         return handle()
+    if isinstance(handle, _pending.DeferredHandle):
+        with _runtime.scope(handle.op.scope):
+            while not handle.op.started:
+                try:
+                    _checks.agree(_checks.SYNC, name=handle.op.key)
+                except MismatchError as exc:
+                    _pending.abandon(handle.op, exc)  # its handle raised: it never runs
+                    raise
+    _pending.release(handle)
     return handle.wait()
 
 
@@ -245,7 +254,7 @@ def allgather_async(tensor: torch.Tensor, name: Optional[str] = None) -> Handle:
 
     >>> sr.synchronize(sr.allgather_async(torch.ones(2)))  # doctest: +SKIP
     """
-    return DoneHandle(allgather_now(tensor, name))
+    return _pending.defer("allgather", name, lambda: allgather_now(tensor, name), "allgather_async")
 
 
 @accepts_process_set
@@ -254,7 +263,8 @@ def grouped_allgather_async(tensors: List[torch.Tensor], name: Optional[str] = N
 
     >>> outs = sr.synchronize(sr.grouped_allgather_async([a, b]))  # doctest: +SKIP
     """
-    return DoneHandle([allgather_now(t, f"{name}.{i}" if name else None) for i, t in enumerate(tensors)])
+    return _pending.defer("allgather", name, lambda: [allgather_now(t, f"{name}.{i}" if name else None)
+                                                     for i, t in enumerate(tensors)], "grouped_allgather_async")
 
 
 def allgather_now(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
@@ -275,12 +285,8 @@ def allgather_now(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Ten
     return out.to(device=tensor.device, dtype=tensor.dtype)
 
 
-@accepts_process_set
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
-    """Start an in-place broadcast from ``root_rank``.
-
-    >>> sr.synchronize(sr.broadcast_async_(t, 0))  # doctest: +SKIP
-    """
+def broadcast_start(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start an in-place broadcast from ``root_rank`` now (every rank issues it in the same order)."""
     _runtime.enter(Recipe("broadcast", shape=tuple(tensor.shape), dtype=str(tensor.dtype), root=root_rank,
                           name=name or ""))
     _checks.agree("broadcast", tensor, root=root_rank, name=name)
@@ -300,12 +306,22 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
 
 @accepts_process_set
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
+    """Start an in-place broadcast from ``root_rank``.
+
+    >>> sr.synchronize(sr.broadcast_async_(t, 0))  # doctest: +SKIP
+    """
+    return _pending.defer("broadcast", name, lambda: broadcast_start(tensor, root_rank, name), "broadcast_async_")
+
+
+@accepts_process_set
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> Handle:
     """Start a broadcast from ``root_rank`` into a new tensor.
 
     >>> sr.synchronize(sr.broadcast_async(t, 0))  # doctest: +SKIP
     """
-    return broadcast_async_(tensor.clone(), root_rank, name)
+    copy = tensor.clone()
+    return _pending.defer("broadcast", name, lambda: broadcast_start(copy, root_rank, name), "broadcast_async")
 
 
 @accepts_process_set
@@ -314,19 +330,22 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None)
 
     >>> sr.broadcast_(w, root_rank=0)  # doctest: +SKIP
     """
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_start(tensor, root_rank, name))
 
 
-@accepts_process_set
-def barrier() -> None:
-    """Block until every rank reaches this call.
+def barrier(process_set: Optional[ProcessSet] = None) -> None:
+    """Block until every rank (of ``process_set``, positional as in Horovod) reaches this call.
 
     >>> sr.barrier()  # doctest: +SKIP
+    >>> sr.barrier(evens)  # doctest: +SKIP
     """
-    b = _runtime.current()
-    seq = _runtime.enter(Recipe("barrier"))
-    b.barrier()
-    _runtime.completed(seq)
+    subset = backend_of(process_set)
+    with _runtime.scope(subset) if subset is not None else contextlib.nullcontext():
+        b = _runtime.current()
+        seq = _runtime.enter(Recipe("barrier"))
+        if b.size > 1:
+            _checks.agree("barrier")  # an allgather: a barrier that also runs what ranks queued before it
+        _runtime.completed(seq)
 
 
 def join(device: int = -1) -> int:
@@ -356,8 +375,11 @@ def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[List[int], torch
 
     >>> out, received = sr.synchronize(sr.alltoall_async(t, splits=[1, 3]))  # doctest: +SKIP
     """
-    output, received = alltoall_now(tensor, splits, name)
-    return DoneHandle(output if splits is None else (output, received))
+    def start():
+        output, received = alltoall_now(tensor, splits, name)
+        return output if splits is None else (output, received)
+
+    return _pending.defer("alltoall", name, start, "alltoall_async")
 
 
 def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
@@ -388,6 +410,17 @@ def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.T
     return output, torch.tensor(recv_counts, dtype=torch.int32)
 
 
+def check_reducescatter(tensor: torch.Tensor, op: str) -> None:
+    """Refuse, on the calling rank and before any transfer, what Horovod's reducescatter refuses."""
+    if op == Adasum:
+        raise NotImplementedError("reducescatter: op=Adasum is not supported (as in Horovod); use Average or Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"reducescatter: op={op!r} is not supported; use Average or Sum (as Horovod)")
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter: a scalar has no first dimension to scatter; pass a tensor of one or "
+                         "more dimensions (e.g. tensor.reshape(1))")
+
+
 def reducescatter_now(tensor: torch.Tensor, op: str = Average, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """Reducescatter without autograd or compression."""
@@ -411,7 +444,9 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: st
 
     >>> part = sr.synchronize(sr.reducescatter_async(torch.ones(4, 2), op=sr.Sum))  # doctest: +SKIP
     """
-    return DoneHandle(reducescatter_now(tensor, op, prescale_factor, postscale_factor))
+    check_reducescatter(tensor, op)
+    return _pending.defer("reducescatter", name, lambda: reducescatter_now(tensor, op, prescale_factor,
+                                                                         postscale_factor, name), "reducescatter_async")
 
 
 @accepts_process_set
@@ -421,7 +456,10 @@ def grouped_reducescatter_async(tensors: List[torch.Tensor], name: Optional[str]
 
     >>> parts = sr.synchronize(sr.grouped_reducescatter_async([a, b]))  # doctest: +SKIP
     """
-    return DoneHandle([reducescatter_now(t, op, prescale_factor, postscale_factor) for t in tensors])
+    for t in tensors:
+        check_reducescatter(t, op)
+    return _pending.defer("reducescatter", name, lambda: [reducescatter_now(t, op, prescale_factor, postscale_factor)
+                                                          for t in tensors], "grouped_reducescatter_async")
 
 
 @accepts_process_set
