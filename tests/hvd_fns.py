@@ -149,16 +149,24 @@ def join_with_uneven_steps(steps_by_rank=(2, 4, 6)):
 
 
 def collective_while_rank_zero_joined(kind):
-    """Rank 0 joins; rank 1 calls ``kind``: Horovod refuses it on every rank."""
+    """Rank 0 joins; rank 1 calls ``kind``, which Horovod refuses there (rank 0 goes on serving),
+    then joins too; then both run an allreduce together."""
     if hvd.rank() == 0:
-        return hvd.join()
+        last = hvd.join()
+        return {"last": last, "after": hvd.allreduce(torch.ones(1), op=hvd.Sum).item()}
     call = {"allgather": lambda: hvd.allgather(torch.ones(2)),
             "broadcast": lambda: hvd.broadcast(torch.ones(2), root_rank=1),
             "alltoall": lambda: hvd.alltoall(torch.ones(2)),
             "reducescatter": lambda: hvd.reducescatter(torch.ones(2)),
             "allgather_object": lambda: hvd.allgather_object(1),
             "broadcast_object": lambda: hvd.broadcast_object(1, root_rank=1)}[kind]
-    return call()
+    try:
+        call()
+        error = None
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    last = hvd.join()
+    return {"error": error, "last": last, "after": hvd.allreduce(torch.ones(1), op=hvd.Sum).item()}
 
 
 def uneven_training(batches=(2, 4), lr=0.1):

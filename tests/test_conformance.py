@@ -249,13 +249,14 @@ def test_after_a_mismatch_a_stuck_wait_and_refused_arguments_every_rank_goes_on_
     results = on("ring_usable_after_errors")
     n = on.ring.size
     for r in results:
-        mismatch, stuck, scalar, adasum = r["errors"]
+        mismatch, stuck, scalar, adasum, float_splits = r["errors"]
         assert mismatch[:2] == ("MismatchError", True) and "mismatched allreduce" in mismatch[2]
         assert stuck[:2] == ("MismatchError", True)
         assert "rank 0 waits in sync 'only-on-0' with 'only-on-0' queued" in stuck[2]
         assert "rank 1 waits in barrier" in stuck[2]
         assert scalar[0] == "ValueError" and "scalar" in scalar[2]
         assert adasum[:2] == ("NotImplementedError", True) and "Adasum" in adasum[2]
+        assert float_splits[0] == "ValueError" and "pass integers" in float_splits[2]
         assert r["good"] == [n * (n - 1) / 2, list(range(n)), 2, [("obj", k) for k in range(n)], "barrier",
                              n * (n - 1) / 2, list(range(n)), 7, [("obj", k) for k in range(n)], "barrier"]
 

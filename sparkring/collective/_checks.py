@@ -19,7 +19,7 @@ from . import _pending, _runtime
 from ._join import Recipe
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "broadcast_object", "reducescatter",
-         "allgather_object", "barrier", "sync")
+         "allgather_object", "barrier", "sync", "add_process_set", "remove_process_set")
 SYNC = "sync"  # a rank in synchronize(): it meets the others only to run queued operations (_pending)
 # What Horovod refuses while a rank has joined ("... is not supported with Join at this time");
 # allreduce and barrier go on, with neutral inputs from the joined ranks.

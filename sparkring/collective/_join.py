@@ -99,11 +99,6 @@ class Joiner:
                     self._history.popleft()
             return seq
 
-    def someone_joined(self) -> bool:
-        """Whether a rank has joined in this round (its collectives come as replays)."""
-        with self._lock:
-            return self._publish_from is not None or self._joined
-
     def completed(self, seq: int) -> None:
         """Every rank has entered collective ``seq`` (it needed them all): a later joiner
         starts after it, so the history up to it can go."""

@@ -113,16 +113,11 @@ def defer(kind: str, name: Optional[str], start: Callable[[], Any], what: str) -
     op = PendingOp(key=key, kind=kind, start=start, scope=_runtime.active_set_backend())
     handle = DeferredHandle(op)
     hold_name(name, handle, what)
-    if backend.size == 1 or negotiating() or _someone_joined():
-        _run(op)  # nothing to negotiate (or a joined rank replays it as it comes)
+    if backend.size == 1 or negotiating():
+        _run(op)  # nothing to negotiate
     else:
         queue.ops.append(op)
     return handle
-
-
-def _someone_joined() -> bool:
-    joiner = _runtime.state.joiner
-    return joiner is not None and joiner.someone_joined()
 
 
 def _run(op: PendingOp) -> None:

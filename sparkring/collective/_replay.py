@@ -7,6 +7,7 @@ from typing import Any, Tuple
 
 import torch
 
+from ..errors import MismatchError
 from . import _checks, _runtime, ops
 from ._backend import Backend
 from ._join import Joiner, Recipe
@@ -46,13 +47,20 @@ def replay(recipe: Recipe) -> None:
         ops.allreduce_start(tensor, None, recipe.op, compression, recipe.prescale, recipe.postscale,
                             path=recipe.path, name=recipe.name or None, checked=recipe.checked).wait()
     elif kind in _checks.NOT_WITH_JOIN:
-        # take part in the agreement step only, saying "joined": every rank then raises, as
-        # Horovod does for these collectives while a rank has joined
-        _checks.agree(kind, joined=True, name=recipe.name or None)
+        # take part in the agreement step only, saying "joined": the active ranks then raise, as
+        # Horovod's do for these collectives while a rank has joined; this one goes on serving
+        _runtime.enter(recipe)  # numbered as the active ranks numbered it
+        try:
+            _checks.agree(kind, joined=True, name=recipe.name or None)
+        except MismatchError:
+            pass
     elif kind == "gather_objects":  # an internal agreement: a joined rank has nothing to say
-        _runtime.current().allgather_object(None)
+        _runtime.gather_objects(None)
     elif kind == "negotiate":  # the others meet to run their queued async operations
-        _checks.agree(_checks.SYNC, joined=True)
+        try:
+            _checks.agree(_checks.SYNC, joined=True)  # numbers itself, as on the active ranks
+        except MismatchError:
+            pass  # the active ranks raise it; this one goes on serving
     elif kind == "barrier":
         ops.barrier()
     else:  # a newer peer: fail loudly rather than hang

@@ -109,12 +109,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
     """Horovod's way to give a fresh optimizer (Adam & co. create state on their first step)
-    the state the root will send: zero gradients and one plain step, never the distributed one
-    (its allreduce would wait for ranks that do not step). Unlike Horovod, the parameters and
-    gradients are put back afterwards: a zero-gradient step still moves weights under weight
-    decay (AdamW, SGD's weight_decay), which would part this rank's model from the root's."""
+    the state the root will send: zero gradients (left in place, as Horovod does) and one plain
+    step, never the distributed one (its allreduce would wait for ranks that do not step).
+    Unlike Horovod, the weights are put back afterwards: a zero-gradient step still moves them
+    under weight decay (AdamW, SGD's weight_decay), which would part this rank's model from the
+    root's."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    saved = [p.detach().clone() for p in params]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -122,6 +123,5 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
         local_step(optimizer)
     finally:
         with torch.no_grad():
-            for p, value, grad in saved:
+            for p, value in zip(params, saved):
                 p.copy_(value)
-                p.grad = grad

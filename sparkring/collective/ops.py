@@ -392,6 +392,10 @@ def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.T
             raise ValueError(f"alltoall: dim 0 of size {n} does not split evenly over {b.size} "
                              "ranks; pass splits=")
         splits = [n // b.size] * b.size
+    if isinstance(splits, torch.Tensor) and (splits.dtype.is_floating_point or splits.dtype.is_complex
+                                             or splits.dtype == torch.bool):
+        raise ValueError(f"alltoall: splits is a {splits.dtype} tensor; pass integers (a torch.int32 tensor, as "
+                         "Horovod, or a list of ints)")
     splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(splits) != b.size or sum(splits) != n:
         raise ValueError(f"alltoall: splits {splits} must have {b.size} entries summing to {n}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Dict, List, Optional, Sequence, Union
 
-from . import _runtime
+from . import _checks, _runtime
 from ._backend import Backend
 
 
@@ -76,6 +76,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         raise ValueError(f"add_process_set: ranks {ps.ranks} must be distinct ranks in 0..{size - 1}")
     if any(other.ranks == ps.ranks for other in _registered.values()):
         raise ValueError(f"add_process_set: a process set with ranks {ps.ranks} is registered already")
+    _checks.agree("add_process_set")  # every rank is here (a mismatch raises on all, never hangs)
     everyone = _runtime.gather_objects(ps.ranks)
     for r, ranks in enumerate(everyone):
         if ranks != ps.ranks:
@@ -98,7 +99,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise ValueError("remove_process_set: the global process set cannot be removed")
     if process_set.process_set_id not in _registered:
         return False
-    _runtime.current().barrier()  # every rank is done with it before its groups go
+    _checks.agree("remove_process_set")  # every rank is done with it before its groups go
     del _registered[process_set.process_set_id]
     if process_set._backend is not None:
         process_set._backend.release()
