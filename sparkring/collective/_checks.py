@@ -3,7 +3,7 @@ kind, op, dtype, shape (all but the first dimension for allgather/alltoall), roo
 mismatch raises on every rank, naming both sides, instead of reaching the transport (gloo aborts
 the process on mismatched sizes; different broadcast roots deadlock).
 
-The agreement is one small allgather of a fixed-size signature (16 int64) per call, the cost of
+The agreement is one small allgather of a fixed-size signature (18 int64) per call, the cost of
 a 4 KB allreduce; allgather and alltoall take the first dimensions they need from it, so for
 them it is free. DistributedOptimizer's bucket allreduces skip it: their shapes were agreed
 once, when the optimizer was built (check_same_shapes)."""
