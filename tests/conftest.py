@@ -32,10 +32,11 @@ REAL_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "cuda_gpus.sh")
 MASTERS = {
     "local": "local[2]",
     "retry": "local[2,3]",
+    "wide": "local[3]",
     "cluster": "local-cluster[2,1,1024]",
     "gpu": "local[2]",
 }
-ORDER = ["local", "retry", "cluster", "gpu", "connect"]
+ORDER = ["local", "retry", "wide", "cluster", "gpu", "connect"]
 
 
 def _spark_major() -> int:
@@ -144,6 +145,12 @@ def spark_retry(_spark_sessions):
 
 
 @pytest.fixture
+def spark_wide(_spark_sessions):
+    """local[3]: three task slots (three ranks on one host)."""
+    return _spark_sessions.get("wide")
+
+
+@pytest.fixture
 def spark_cluster(_spark_sessions):
     """local-cluster[2,1,1024]: two executor JVMs, one core each, one fake GPU each."""
     return _spark_sessions.get("cluster")
@@ -172,7 +179,7 @@ def connect_url(spark_connect):
     return _sessions.server.url
 
 
-SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_cluster": "cluster",
+SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster",
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
@@ -257,7 +264,7 @@ def pytest_collection_modifyitems(config, items):
     def key(item):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
-            fixture = {"local": "spark", "retry": "spark_retry", "cluster": "spark_cluster",
+            fixture = {"local": "spark", "retry": "spark_retry", "wide": "spark_wide", "cluster": "spark_cluster",
                        "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1

@@ -14,6 +14,7 @@ import est_helpers as H
 import input_helpers as IH
 import pytest
 import rank_fns
+import sharding_fns as S
 import torch
 from leftovers import footprint, settled_footprint
 
@@ -184,6 +185,19 @@ CASES = [
     Case("data-binary-without-transform", lambda c: _fit(c, df=IH.images_df(c.spark, rows=64), modelInputs=["png"],
                                                            labelCol="label"), ConfigurationError,
          r"column 'png' \(input 'png'\) is binary: pass transformFn="),
+    Case("fit-fsdp-on-mpi", lambda c: _fit(c, model=S.layer_stack(), strategy="fsdp", backend="mpi"),
+         ConfigurationError, r"strategy='fsdp' needs torch.distributed collectives .*backend='gloo'"),
+    Case("fit-hsdp-on-one-host", lambda c: _fit(c, model=S.layer_stack(), strategy="hsdp"), ConfigurationError,
+         r"every rank runs on one host: there it is strategy='fsdp'"),
+    Case("fit-fsdp-optimizer-instance", lambda c: _fit(c, strategy="fsdp", optimizer=torch.optim.SGD(
+        H.mlp().parameters(), lr=0.1)), ConfigurationError, r"pass optimizer= as a factory"),
+    Case("fit-fsdp-sparse-embeddings", lambda c: _fit(c, model=S.sparse_embeddings, strategy="fsdp"),
+         ConfigurationError, r"module\(s\) \['0'\] use sparse=True"),
+    Case("fit-factory-fails-on-meta", lambda c: _fit(c, model=S.uses_meta_values, strategy="fsdp"),
+         ConfigurationError, r"fails under torch.device\('meta'\).*initFn="),
+    Case("fit-fsdp-gradient-compression", lambda c: _fit(c, model=S.layer_stack(), strategy="fsdp",
+                                                         gradientCompression="fp16"),
+         ConfigurationError, r"gradientCompression applies to strategy='ddp'"),
 ]
 
 

@@ -45,6 +45,7 @@ from ._runtime import (
 from .compression import Compression
 from .environment import rank_device
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .mesh import device_mesh
 from .ops import (
     Adasum,
     Average,
@@ -84,5 +85,5 @@ __all__ = [
     "NotInitializedError", "HorovodInternalError", "MismatchError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
     "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
     "mpi_threads_supported", "check_same_shapes", "ProcessSet", "add_process_set", "remove_process_set",
-    "global_process_set", "rank_device",
+    "global_process_set", "rank_device", "device_mesh",
 ]

@@ -33,6 +33,7 @@ from .lightning_steps import is_lightning_module
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, PARAMS, SparkRingParams, check_values, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
+from .sharding import Sharding, is_factory
 from .tracking import FitTracker
 from .training import EarlyStopping, RankResult, TrainConfig, non_finite_reason, train_rank
 
@@ -99,6 +100,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                            use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
                            stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
                            shared_memory=self.getOrDefault("sharedMemory"))
+        self._check_sharding(launch_plan, lightning)
         if self.getOrDefault("runId") is not None:
             check_run_id(self.getOrDefault("runId"))
         store = self.getOrDefault("store") or Store()
@@ -110,12 +112,55 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         store.check_writable()
         return _Checked(metrics=metrics, early_stopping=es, plan=launch_plan, store=store, spec=spec)
 
+    def _model_shape(self) -> torch.nn.Module:
+        """The model Param as a module: itself, or what its factory builds under the meta device
+        (no memory, no RNG), which every check before the Spark job looks at."""
+        model = self.getOrDefault("model")
+        if isinstance(model, torch.nn.Module):
+            return model
+        if not callable(model):
+            raise ConfigurationError(f"model must be a torch.nn.Module or a zero-argument factory returning one, got "
+                                     f"{type(model).__name__}: pass model=<your nn.Module> or model=lambda: MyNet()")
+        try:
+            with torch.device("meta"):
+                built = model()
+        except Exception as exc:  # noqa: BLE001 - the user's factory: say how to fix it
+            raise ConfigurationError(
+                f"the model factory fails under torch.device('meta') ({type(exc).__name__}: {exc}); build only the "
+                "modules in it and initialize their values in initFn=lambda module: ..., which runs at full size "
+                "after sharding") from exc
+        if not isinstance(built, torch.nn.Module):
+            raise ConfigurationError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+        return built
+
+    def _check_sharding(self, launch_plan: LaunchPlan, lightning: bool) -> None:
+        """What a sharded strategy cannot run, refused before any Spark job."""
+        strategy = self.getOrDefault("strategy")
+        if strategy == "ddp":
+            return
+        if launch_plan.backend == "mpi":
+            raise ConfigurationError(f"strategy={strategy!r} needs torch.distributed collectives (DTensor, FSDP2): "
+                                     "use backend='gloo' or 'nccl', or strategy='ddp' with backend='mpi'")
+        if strategy == "hsdp" and launch_plan.facts.single_host:
+            raise ConfigurationError("strategy='hsdp' shards within a host and replicates across hosts, but every "
+                                     "rank runs on one host: there it is strategy='fsdp'")
+        if lightning:
+            raise ConfigurationError(f"strategy={strategy!r} does not train a LightningModule yet: use strategy='ddp'")
+        if isinstance(self.getOrDefault("optimizer"), torch.optim.Optimizer):
+            raise ConfigurationError(f"strategy={strategy!r} builds the optimizer over each rank's shards: pass "
+                                     "optimizer= as a factory, e.g. optimizer=lambda params: torch.optim.Adam(params)")
+        sparse = [name for name, m in self._model_shape().named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            raise ConfigurationError(f"strategy={strategy!r} shards parameters, which sparse gradients cannot be: "
+                                     f"module(s) {sparse} use sparse=True; drop it or use strategy='ddp'")
+        if self.getOrDefault("gradientCompression") != "none":
+            raise ConfigurationError(f"gradientCompression applies to strategy='ddp'; with {strategy!r} FSDP2 "
+                                     "reduce-scatters gradients in their own dtype")
+
     def _check_training(self) -> Tuple[bool, Dict[str, Any]]:
         """The model, optimizer, losses, metrics and Param values; (is a LightningModule, metrics)."""
-        model = self.getOrDefault("model")
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}: "
-                                     "pass model=<your nn.Module>")
+        model = self._model_shape()
         lightning = is_lightning_module(model)
         if lightning:
             self._check_lightning_module(model)
@@ -344,7 +389,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             use_gpu=launch_plan.use_gpu, has_validation=ds.num_rows("val") > 0,
             transform_fn=self.getOrDefault("transformFn"), reader_workers=self.getOrDefault("readerWorkers"),
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
-            reader=self.getOrDefault("reader"), lightning=is_lightning_module(self.getOrDefault("model")))
+            reader=self.getOrDefault("reader"), lightning=is_lightning_module(self._model_shape()),
+            sharding=Sharding(self.getOrDefault("strategy"), tuple(self.getOrDefault("fsdpWrap") or ()),
+                              self.getOrDefault("initFn")))
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 
@@ -364,9 +411,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise TrainingError(exc.rank, exc.remote_traceback, reason) from None
         finally:
             progress.close()
-        # a CPU copy made through the bytes the ranks got: a model on the driver's GPU is not
-        # copied on the GPU first
-        trained = cloudpickle.loads(to_bytes(self.getOrDefault("model")))
+        trained = self._fresh_module()
         result: RankResult = results[0]
         trained.load_state_dict(result.state_dict)
         model = SparkRingModel()
@@ -376,6 +421,15 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         model.featureSpec = ds.spec
         model.outputShapes = result.output_shapes
         return model
+
+    def _fresh_module(self) -> torch.nn.Module:
+        """A CPU module to load the trained weights into: the factory's build, or a copy made
+        through the bytes the ranks got (a model on the driver's GPU is not copied on the GPU first)."""
+        model = self.getOrDefault("model")
+        if is_factory(model):
+            torch.manual_seed(self.getOrDefault("seed"))
+            return model()
+        return cloudpickle.loads(to_bytes(model))
 
     def fitMultiple(self, dataset, paramMaps):
         """Fit one model per param map; data is prepared once and shared by every fit

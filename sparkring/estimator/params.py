@@ -13,6 +13,7 @@ from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilit
 from ..data import READERS
 from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
+from .sharding import STRATEGIES
 from .tracking import MODES as MLFLOW_MODES
 
 
@@ -72,6 +73,14 @@ def _to_optional_int(value: Any):
     return None if value is None else TypeConverters.toInt(value)
 
 
+def _to_optional_names(value: Any):
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise TypeError(f"fsdpWrap must be a list of module class names, e.g. ['TransformerEncoderLayer'], got {value!r}")
+
+
 def _to_optional_string(value: Any):
     return None if value is None else TypeConverters.toString(value)
 
@@ -94,7 +103,9 @@ class ParamSpec:
 
 
 PARAMS: Tuple[ParamSpec, ...] = (
-    ParamSpec("model", "torch.nn.Module", None, "the torch.nn.Module (or LightningModule) to train", is_object=True),
+    ParamSpec("model", "torch.nn.Module | Callable[[], Module]", None,
+              "the torch.nn.Module (or LightningModule) to train, or a zero-argument factory every rank calls to build "
+              "it (under the meta device with a sharded strategy)", is_object=True),
     ParamSpec("optimizer", "Optimizer | Callable[[params], Optimizer]", None,
               "a torch.optim.Optimizer over the model's parameters, or a factory params -> Optimizer", is_object=True),
     ParamSpec("loss", "str | Callable | list", None,
@@ -143,6 +154,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("store", "Store | str | None", None,
               "sparkring.Store for data, checkpoints, logs (default: a temporary local one)", is_object=True),
     ParamSpec("runId", "str | None", None, "name of the run in the store; fitting again with the same runId resumes"),
+    ParamSpec("strategy", "str", "ddp", "ddp (the model whole on every rank) | fsdp (FSDP2: parameters, gradients and "
+              "optimizer state sharded across the ranks) | hsdp (sharded within each host, replicated across hosts)",
+              TypeConverters.toString, choices=STRATEGIES),
+    ParamSpec("fsdpWrap", "list[str] | None", None, "module class names sharded as units (default: every layer of "
+              "the model's top-level children that holds parameters)", _to_optional_names),
+    ParamSpec("initFn", "Callable[[Module], None] | None", None, "initializes each module that holds parameters, at "
+              "full size, after a factory-built model is sharded (default: its reset_parameters())", is_object=True),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
               TypeConverters.toInt, minimum=1),
     ParamSpec("gradientCompression", "str", "none", "none | fp16: how gradients travel in the allreduce",

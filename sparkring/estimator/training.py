@@ -19,9 +19,10 @@ from sparkring.data import FeatureSpec
 from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
-from . import lightning_steps, losses
+from . import lightning_steps, losses, sharding
 from .events import EpochDone, FitBegan, StepDone, to_payload
 from .lightning_steps import Schedule
+from .sharding import Sharding
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class TrainConfig:
     multi_head: bool = False
     skip_non_finite: bool = False
     lightning: bool = False           # model is a LightningModule (lightning_steps)
+    sharding: Sharding = field(default_factory=Sharding)
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -352,8 +354,9 @@ class _Trainer:
         self.cfg = cfg
         self.rank, self.size = sr.rank(), sr.size()
         self.device = sr.rank_device(cfg.use_gpu)
+        self.sharded = cfg.sharding.sharded
+        self.model = sharding.build_model(cfg.model, cfg.sharding, self.device, cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.model = cfg.model.to(self.device)
         self.schedules: List[Schedule] = []
         if cfg.lightning:
             opt, self.schedules = lightning_steps.optimizers(self.model)
@@ -363,9 +366,10 @@ class _Trainer:
         self.start_epoch, self.stopped, self.best, self.waited = 0, False, None, 0
         self._resume(opt)
         self.base_lrs = [g["lr"] for g in opt.param_groups]
-        self.opt = sr.DistributedOptimizer(opt, named_parameters=self.model.named_parameters(),
-                                           compression=getattr(sr.Compression, cfg.compression),
-                                           backward_passes_per_step=cfg.backward_passes_per_step)
+        # FSDP2 reduce-scatters the gradients itself; replicated models allreduce them in buckets
+        self.opt = opt if self.sharded else sr.DistributedOptimizer(
+            opt, named_parameters=self.model.named_parameters(), compression=getattr(sr.Compression, cfg.compression),
+            backward_passes_per_step=cfg.backward_passes_per_step)
         self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
         self.workers = 0
         if cfg.transform_fn is not None:
@@ -380,21 +384,26 @@ class _Trainer:
         self.board = _Tensorboard(cfg) if self.rank == 0 else None
 
     def _resume(self, opt) -> None:
-        """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state."""
+        """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state (a sharded
+        model: every rank loads its shards of the last sharded checkpoint)."""
+        if self.sharded:
+            state = sharding.load_latest_checkpoint(self.cfg.store, self.cfg.run_id, self.model, opt)
+            if state is not None:
+                self._restore_trainer(state)
+            return
+        resumed = False
         if self.rank == 0:
             ckpt = load_latest_checkpoint(self.cfg.store, self.cfg.run_id)
             if ckpt is not None:
                 self.model.load_state_dict(ckpt["model"])
                 opt.load_state_dict(ckpt["optimizer"])
-                for schedule, state in zip(self.schedules, ckpt.get("schedulers", [])):
-                    schedule.scheduler.load_state_dict(state)
-                self.history = list(ckpt["history"])
-                self.start_epoch = int(ckpt["epoch"]) + 1
-                self.stopped = bool(ckpt.get("stopped"))
-                self.best, self.waited = ckpt.get("early_stopping", (None, 0))
-        self.start_epoch, self.history, self.stopped = sr.broadcast_object(
-            (self.start_epoch, self.history, self.stopped), root_rank=0)
+                self._restore_trainer(ckpt)
+                resumed = True
+        self.start_epoch, self.history, self.stopped, resumed = sr.broadcast_object(
+            (self.start_epoch, self.history, self.stopped, resumed), root_rank=0)
         sr.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if not resumed:
+            return  # fresh optimizers are alike: making state to broadcast would count an extra Adam step
         sr.broadcast_optimizer_state(opt, root_rank=0)
         for schedule in self.schedules:
             schedule.scheduler.load_state_dict(sr.broadcast_object(schedule.scheduler.state_dict(), root_rank=0))
@@ -418,7 +427,12 @@ class _Trainer:
         """The optimizer step after backward_passes_per_step batches; 1 where a non-finite
         update was skipped."""
         cfg, opt, skipped = self.cfg, self.opt, 0
-        if cfg.skip_non_finite:
+        if cfg.skip_non_finite and self.sharded:
+            if sharding.grads_finite(self.model):
+                opt.step()
+            else:
+                skipped = 1
+        elif cfg.skip_non_finite:
             opt.synchronize()
             if _grads_finite(self.model):
                 with opt.skip_synchronize():
@@ -497,10 +511,29 @@ class _Trainer:
             assert self.board is not None
             self.board.epoch(epoch, logs)
             stop = self._early_stop(logs) or stop
-            _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best, self.waited,
-                             self.schedules)
-            report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=bool(stop))))
-        return bool(sr.broadcast_object(stop, root_rank=0))
+            if not self.sharded:
+                _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best, self.waited,
+                                 self.schedules)
+        stop = bool(sr.broadcast_object(stop, root_rank=0))
+        if self.sharded:  # every rank writes its shards
+            sharding.save_checkpoint(self.cfg.store, self.cfg.run_id, epoch, self.model, self.opt,
+                                     self._trainer_state(epoch, stop))
+        if self.rank == 0:
+            report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
+        return stop
+
+    def _trainer_state(self, epoch: int, stopped: bool) -> Dict[str, Any]:
+        return {"epoch": epoch, "history": self.history, "seed": self.cfg.seed, "stopped": stopped,
+                "early_stopping": (self.best, self.waited),
+                "schedulers": [s.scheduler.state_dict() for s in self.schedules]}
+
+    def _restore_trainer(self, state: Dict[str, Any]) -> None:
+        self.history = list(state["history"])
+        self.start_epoch = int(state["epoch"]) + 1
+        self.stopped = bool(state.get("stopped"))
+        self.best, self.waited = state.get("early_stopping", (None, 0))
+        for schedule, saved in zip(self.schedules, state.get("schedulers", [])):
+            schedule.scheduler.load_state_dict(saved)
 
     def _early_stop(self, logs: Dict[str, Any]) -> bool:
         es = self.cfg.early_stopping
@@ -521,12 +554,13 @@ class _Trainer:
     def finish(self) -> Optional[RankResult]:
         if self.cfg.lightning:
             self.model.on_fit_end()
+        gathered = sharding.full_state_dict(self.model) if self.sharded else None  # every rank takes part
         if self.rank != 0:
             return None
         self.callbacks.call("on_train_end", self.history, self.model)
         if self.board is not None:
             self.board.close()
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        state = gathered if gathered is not None else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         buf = io.BytesIO()
         torch.save(state, buf)
         self.cfg.store.write_bytes(self.cfg.store.model_path(self.cfg.run_id, "state_dict.pt"), buf.getvalue())

@@ -1,0 +1,221 @@
+"""Sharded training (FSDP2) for fit(): the model built on every rank under the meta device,
+sharded by the wrap policy over the ring's DeviceMesh, each rank materializing only its own
+shards, checkpoints through torch.distributed.checkpoint (DCP, which reshards on load, so a
+run resumes at another numProc), and the full state gathered to rank 0 at the end.
+
+Initial weights: FSDP2 leaves a meta-built model's values to the caller, and DTensor's random
+ops draw per shard on CPU. So each module that holds parameters is initialized on its own at
+full size (its ``reset_parameters()`` or the user's ``initFn``), in module order from the seed,
+and every rank keeps its slice: at most one module is ever whole in memory, and the same seed
+gives the weights ``torch.manual_seed(seed); factory()`` gives, at any numProc."""
+from __future__ import annotations
+
+import io
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import sparkring.collective as sr
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})\.dcp$")
+_TRAINER_STATE = "trainer.pt"  # written by rank 0 once every rank's shards are: the checkpoint is complete
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How fit() places the model: replicated (``ddp``) or sharded (``fsdp``, ``hsdp``).
+
+    >>> Sharding("fsdp", wrap=("TransformerEncoderLayer",)).sharded
+    True
+    """
+
+    strategy: str = "ddp"
+    wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see wrap_units)
+    init_fn: Optional[Callable[[torch.nn.Module], None]] = None
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy != "ddp"
+
+
+def is_factory(model: Any) -> bool:
+    """``model=`` is a zero-argument callable that builds the module (on every rank)."""
+    return callable(model) and not isinstance(model, torch.nn.Module)
+
+
+def wrap_units(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.Module]:
+    """The modules sharded as units, innermost first: those whose class is named in ``wrap``;
+    by default every child of the model (and of a top-level ModuleList/Sequential of layers)
+    that holds parameters, so a stack of layers gathers one layer at a time.
+
+    >>> [type(m).__name__ for m in wrap_units(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), ())]
+    ['Linear']
+    """
+    if wrap:
+        units = [m for m in model.modules() if type(m).__name__ in wrap and m is not model]
+    else:
+        units = []
+        for child in model.children():
+            inner = list(child.children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else []
+            units += [m for m in (inner or [child]) if any(True for _ in m.parameters())]
+    return list(reversed(units))
+
+
+def device_mesh(strategy: str):
+    return sr.device_mesh(hybrid=strategy == "hsdp")
+
+
+def build_model(model: Any, sharding: Sharding, device: torch.device, seed: int) -> torch.nn.Module:
+    """The rank's model: whole (ddp) or sharded with only its own shards materialized."""
+    if not sharding.sharded:
+        if is_factory(model):
+            torch.manual_seed(seed)
+            model = model()
+        return model.to(device)
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh(sharding.strategy)
+    if is_factory(model):
+        with torch.device("meta"):
+            module = model()
+        for unit in wrap_units(module, sharding.wrap):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(module, mesh=mesh)
+        module.to_empty(device=device)
+        _initialize(module, seed, sharding.init_fn)
+        return module
+    module = model.to(device)  # every rank holds the driver's values: rank 0's are the initial weights
+    for unit in wrap_units(module, sharding.wrap):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+def _initialize(model: torch.nn.Module, seed: int, init_fn: Optional[Callable[[torch.nn.Module], None]]) -> None:
+    """Give every module its initial values, one module at a time at full size, then keep this
+    rank's slice of each sharded parameter."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    torch.manual_seed(seed)
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own and not any(True for _ in module.buffers(recurse=False)):
+            continue
+        reset = init_fn or getattr(module, "reset_parameters", None)
+        if reset is None:
+            raise ValueError(f"module {name or '<root>'} ({type(module).__name__}) has parameters or buffers but no "
+                             "reset_parameters() to initialize them after sharding; pass initFn=lambda module: ... "
+                             "(called for every module that holds parameters)")
+        full = {n: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device
+                                                  if isinstance(p, DTensor) else p.device), requires_grad=False)
+                for n, p in own.items()}
+        for n, f in full.items():
+            module._parameters[n] = f
+        try:
+            with torch.no_grad():
+                if init_fn is not None:
+                    init_fn(module)
+                else:
+                    module.reset_parameters()
+        finally:
+            for n, p in own.items():
+                module._parameters[n] = p
+        with torch.no_grad():
+            for n, p in own.items():
+                value = full[n].detach()
+                if isinstance(p, DTensor):
+                    # every rank computed the same full value: each keeps its slice, no transfer
+                    p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements,
+                                                         src_data_rank=None).to_local())
+                else:
+                    p.copy_(value)
+
+
+def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The whole model's state on rank 0's CPU (every rank calls it; the others get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def grads_finite(model: torch.nn.Module) -> bool:
+    """Whether every rank's shards of every gradient are finite (the same answer on every rank)."""
+    sums = [p.grad.to_local().detach().float().abs().sum() if hasattr(p.grad, "to_local")
+            else p.grad.detach().float().abs().sum() for p in model.parameters() if p.grad is not None]
+    bad = 0.0 if not sums or bool(torch.isfinite(torch.stack(sums).sum())) else 1.0
+    return sr.allreduce(torch.tensor([bad]), op=sr.Max).item() == 0.0
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+def checkpoint_dirs(store, run_id: str) -> List[str]:
+    return sorted(n for n in store.listdir(store.checkpoint_path(run_id)) if CHECKPOINT_DIR_RE.match(n))
+
+
+def _storage(store, path: str, writing: bool):
+    import torch.distributed.checkpoint as dcp
+
+    local = store.local_path(path)
+    if local is not None:
+        return dcp.FileSystemWriter(local) if writing else dcp.FileSystemReader(local)
+    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+
+    url = store.url.rstrip("/") + "/" + path[len(store.root):].lstrip("/") if path.startswith(store.root) else path
+    return FsspecWriter(url) if writing else FsspecReader(url)
+
+
+def save_checkpoint(store, run_id: str, epoch: int, model, opt, trainer_state: Dict[str, Any]) -> None:
+    """Every rank writes its shards of model and optimizer; rank 0 then writes the trainer's
+    state, which marks the checkpoint complete, and keeps the two newest."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    path = store.checkpoint_path(run_id, f"epoch-{epoch:05d}.dcp")
+    if sr.rank() == 0:
+        store.makedirs(path)
+    sr.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, storage_writer=_storage(store, path, writing=True))
+    sr.barrier()
+    if sr.rank() == 0:
+        buf = io.BytesIO()
+        torch.save(trainer_state, buf)
+        store.write_bytes(f"{path}/{_TRAINER_STATE}", buf.getvalue())
+        for old in checkpoint_dirs(store, run_id)[:-2]:
+            store.delete(store.checkpoint_path(run_id, old))
+
+
+def load_latest_checkpoint(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:
+    """Load the newest complete sharded checkpoint into ``model`` and ``opt`` (resharded to this
+    ring's size); the trainer's state it holds, or None where there is none."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    chosen = None
+    if sr.rank() == 0:
+        for name in reversed(checkpoint_dirs(store, run_id)):
+            marker = store.checkpoint_path(run_id, name, _TRAINER_STATE)
+            if store.exists(marker):
+                chosen = (name, store.read_bytes(marker))
+                break
+            log.warning("sharded checkpoint %s of run %s is incomplete; trying the one before", name, run_id)
+    chosen = sr.broadcast_object(chosen, root_rank=0)
+    if chosen is None:
+        return None
+    name, trainer_bytes = chosen
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, storage_reader=_storage(store, store.checkpoint_path(run_id, name), writing=False))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    return torch.load(io.BytesIO(trainer_bytes), map_location="cpu", weights_only=True)

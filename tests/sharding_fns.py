@@ -1,0 +1,93 @@
+"""Models and rank functions for the sharded-training tests (importable by Spark's workers)."""
+import torch
+
+import sparkring.collective as sr
+
+
+def layer_stack(d=8, width=32, layers=3, classes=3):
+    """A model factory: a stack of layers, so FSDP2 shards (and gathers) one layer at a time."""
+    def build():
+        blocks = [torch.nn.Linear(d, width), torch.nn.ReLU()]
+        for _ in range(layers - 1):
+            blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        return torch.nn.Sequential(*blocks, torch.nn.Linear(width, classes))
+    return build
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def uses_meta_values():
+    """A factory whose own initialization reads values, which the meta device has none of."""
+    model = torch.nn.Linear(4, 2)
+    model.weight.data[0, 0] = float(model.bias.sum())
+    return model
+
+
+def sparse_embeddings():
+    return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
+
+
+def _training_state_bytes(model, opt):
+    """Bytes of the training state this rank keeps between steps: its parameters, gradients and
+    optimizer state, as the sizes of the storages behind them (each once: DistributedOptimizer's
+    gradients share bucket buffers; DTensors by their local shard's storage). Storages are what
+    the allocator holds, unlike RSS, which the interpreter, torch and the data also move."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if t is None:
+            return
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for state in opt.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                add(value)
+    return total
+
+
+def sharded_training_in_run(sharded, width=256, layers=4, steps=3):
+    """device_mesh() + fully_shard by hand inside run(); what each rank keeps, and the losses."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = layer_stack(d=16, width=width, layers=layers, classes=4)()
+    full_params = sum(p.numel() for p in model.parameters())
+    if sharded:
+        mesh = sr.device_mesh()
+        for block in model:
+            if any(True for _ in block.parameters()):
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        sr.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = sr.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                      named_parameters=model.named_parameters())
+    torch.manual_seed(1 + sr.rank())
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    return {"full_params": full_params, "local_params": local, "state_bytes": _training_state_bytes(model, opt),
+            "full_state_bytes": full_params * 4 * 4, "losses": losses,
+            "mesh": str(sr.device_mesh().mesh.tolist()) if sharded else None}
