@@ -91,3 +91,46 @@ def sharded_training_in_run(sharded, width=256, layers=4, steps=3):
     return {"full_params": full_params, "local_params": local, "state_bytes": _training_state_bytes(model, opt),
             "full_state_bytes": full_params * 4 * 4, "losses": losses,
             "mesh": str(sr.device_mesh().mesh.tolist()) if sharded else None}
+
+
+def hybrid_sharded_training(steps=3):
+    """HSDP by hand: device_mesh(hybrid=True) on 2 hosts x 2 ranks, parameters sharded within a host
+    and replicated across hosts; the losses, what each rank keeps, and the final weights."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = layer_stack(d=8, width=16, layers=2, classes=3)()
+    mesh = sr.device_mesh(hybrid=True)
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(1 + sr.rank())
+    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"mesh": mesh.mesh.tolist(), "names": mesh.mesh_dim_names,
+            "local": sum(p.to_local().numel() for p in model.parameters()),
+            "total": sum(p.numel() for p in model.parameters()), "weights": full}
+
+
+def hybrid_reference(size=4, steps=3):
+    """One process, every rank's batch: what hybrid_sharded_training must end with."""
+    torch.manual_seed(0)
+    model = layer_stack(d=8, width=16, layers=2, classes=3)()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = []
+    for r in range(size):
+        torch.manual_seed(1 + r)
+        batches.append((torch.randn(8, 8), torch.randint(0, 3, (8,))))
+    for _ in range(steps):
+        opt.zero_grad()
+        (sum(torch.nn.functional.cross_entropy(model(x), y) for x, y in batches) / size).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -78,3 +78,31 @@ def test_each_rank_keeps_a_third_of_the_training_state_with_device_mesh_in_run(s
     # the same data and initial weights: sharded training follows the replicated one
     for s, w in zip(sharded, whole):
         assert s["losses"] == pytest.approx(w["losses"], abs=1e-5)
+
+
+def test_hybrid_device_mesh_shards_within_a_host_and_replicates_across_hosts():
+    from spawn import spawn_ranks
+
+    places = {r: {"SPARKRING_CROSS_RANK": str(r // 2), "SPARKRING_CROSS_SIZE": "2", "SPARKRING_LOCAL_RANK": str(r % 2),
+                  "SPARKRING_LOCAL_SIZE": "2", "SPARKRING_HOST_ID": f"host-{r // 2}"} for r in range(4)}
+    results = spawn_ranks("sharding_fns", "hybrid_sharded_training", 4, timeout=120, rank_env=places)
+    expected = S.hybrid_reference()
+    for r in results:
+        assert r["mesh"] == [[0, 1], [2, 3]] and r["names"] == ("replicate", "shard")
+        assert r["local"] * 2 == pytest.approx(r["total"], rel=0.05)  # half of it: the host's share
+    weights = results[0]["weights"]
+    for key, value in expected.items():
+        torch.testing.assert_close(weights[key], value, atol=1e-5, rtol=0)
+
+
+def test_asynchronous_checkpoints_train_the_same_weights_and_resume(spark, tmp_path):
+    df = H.classification_df(spark, n=128)
+    sync = _fit(df, Store(str(tmp_path / "sync")), numProc=2, strategy="fsdp", epochs=3)
+    store = Store(str(tmp_path / "async"))
+    first = _fit(df, store, numProc=2, strategy="fsdp", epochs=2, runId="bg", asyncCheckpoint=True)
+    # the last checkpoint was completed at the end of the fit: a later fit resumes after it
+    resumed = _fit(df, store, numProc=2, strategy="fsdp", epochs=3, runId="bg", asyncCheckpoint=True)
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2] and resumed.history[:2] == first.history
+    a, b = _weights(sync), _weights(resumed)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0)

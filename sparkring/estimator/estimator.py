@@ -391,7 +391,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
             reader=self.getOrDefault("reader"), lightning=is_lightning_module(self._model_shape()),
             sharding=Sharding(self.getOrDefault("strategy"), tuple(self.getOrDefault("fsdpWrap") or ()),
-                              self.getOrDefault("initFn")))
+                              self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint")))
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 

@@ -38,6 +38,7 @@ class Sharding:
     strategy: str = "ddp"
     wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see wrap_units)
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None
+    async_checkpoint: bool = False    # write sharded checkpoints while training goes on
 
     @property
     def sharded(self) -> bool:
@@ -170,25 +171,56 @@ def _storage(store, path: str, writing: bool):
     return FsspecWriter(url) if writing else FsspecReader(url)
 
 
-def save_checkpoint(store, run_id: str, epoch: int, model, opt, trainer_state: Dict[str, Any]) -> None:
-    """Every rank writes its shards of model and optimizer; rank 0 then writes the trainer's
-    state, which marks the checkpoint complete, and keeps the two newest."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+class Checkpointer:
+    """Writes the sharded checkpoints of one fit: every rank its shards of model and optimizer,
+    then rank 0 the trainer's state, which marks the checkpoint complete; the two newest are
+    kept. With ``asynchronous``, DCP stages the shards and writes them on a thread of its own over
+    a process group of its own while training goes on; the checkpoint is completed at the next
+    save or at the end of the fit."""
 
-    path = store.checkpoint_path(run_id, f"epoch-{epoch:05d}.dcp")
-    if sr.rank() == 0:
-        store.makedirs(path)
-    sr.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.save(state, storage_writer=_storage(store, path, writing=True))
-    sr.barrier()
-    if sr.rank() == 0:
-        buf = io.BytesIO()
-        torch.save(trainer_state, buf)
-        store.write_bytes(f"{path}/{_TRAINER_STATE}", buf.getvalue())
-        for old in checkpoint_dirs(store, run_id)[:-2]:
-            store.delete(store.checkpoint_path(run_id, old))
+    def __init__(self, store, run_id: str, asynchronous: bool = False):
+        self.store, self.run_id = store, run_id
+        self.group = None
+        if asynchronous:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")  # its collectives never meet training's
+        self.pending: Optional[Tuple[Any, str, Dict[str, Any]]] = None
+
+    def save(self, epoch: int, model, opt, trainer_state: Dict[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        self.finish()
+        path = self.store.checkpoint_path(self.run_id, f"epoch-{epoch:05d}.dcp")
+        if sr.rank() == 0:
+            self.store.makedirs(path)
+        sr.barrier()
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        writer = _storage(self.store, path, writing=True)
+        if self.group is None:
+            dcp.save(state, storage_writer=writer)
+            self._complete(path, trainer_state)
+        else:
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+            self.pending = (future, path, trainer_state)
+
+    def finish(self) -> None:
+        """Complete the checkpoint still being written, if any (every rank calls it)."""
+        if self.pending is not None:
+            future, path, trainer_state = self.pending
+            self.pending = None
+            future.result()
+            self._complete(path, trainer_state)
+
+    def _complete(self, path: str, trainer_state: Dict[str, Any]) -> None:
+        sr.barrier()  # every rank's shards are written
+        if sr.rank() == 0:
+            buf = io.BytesIO()
+            torch.save(trainer_state, buf)
+            self.store.write_bytes(f"{path}/{_TRAINER_STATE}", buf.getvalue())
+            for old in checkpoint_dirs(self.store, self.run_id)[:-2]:
+                self.store.delete(self.store.checkpoint_path(self.run_id, old))
 
 
 def load_latest_checkpoint(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:

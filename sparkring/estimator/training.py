@@ -356,6 +356,8 @@ class _Trainer:
         self.device = sr.rank_device(cfg.use_gpu)
         self.sharded = cfg.sharding.sharded
         self.model = sharding.build_model(cfg.model, cfg.sharding, self.device, cfg.seed)
+        self.checkpointer = (sharding.Checkpointer(cfg.store, cfg.run_id, cfg.sharding.async_checkpoint)
+                             if self.sharded else None)
         torch.manual_seed(cfg.seed)
         self.schedules: List[Schedule] = []
         if cfg.lightning:
@@ -515,15 +517,15 @@ class _Trainer:
                 _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best, self.waited,
                                  self.schedules)
         stop = bool(sr.broadcast_object(stop, root_rank=0))
-        if self.sharded:  # every rank writes its shards
-            sharding.save_checkpoint(self.cfg.store, self.cfg.run_id, epoch, self.model, self.opt,
-                                     self._trainer_state(epoch, stop))
+        if self.checkpointer is not None:  # every rank writes its shards
+            self.checkpointer.save(epoch, self.model, self.opt, self._trainer_state(epoch, stop))
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
         return stop
 
     def _trainer_state(self, epoch: int, stopped: bool) -> Dict[str, Any]:
-        return {"epoch": epoch, "history": self.history, "seed": self.cfg.seed, "stopped": stopped,
+        # a snapshot: an asynchronous checkpoint is completed after later epochs have run
+        return {"epoch": epoch, "history": [dict(h) for h in self.history], "seed": self.cfg.seed, "stopped": stopped,
                 "early_stopping": (self.best, self.waited),
                 "schedulers": [s.scheduler.state_dict() for s in self.schedules]}
 
@@ -554,7 +556,10 @@ class _Trainer:
     def finish(self) -> Optional[RankResult]:
         if self.cfg.lightning:
             self.model.on_fit_end()
-        gathered = sharding.full_state_dict(self.model) if self.sharded else None  # every rank takes part
+        gathered = None
+        if self.checkpointer is not None:  # every rank takes part
+            self.checkpointer.finish()
+            gathered = sharding.full_state_dict(self.model)
         if self.rank != 0:
             return None
         self.callbacks.call("on_train_end", self.history, self.model)
