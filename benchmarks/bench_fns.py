@@ -389,3 +389,145 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
         row["shm/memcpy"] = statistics.median(s / m for s, m in zip(times["shm"], times["memcpy"]))
         out.append(row)
     return out
+
+
+def _layer_stack(d_in, width, layers, classes):
+    import torch
+
+    blocks = [torch.nn.Linear(d_in, width), torch.nn.ReLU()]
+    for _ in range(layers - 1):
+        blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(width, classes))
+
+
+def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, checkpoint_dir):
+    """Hand-written FSDP2 loop under TorchDistributor: pyarrow reads the rank's Parquet files,
+    fully_shard per layer, Adam, a DCP checkpoint after every epoch (what fit() does)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    table = pq.read_table(files_by_rank[rank])
+    feats = table.column("features").combine_chunks()
+    x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
+    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    n = torch.tensor([len(x)])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)
+    steps = int(n) // batch_size
+    mesh = init_device_mesh("cpu", (size,))
+    torch.manual_seed(0)
+    model = _layer_stack(x.shape[1], width, layers, 10)
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        perm = torch.randperm(len(x))
+        for i in range(steps):
+            idx = perm[i * batch_size:(i + 1) * batch_size]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=f"{checkpoint_dir}/epoch-{epoch}")
+    dist.destroy_process_group()
+    return steps * batch_size * epochs
+
+
+def training_state_per_rank(sharded, width=512, layers=6):
+    """Bytes of parameters + gradients + Adam state one rank keeps after a step, sharded or not."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    import sparkring.collective as sr
+
+    torch.manual_seed(0)
+    model = _layer_stack(64, width, layers, 10)
+    if sharded:
+        mesh = sr.device_mesh()
+        for block in model:
+            if any(True for _ in block.parameters()):
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = sr.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
+                                      named_parameters=model.named_parameters())
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(torch.randn(32, 64)), torch.randint(0, 10, (32,))).backward()
+    opt.step()
+    seen, total = set(), 0
+    tensors = [t for p in model.parameters() for t in (p, p.grad)]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return sr.allgather_object(total)  # every rank's, by rank
+
+
+def checkpoint_times(directory, width=1024, layers=8, reps=3):
+    """Seconds training waits for one checkpoint: sharded DCP (sync, and async until it returns)
+    and rank 0's torch.save of the gathered full state, each the median of ``reps``."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    import sparkring.collective as sr
+
+    torch.manual_seed(0)
+    model = _layer_stack(64, width, layers, 10)
+    mesh = sr.device_mesh()
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    torch.nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
+    opt.step()
+    group = dist.new_group(backend="gloo")
+    out = {"sync": [], "async": [], "full": []}
+    for i in range(reps):
+        sr.barrier()
+        t0 = time.perf_counter()
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=f"{directory}/sync-{i}")
+        sr.barrier()
+        out["sync"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        future = dcp.async_save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                                checkpoint_id=f"{directory}/async-{i}", process_group=group)
+        out["async"].append(time.perf_counter() - t0)
+        future.result()
+        sr.barrier()
+        t0 = time.perf_counter()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = {"model": get_model_state_dict(model, options=options),
+                 "optim": get_optimizer_state_dict(model, opt, options=options)}
+        if sr.rank() == 0:
+            torch.save(state, f"{directory}/full-{i}.pt")
+        sr.barrier()
+        out["full"].append(time.perf_counter() - t0)
+    params = sum(p.numel() for p in model.parameters())
+    return {k: statistics.median(v) for k, v in out.items()} | {"params": params}

@@ -385,6 +385,61 @@ def bench_training(spark, rows, reps, tmp, n):
                     t_single / t_ours, "(scaling; 2 cores shared)"))
 
 
+def bench_sharding(spark, rows, reps, tmp, n=100_000):
+    """Sharded training: fit(strategy="fsdp") against a hand-written FSDP2 script under Spark's
+    TorchDistributor, each rank's training state fsdp vs ddp, and what a checkpoint costs."""
+    import torch
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from sparkring import SparkRingEstimator, Store, run
+
+    src = os.path.join(tmp, "shard_source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+    df = spark.read.parquet(src)
+    epochs, bs, lr, width, layers = 2, 256, 1e-3, 256, 4
+
+    def ours():
+        SparkRingEstimator(model=lambda: bench_fns._layer_stack(64, width, layers, 10), strategy="fsdp",
+                           optimizer=lambda p: torch.optim.Adam(p, lr=lr), loss="cross_entropy", batchSize=bs,
+                           epochs=epochs, numProc=2, verbose=0,
+                           store=Store(os.path.join(tmp, f"shard_store_{time.monotonic_ns()}"))).fit(df)
+
+    def baseline():
+        path = os.path.join(tmp, "shard_parquet")
+        df.select(vector_to_array("features", "float32").alias("features"), "label") \
+            .write.mode("overwrite").parquet(path)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
+            bench_fns.fsdp_parquet_training, [files[r::2] for r in range(2)], epochs, bs, lr, width, layers,
+            os.path.join(tmp, f"shard_ckpt_{time.monotonic_ns()}"))
+
+    t_ours, t_td = alternate(ours, baseline, reps)
+    sps = lambda t: n * epochs / t  # noqa: E731
+    rows.append(Row("sharding", f"fit(strategy='fsdp') throughput, {n // 1000}k rows x 64, {layers}-layer MLP "
+                    f"(width {width}), 2 ranks, {epochs} epochs, a DCP checkpoint per epoch (whole fit)",
+                    f"{sps(t_ours):,.0f} samples/s", f"TorchDistributor + hand-written FSDP2 + DCP + pyarrow "
+                    f"{sps(t_td):,.0f} samples/s", t_td / t_ours, ">= 1.0x", goal_value=1.0))
+    from sparkring import TorchDistributor as LocalRanks  # local processes: 3 ranks on a local[2] session
+
+    for num_proc in (2, 3):
+        local = LocalRanks(num_processes=num_proc, local_mode=True, use_gpu=False, verbose=0)
+        fsdp = local.run(bench_fns.training_state_per_rank, True)
+        ddp = local.run(bench_fns.training_state_per_rank, False)
+        rows.append(Row("sharding", f"parameters + gradients + Adam state kept per rank, {num_proc} ranks "
+                        "(6-layer MLP, 1.5M parameters; storage bytes)", f"fsdp {max(fsdp) / 1e6:.2f} MB",
+                        f"ddp {max(ddp) / 1e6:.2f} MB", max(ddp) / max(fsdp), f"~{num_proc}x (1/N per rank)",
+                        goal_value=num_proc * 0.9))
+    times = run(bench_fns.checkpoint_times, args=(os.path.join(tmp, "ckpt_times"),), num_proc=2, verbose=0)[0]
+    mparams = times["params"] / 1e6
+    rows.append(Row("sharding", f"checkpoint, training waits: sharded DCP (sync) vs rank 0's torch.save of the "
+                    f"gathered full state ({mparams:.1f}M parameters + Adam, 2 ranks)", f"{times['sync']:.2f} s",
+                    f"full state {times['full']:.2f} s", times["full"] / times["sync"], "(reference)"))
+    rows.append(Row("sharding", f"checkpoint, training waits: asyncCheckpoint (DCP async_save until it returns) vs "
+                    f"sync ({mparams:.1f}M parameters + Adam, 2 ranks)", f"{times['async']:.2f} s",
+                    f"sync {times['sync']:.2f} s", times["sync"] / times["async"], "> 1.0x", goal_value=1.0))
+
+
 def bench_transform(spark, rows, reps, tmp):
     import numpy as np
     import torch
@@ -447,8 +502,8 @@ def bench_transform(spark, rows, reps, tmp):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,transform,"
-                                          "shm,versions,connect")
+    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,sharding,"
+                                          "transform,shm,versions,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -469,7 +524,7 @@ def main():
         all_rows = []
         for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                      "versions", "inputs",
-                     "training", "transform"):
+                     "training", "sharding", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -533,6 +588,11 @@ def main():
             rows = []
             bench_training(spark, rows, max(1, args.reps - 1), tmp, args.train_rows)
             done("training", rows)
+        if "sharding" in only:
+            print("== sharding", flush=True)
+            rows = []
+            bench_sharding(spark, rows, max(1, args.reps - 1), tmp)
+            done("sharding", rows)
         if "transform" in only:
             print("== transform", flush=True)
             rows = []

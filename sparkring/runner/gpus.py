@@ -140,3 +140,24 @@ def discover_gpus(script: Optional[str]) -> Tuple[str, ...]:
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         log.warning("GPU discovery script %s failed: %s", script, exc)
         return ()
+
+
+SHARED_GPU_FALLBACK = ("ranks on one host share a GPU, which NCCL refuses: backend='auto' uses gloo; give every task a "
+                       "whole GPU (spark.task.resource.gpu.amount=1) for NCCL")
+
+
+def backend_on_shared_gpus(backend: str, from_auto: bool, where: str, name: str = "backend", why: str = "") -> str:
+    """The backend where ranks share a GPU, decided one way by the launch plan (from the session's
+    GPU amounts) and by the tasks (from the GPUs they were given): NCCL asked for is refused,
+    NCCL that ``backend="auto"`` chose falls back to gloo.
+
+    >>> backend_on_shared_gpus("nccl", from_auto=True, where="ranks on host a")
+    'gloo'
+    """
+    if backend != "nccl":
+        return backend
+    if not from_auto:
+        raise ConfigurationError(f"{name}='nccl' but {where} share a GPU{why}, which NCCL refuses (\"Duplicate GPU "
+                                 f"detected\"): give every task a whole GPU, or use {name}='gloo'")
+    log.warning(SHARED_GPU_FALLBACK)
+    return "gloo"

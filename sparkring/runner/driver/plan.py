@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 from ...collective.hosting import TRANSPORTS
 from ...errors import ConfigurationError
+from ..gpus import backend_on_shared_gpus
 from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, session_facts
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,10 @@ def _ranks_share_gpus(facts: SessionFacts, num_proc: int) -> bool:
 def _decide_backend(backend: str, use_gpu: bool, shared_gpus: bool, names: ParamNames) -> str:
     """The one transport every rank uses, decided here rather than by each rank from what it sees
     (ranks that disagree hang in init)."""
+    where, why = "ranks on one host would", " (a fractional spark.task.resource.gpu.amount, or fewer GPUs than ranks "
+    why += "in local mode)"
     if backend == "nccl" and shared_gpus:
-        raise ConfigurationError(
-            f"{names.backend}='nccl' but ranks on one host would share a GPU (a fractional "
-            "spark.task.resource.gpu.amount, or fewer GPUs than ranks in local mode), which NCCL refuses "
-            f"(\"Duplicate GPU detected\"): give every task a whole GPU, or use {names.backend}='gloo'")
+        return backend_on_shared_gpus("nccl", from_auto=False, where=where, name=names.backend, why=why)
     if backend != "auto":
         return backend
     if not use_gpu:
@@ -123,9 +123,7 @@ def _decide_backend(backend: str, use_gpu: bool, shared_gpus: bool, names: Param
         log.warning("GPUs are scheduled but this torch has no NCCL: the ranks use gloo")
         return "gloo"
     if shared_gpus:
-        log.warning("ranks on one host share a GPU, which NCCL refuses: backend='auto' uses gloo; give every "
-                    "task a whole GPU (spark.task.resource.gpu.amount=1) for NCCL")
-        return "gloo"
+        return backend_on_shared_gpus("nccl", from_auto=True, where=where, name=names.backend, why=why)
     return "nccl"
 
 

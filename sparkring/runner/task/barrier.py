@@ -19,7 +19,15 @@ from ...collective import environment
 from ...errors import ChannelError, ConfigurationError
 from .. import channel, protocol
 from ..failures import is_secondary
-from ..gpus import VISIBLE, HostGpus, cuda_names, discover_gpus, host_gpus
+from ..gpus import (
+    SHARED_GPU_FALLBACK,
+    VISIBLE,
+    HostGpus,
+    backend_on_shared_gpus,
+    cuda_names,
+    discover_gpus,
+    host_gpus,
+)
 from ..protocol import Abort, Cause, Detached, Done, Error, Event, Frame, Hello, Log, Rendezvous, Stacks, Started
 from ..versions import package_versions, skew, skew_message
 from .process import (
@@ -186,12 +194,9 @@ def _ring_gpus(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> 
         by_host[host] = host_gpus(names)
     shared = [h for h, g in by_host.items() if g.shared]
     backend = spec.backend
-    if shared and backend == "nccl":
-        if not spec.backend_from_auto:
-            raise ConfigurationError(
-                f"backend='nccl' but ranks on host(s) {shared} were given the same GPU, which NCCL refuses "
-                "(\"Duplicate GPU detected\"): give every task a whole GPU, or use backend='gloo'")
-        backend = "gloo"
+    if shared:
+        backend = backend_on_shared_gpus(backend, spec.backend_from_auto, where=f"ranks on host(s) {shared}",
+                                         why=" (they were given the same GPU)")
     return RingGpus(by_host=by_host, backend=backend)
 
 
@@ -362,8 +367,7 @@ def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: _Outbox) -> Optional[R
         raise RuntimeError(f"rank {rank} cannot start {protocol.embed_error(refused)}: {exc}") from None
     if gpus is not None and rank == 0 and gpus.backend != spec.backend:
         outbox.send(Log(rank=rank, attempt=attempt, stream="stderr",
-                        line="sparkring: ranks on one host share a GPU, which NCCL refuses: backend='auto' uses "
-                             "gloo; give every task a whole GPU for NCCL"))
+                        line=f"sparkring: {SHARED_GPU_FALLBACK}"))
     return gpus
 
 
