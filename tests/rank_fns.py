@@ -311,3 +311,51 @@ def gpu_view():
     return {"rank": sr.rank(), "local_rank": sr.local_rank(), "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "gpu": os.environ.get("SPARKRING_GPU"), "backend": sr.backend(),
             "spawned": "sparkring.runner.task.worker" in cmdline}
+
+
+def grad_scaler_skips_alike():
+    """DistributedOptimizer with a GradScaler, the way fit(precision="16-mixed") steps: the scaler
+    unscales the *reduced* gradients, so an overflow on one rank skips the step on every rank."""
+    import torch
+
+    import sparkring.collective as sr
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    skipped = []
+    for step in range(3):
+        opt.zero_grad()
+        x = torch.ones(2, 4) * (1e38 if step == 1 and sr.rank() == 1 else 1.0)  # its gradient: inf
+        scaler.scale(model(x).sum()).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        before = scaler.get_scale()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < before)
+    return [v.tolist() for v in model.state_dict().values()], scaler.get_scale(), skipped
+
+
+def bf16_compressed_training():
+    """The same two steps with float32 and with bfloat16 gradients on the wire: rank 0's weights."""
+    import torch
+
+    import sparkring.collective as sr
+
+    out = []
+    for compression in (sr.Compression.none, sr.Compression.bf16):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 4)
+        opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                      named_parameters=model.named_parameters(), compression=compression)
+        torch.manual_seed(1 + sr.rank())
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            opt.step()
+        out.append(model.weight.detach().clone())
+    return out

@@ -154,6 +154,10 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if sparse:
             raise ConfigurationError(f"strategy={strategy!r} shards parameters, which sparse gradients cannot be: "
                                      f"module(s) {sparse} use sparse=True; drop it or use strategy='ddp'")
+        if self.getOrDefault("precision") == "16-mixed":
+            raise ConfigurationError(f"precision='16-mixed' scales the loss for replicated gradients; with "
+                                     f"strategy={strategy!r} use precision='bf16-mixed' (FSDP2 computes in bfloat16 "
+                                     "and reduces in float32)")
         if self.getOrDefault("gradientCompression") != "none":
             raise ConfigurationError(f"gradientCompression applies to strategy='ddp'; with {strategy!r} FSDP2 "
                                      "reduce-scatters gradients in their own dtype")
@@ -391,7 +395,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             multi_head=len(labels) > 1, skip_non_finite=self.getOrDefault("onNonFinite") == "skip_step",
             reader=self.getOrDefault("reader"), lightning=is_lightning_module(self._model_shape()),
             sharding=Sharding(self.getOrDefault("strategy"), tuple(self.getOrDefault("fsdpWrap") or ()),
-                              self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint")))
+                              self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint"),
+                              bf16_compute=self.getOrDefault("precision") == "bf16-mixed"),
+            precision=self.getOrDefault("precision"))
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 

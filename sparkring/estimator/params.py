@@ -165,8 +165,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "on (completed at the next one, or at the end)", TypeConverters.toBoolean),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
               TypeConverters.toInt, minimum=1),
-    ParamSpec("gradientCompression", "str", "none", "none | fp16: how gradients travel in the allreduce",
-              TypeConverters.toString, choices=("none", "fp16")),
+    ParamSpec("gradientCompression", "str", "none", "none | fp16 | bf16: how gradients travel in the allreduce",
+              TypeConverters.toString, choices=("none", "fp16", "bf16")),
+    ParamSpec("precision", "str", "32", "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "
+              "to bfloat16 or float16 on the rank's device; 16-mixed scales the loss (GradScaler) and skips a step "
+              "whose reduced gradients overflow, on every rank alike; a sharded strategy keeps bfloat16 parameters "
+              "for compute and reduces gradients in float32", TypeConverters.toString,
+              choices=("32", "bf16-mixed", "16-mixed")),
     ParamSpec("learningRateScaling", "str", "none", "none | linear (lr x numProc)", TypeConverters.toString,
               choices=("none", "linear")),
     ParamSpec("warmupEpochs", "float", 0.0, "epochs to ramp lr up to its scaled value", TypeConverters.toFloat),

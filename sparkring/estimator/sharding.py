@@ -39,6 +39,7 @@ class Sharding:
     wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see wrap_units)
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None
     async_checkpoint: bool = False    # write sharded checkpoints while training goes on
+    bf16_compute: bool = False        # precision="bf16-mixed": bfloat16 parameters in compute, float32 reduction
 
     @property
     def sharded(self) -> bool:
@@ -79,23 +80,27 @@ def build_model(model: Any, sharding: Sharding, device: torch.device, seed: int)
             torch.manual_seed(seed)
             model = model()
         return model.to(device)
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = device_mesh(sharding.strategy)
     if is_factory(model):
         with torch.device("meta"):
             module = model()
-        for unit in wrap_units(module, sharding.wrap):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(module, mesh=mesh)
+        _shard(module, sharding)
         module.to_empty(device=device)
         _initialize(module, seed, sharding.init_fn)
         return module
     module = model.to(device)  # every rank holds the driver's values: rank 0's are the initial weights
-    for unit in wrap_units(module, sharding.wrap):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    _shard(module, sharding)
     return module
+
+
+def _shard(module: torch.nn.Module, sharding: Sharding) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = device_mesh(sharding.strategy)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if sharding.bf16_compute else MixedPrecisionPolicy())
+    for unit in wrap_units(module, sharding.wrap):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
 
 
 def _initialize(model: torch.nn.Module, seed: int, init_fn: Optional[Callable[[torch.nn.Module], None]]) -> None:

@@ -1,6 +1,7 @@
 """The per-rank training loop that SparkRingEstimator.fit runs through sparkring.run."""
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import logging
@@ -73,6 +74,7 @@ class TrainConfig:
     skip_non_finite: bool = False
     lightning: bool = False           # model is a LightningModule (lightning_steps)
     sharding: Sharding = field(default_factory=Sharding)
+    precision: str = "32"             # 32 | bf16-mixed | 16-mixed
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -91,6 +93,7 @@ def default_reader_workers(local_size: int) -> int:
 
 
 NON_FINITE = "non-finite loss"
+AMP_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def non_finite_reason(remote_traceback: str) -> Optional[str]:
@@ -128,6 +131,13 @@ class _Step:
         self.cfg, self.device, self.rank = cfg, device, rank
         self.first = True
         self.output_shapes: Optional[List[List[int]]] = None
+        self.amp_dtype = AMP_DTYPES.get(cfg.precision)
+
+    def autocast(self):
+        """Forward and loss in the precision asked for (autocast keeps what needs float32 there)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
     def width(self) -> int:
         return 2 + len(self.cfg.log_names())
@@ -139,12 +149,13 @@ class _Step:
             args, kwargs = cfg.spec.model_args(batch)
             args = tuple(a.to(device, non_blocking=True) for a in args)
             kwargs = {k: v.to(device, non_blocking=True) for k, v in kwargs.items()}
-            out = model(*args, **kwargs)
-            heads = self._heads(out)
-            ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, self.first)
-                  for label, head, loss in zip(labels, heads, cfg.losses)]
-            w = torch.as_tensor(batch[cfg.spec.weight]).to(device) if cfg.spec.weight else None
-            head_losses = [losses.compute_loss(loss, head, y, w) for loss, head, y in zip(cfg.losses, heads, ys)]
+            with self.autocast():
+                out = model(*args, **kwargs)
+                heads = self._heads(out)
+                ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, self.first)
+                      for label, head, loss in zip(labels, heads, cfg.losses)]
+                w = torch.as_tensor(batch[cfg.spec.weight]).to(device) if cfg.spec.weight else None
+                head_losses = [losses.compute_loss(loss, head, y, w) for loss, head, y in zip(cfg.losses, heads, ys)]
         except Exception as exc:
             _add_note(exc, f"sparkring: on rank {self.rank}, {where}")
             raise
@@ -373,6 +384,8 @@ class _Trainer:
             opt, named_parameters=self.model.named_parameters(), compression=getattr(sr.Compression, cfg.compression),
             backward_passes_per_step=cfg.backward_passes_per_step)
         self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
+        # float16 needs its loss scaled; bfloat16 has float32's range and does not
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "16-mixed" else None
         self.workers = 0
         if cfg.transform_fn is not None:
             self.workers = (cfg.reader_workers if cfg.reader_workers is not None
@@ -429,7 +442,9 @@ class _Trainer:
         """The optimizer step after backward_passes_per_step batches; 1 where a non-finite
         update was skipped."""
         cfg, opt, skipped = self.cfg, self.opt, 0
-        if cfg.skip_non_finite and self.sharded:
+        if self.scaler is not None:
+            skipped = self._scaled_update()
+        elif cfg.skip_non_finite and self.sharded:
             if sharding.grads_finite(self.model):
                 opt.step()
             else:
@@ -473,7 +488,8 @@ class _Trainer:
                                          f"step {i} on rank {rank}")
             # every rank goes through backward (its gradients take part in the allreduce); with
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
-            (loss / cfg.backward_passes_per_step).backward()
+            scaled = loss / cfg.backward_passes_per_step
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 skipped += self._update(epoch, i)
             if finite:
@@ -490,7 +506,7 @@ class _Trainer:
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
         for j, name in enumerate(cfg.log_names()):
             logs[name] = float(totals[2 + j] / totals[1])
-        if cfg.skip_non_finite:
+        if cfg.skip_non_finite or cfg.precision == "16-mixed":
             logs["skipped_steps"] = skipped
         if cfg.lightning:
             self.model.on_train_epoch_end()
@@ -522,6 +538,19 @@ class _Trainer:
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
         return stop
+
+    def _scaled_update(self) -> int:
+        """16-mixed: unscale the reduced gradients, step unless they overflowed; the reduced
+        gradients are the same on every rank, so is the decision. 1 where the step was skipped."""
+        opt, scaler = self.opt, self.scaler
+        assert scaler is not None
+        opt.synchronize()
+        scaler.unscale_(opt)
+        before = scaler.get_scale()
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        return int(scaler.get_scale() < before)
 
     def _trainer_state(self, epoch: int, stopped: bool) -> Dict[str, Any]:
         # a snapshot: an asynchronous checkpoint is completed after later epochs have run

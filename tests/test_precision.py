@@ -1,0 +1,58 @@
+"""Mixed precision and bfloat16 gradients: bf16-mixed fits as well as float32, 16-mixed scales
+the loss and skips an overflowing step on every rank alike, Compression.bf16 on the wire."""
+import pytest
+import rank_fns
+import torch
+from pyspark.ml.linalg import Vectors
+
+from sparkring import SparkRingEstimator, Store, run
+
+
+def _digits_df(spark):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    rows = [(i, Vectors.dense(x[i] / 16.0), float(y[i]), i % 5 == 0) for i in range(len(y))]
+    return spark.createDataFrame(rows, ["id", "features", "label", "held_out"]).repartition(2, "id")
+
+
+def _digits_fit(df, store, **kw):
+    def model():
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    params = dict(model=model, optimizer=lambda p: torch.optim.Adam(p, lr=3e-3), loss="cross_entropy",
+                  metrics=["accuracy"], batchSize=32, epochs=6, numProc=2, validation="held_out", store=store,
+                  verbose=0, seed=1)
+    params.update(kw)
+    return SparkRingEstimator(**params).fit(df)
+
+
+def test_bf16_mixed_fit_reaches_the_held_out_accuracy_of_float32(spark, tmp_path):
+    df = _digits_df(spark)
+    full = _digits_fit(df, Store(str(tmp_path / "f32")))
+    mixed = _digits_fit(df, Store(str(tmp_path / "bf16")), precision="bf16-mixed")
+    assert full.history[-1]["val_accuracy"] > 0.9
+    assert mixed.history[-1]["val_accuracy"] == pytest.approx(full.history[-1]["val_accuracy"], abs=0.02)
+    # the fitted model is float32 and predicts without autocast
+    assert all(p.dtype == torch.float32 for p in mixed.getModel().parameters())
+
+
+def test_16_mixed_fit_scales_the_loss_and_counts_the_steps_it_skipped(spark, tmp_path):
+    df = _digits_df(spark)
+    mixed = _digits_fit(df, Store(str(tmp_path / "f16")), precision="16-mixed", epochs=3)
+    skipped = [h["skipped_steps"] for h in mixed.history]
+    assert all(s >= 0 for s in skipped) and mixed.history[-1]["val_accuracy"] > 0.85
+    assert all(torch.isfinite(p).all() for p in mixed.getModel().parameters())
+
+
+def test_an_overflowing_step_is_skipped_on_every_rank_alike(spark):
+    results = run(rank_fns.grad_scaler_skips_alike, num_proc=2, verbose=0)
+    assert results[0] == results[1]  # the same weights, scale and skips on both ranks
+    weights, scale, skipped = results[0]
+    assert skipped == [False, True, False] and scale == 2.0 ** 15  # step 2 overflowed on rank 1 only
+
+
+def test_bf16_compression_reduces_gradients_close_to_float32(spark):
+    exact, compressed = run(rank_fns.bf16_compressed_training, num_proc=2, verbose=0)[0]
+    torch.testing.assert_close(compressed, exact, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(compressed, exact)  # it did travel in bfloat16
