@@ -38,6 +38,13 @@ from .tracking import FitTracker
 from .training import EarlyStopping, RankResult, TrainConfig, non_finite_reason, train_rank
 
 
+def _compile_options(value: Any) -> Optional[Dict[str, Any]]:
+    """The compile Param as torch.compile's keyword arguments (None: eager)."""
+    if value is True:
+        return {}
+    return dict(value) if isinstance(value, dict) else None
+
+
 @dataclass(frozen=True)
 class _Checked:
     """What the checks before any Spark job decided, for fit() to go on with."""
@@ -397,7 +404,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             sharding=Sharding(self.getOrDefault("strategy"), tuple(self.getOrDefault("fsdpWrap") or ()),
                               self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint"),
                               bf16_compute=self.getOrDefault("precision") == "bf16-mixed"),
-            precision=self.getOrDefault("precision"))
+            precision=self.getOrDefault("precision"), compile=_compile_options(self.getOrDefault("compile")))
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 

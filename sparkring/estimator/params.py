@@ -81,6 +81,12 @@ def _to_optional_names(value: Any):
     raise TypeError(f"fsdpWrap must be a list of module class names, e.g. ['TransformerEncoderLayer'], got {value!r}")
 
 
+def _to_compile(value: Any):
+    if isinstance(value, bool) or isinstance(value, dict):
+        return value
+    raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {value!r}")
+
+
 def _to_optional_string(value: Any):
     return None if value is None else TypeConverters.toString(value)
 
@@ -165,6 +171,10 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "on (completed at the next one, or at the end)", TypeConverters.toBoolean),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
               TypeConverters.toInt, minimum=1),
+    ParamSpec("compile", "bool | dict", False, "torch.compile each rank's module (True, or a dict of torch.compile "
+              "options, e.g. {'mode': 'max-autotune'}); the fitted model holds the module itself, not the compiled "
+              "wrapper; the first (compiling) step's seconds go to the first epoch's first_step_seconds",
+              _to_compile),
     ParamSpec("gradientCompression", "str", "none", "none | fp16 | bf16: how gradients travel in the allreduce",
               TypeConverters.toString, choices=("none", "fp16", "bf16")),
     ParamSpec("precision", "str", "32", "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "

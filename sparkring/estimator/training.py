@@ -75,6 +75,7 @@ class TrainConfig:
     lightning: bool = False           # model is a LightningModule (lightning_steps)
     sharding: Sharding = field(default_factory=Sharding)
     precision: str = "32"             # 32 | bf16-mixed | 16-mixed
+    compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -384,6 +385,9 @@ class _Trainer:
             opt, named_parameters=self.model.named_parameters(), compression=getattr(sr.Compression, cfg.compression),
             backward_passes_per_step=cfg.backward_passes_per_step)
         self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
+        # the compiled module runs the steps; the module itself keeps the weights that are saved
+        self.runs = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
+        self.first_step_s: Optional[float] = None
         # float16 needs its loss scaled; bfloat16 has float32's range and does not
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "16-mixed" else None
         self.workers = 0
@@ -479,7 +483,8 @@ class _Trainer:
                                                cfg.shuffle, True, self.workers, self.device)):
             if cfg.lr_scaling == "linear":
                 self._scale_lr(epoch, i)
-            loss, heads, ys, head_losses = step(model, batch, f"epoch {epoch}, training batch {i}")
+            started = time.monotonic() if self.first_step_s is None else 0.0
+            loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
             figures = step.figures(loss, heads, ys, head_losses)
             # the one host sync of a step: whether training may go on decides the step
             finite = bool(torch.isfinite(figures[0]))
@@ -492,6 +497,8 @@ class _Trainer:
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 skipped += self._update(epoch, i)
+            if self.first_step_s is None:  # compiling happens here: timed apart from the steps
+                self.first_step_s = time.monotonic() - started
             if finite:
                 sums += figures
             if rank == 0 and time.monotonic() - last_report > 0.25:
@@ -508,11 +515,13 @@ class _Trainer:
             logs[name] = float(totals[2 + j] / totals[1])
         if cfg.skip_non_finite or cfg.precision == "16-mixed":
             logs["skipped_steps"] = skipped
+        if cfg.compile is not None and epoch == self.start_epoch:
+            logs["first_step_seconds"] = self.first_step_s
         if cfg.lightning:
             self.model.on_train_epoch_end()
             logs.update(self.step.logged["train"].epoch_means())
         if self.val_steps:
-            logs.update(_validate(cfg, self.step, self.model, self.rank, self.size, epoch, self.val_steps,
+            logs.update(_validate(cfg, self.step, self.runs, self.rank, self.size, epoch, self.val_steps,
                                   self.workers))
         for schedule in self.schedules:
             if schedule.interval == "epoch" and (epoch + 1) % schedule.frequency == 0:

@@ -1,5 +1,6 @@
-"""Mixed precision and bfloat16 gradients: bf16-mixed fits as well as float32, 16-mixed scales
-the loss and skips an overflowing step on every rank alike, Compression.bf16 on the wire."""
+"""The speed switches: bf16-mixed fits as well as float32, 16-mixed scales the loss and skips an
+overflowing step on every rank alike, Compression.bf16 on the wire, torch.compile trains the
+eager weights and leaves no compiled wrapper in the fitted model."""
 import pytest
 import rank_fns
 import torch
@@ -56,3 +57,19 @@ def test_bf16_compression_reduces_gradients_close_to_float32(spark):
     exact, compressed = run(rank_fns.bf16_compressed_training, num_proc=2, verbose=0)[0]
     torch.testing.assert_close(compressed, exact, atol=2e-2, rtol=2e-2)
     assert not torch.equal(compressed, exact)  # it did travel in bfloat16
+
+
+def test_a_compiled_fit_trains_the_eager_weights_and_saves_a_plain_module(spark, tmp_path):
+    df = _digits_df(spark).limit(400)
+    eager = _digits_fit(df, Store(str(tmp_path / "eager")), epochs=2, validation=None, metrics=None)
+    compiled = _digits_fit(df, Store(str(tmp_path / "compiled")), epochs=2, validation=None, metrics=None,
+                           compile=True)
+    for (name, a), b in zip(eager.getModel().state_dict().items(), compiled.getModel().state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=name)
+    assert compiled.history[0]["first_step_seconds"] > 0 and "first_step_seconds" not in compiled.history[1]
+    assert type(compiled.getModel()) is torch.nn.Sequential  # the module itself, not torch.compile's wrapper
+    compiled.write().save(str(tmp_path / "saved"))
+    from sparkring import SparkRingModel
+
+    loaded = SparkRingModel.load(str(tmp_path / "saved"))
+    assert loaded.transform(df.limit(5)).count() == 5
