@@ -36,6 +36,11 @@ def test_bf16_mixed_fit_reaches_the_held_out_accuracy_of_float32(spark, tmp_path
     assert mixed.history[-1]["val_accuracy"] == pytest.approx(full.history[-1]["val_accuracy"], abs=0.02)
     # the fitted model is float32 and predicts without autocast
     assert all(p.dtype == torch.float32 for p in mixed.getModel().parameters())
+    # where each epoch's seconds went, always in the history: rank 0's and the slowest rank's
+    for h in full.history:
+        parts = [h[f"time_{p}"] for p in ("data", "compute", "comm", "other")]
+        assert all(v >= 0 for v in parts) and h["time_compute"] > 0 and h["samples_per_second"] > 0
+        assert all(h[f"time_{p}_slowest"] >= h[f"time_{p}"] for p in ("data", "compute", "comm", "other"))
 
 
 def test_16_mixed_fit_scales_the_loss_and_counts_the_steps_it_skipped(spark, tmp_path):

@@ -79,6 +79,9 @@ class Progress:
     >>> progress(0, FitBegan(epochs=2, start_epoch=0, steps=4))
     >>> progress(0, EpochDone(epoch=0, logs={"epoch": 0, "loss": 0.5}))
     epoch 1/2  loss=0.5000
+    >>> split = {"time_data": 0.2, "time_compute": 3.1, "time_comm": 0.9, "time_other": 0.1, "samples_per_second": 12e3}
+    >>> progress(0, EpochDone(epoch=1, logs={"epoch": 1, "loss": 0.25, **split}))
+    epoch 2/2  loss=0.2500  12,000 samples/s (data 0.2s, compute 3.1s, comm 0.9s, other 0.1s)
     >>> progress.close()
     """
 
@@ -110,8 +113,8 @@ class Progress:
                 self._close_bar()
                 logs = event.logs
                 metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
-                                    if k != "epoch" and isinstance(v, (int, float)))
-                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}"
+                                    if k != "epoch" and not _is_timing(k) and isinstance(v, (int, float)))
+                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}{_time_split(logs)}"
                             + ("  (early stop)" if event.stopped else ""))
 
     def _write(self, line: str) -> None:
@@ -129,3 +132,15 @@ class Progress:
     def close(self) -> None:
         with self.lock:
             self._close_bar()
+
+
+def _is_timing(key: str) -> bool:
+    return key.startswith("time_") or key == "samples_per_second"
+
+
+def _time_split(logs) -> str:
+    """Where rank 0's seconds went, as the epoch line shows it (empty for logs without it)."""
+    if "time_compute" not in logs:
+        return ""
+    parts = ", ".join(f"{part} {logs[f'time_{part}']:.1f}s" for part in ("data", "compute", "comm", "other"))
+    return f"  {logs['samples_per_second']:,.0f} samples/s ({parts})"

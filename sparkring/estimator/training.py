@@ -124,6 +124,35 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
+class _StepClock:
+    """Where an epoch's seconds go on this rank: waiting for the next batch (data), forward,
+    backward and the optimizer (compute), waiting for the gradient exchange (comm: replicated
+    models; FSDP2's exchanges run inside forward and backward and count as compute), the rest."""
+
+    PARTS = ("data", "compute", "comm")
+
+    def __init__(self) -> None:
+        self.started = self.mark = time.monotonic()
+        self.spent = dict.fromkeys(self.PARTS, 0.0)
+
+    def lap(self, part: str) -> None:
+        now = time.monotonic()
+        self.spent[part] += now - self.mark
+        self.mark = now
+
+    def timed(self, batches: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
+        self.mark = time.monotonic()
+        for batch in batches:
+            self.lap("data")
+            yield batch
+
+    def seconds(self) -> List[float]:
+        """data, compute, comm, other, total."""
+        total = time.monotonic() - self.started
+        parts = [self.spent[p] for p in self.PARTS]
+        return parts + [max(0.0, total - sum(parts)), total]
+
+
 class _Step:
     """One batch through the model: forward()'s arguments from the spec, one output per
     head, each head's label and loss, the weighted total, and the figures to average."""
@@ -388,6 +417,7 @@ class _Trainer:
         # the compiled module runs the steps; the module itself keeps the weights that are saved
         self.runs = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
         self.first_step_s: Optional[float] = None
+        self.clock = _StepClock()
         # float16 needs its loss scaled; bfloat16 has float32's range and does not
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "16-mixed" else None
         self.workers = 0
@@ -455,13 +485,19 @@ class _Trainer:
                 skipped = 1
         elif cfg.skip_non_finite:
             opt.synchronize()
+            self.clock.lap("comm")
             if _grads_finite(self.model):
                 with opt.skip_synchronize():
                     opt.step()
             else:
                 skipped = 1
-        else:
+        elif self.sharded:
             opt.step()
+        else:
+            opt.synchronize()
+            self.clock.lap("comm")
+            with opt.skip_synchronize():
+                opt.step()
         opt.zero_grad()
         updates = (epoch * self.steps + i + 1) // cfg.backward_passes_per_step
         for schedule in self.schedules:
@@ -479,8 +515,9 @@ class _Trainer:
         sums = torch.zeros(step.width(), dtype=torch.float64, device=self.device)
         skipped = 0
         last_report = 0.0
-        for i, batch in enumerate(_run_batches(cfg, "train", cfg.batch_size, rank, self.size, epoch, self.steps,
-                                               cfg.shuffle, True, self.workers, self.device)):
+        self.clock = clock = _StepClock()
+        for i, batch in enumerate(clock.timed(_run_batches(cfg, "train", cfg.batch_size, rank, self.size, epoch,
+                                                           self.steps, cfg.shuffle, True, self.workers, self.device))):
             if cfg.lr_scaling == "linear":
                 self._scale_lr(epoch, i)
             started = time.monotonic() if self.first_step_s is None else 0.0
@@ -497,6 +534,7 @@ class _Trainer:
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 skipped += self._update(epoch, i)
+            clock.lap("compute")
             if self.first_step_s is None:  # compiling happens here: timed apart from the steps
                 self.first_step_s = time.monotonic() - started
             if finite:
@@ -517,6 +555,7 @@ class _Trainer:
             logs["skipped_steps"] = skipped
         if cfg.compile is not None and epoch == self.start_epoch:
             logs["first_step_seconds"] = self.first_step_s
+        logs.update(self._time_split(float(totals[1])))
         if cfg.lightning:
             self.model.on_train_epoch_end()
             logs.update(self.step.logged["train"].epoch_means())
@@ -554,12 +593,25 @@ class _Trainer:
         opt, scaler = self.opt, self.scaler
         assert scaler is not None
         opt.synchronize()
+        self.clock.lap("comm")
         scaler.unscale_(opt)
         before = scaler.get_scale()
         with opt.skip_synchronize():
             scaler.step(opt)
         scaler.update()
         return int(scaler.get_scale() < before)
+
+    def _time_split(self, rows: float) -> Dict[str, float]:
+        """Seconds of the epoch's training steps by part, this rank's (rank 0 reports it) and the
+        slowest rank's; samples/s over every rank's rows."""
+        mine = self.clock.seconds()
+        slowest = sr.allreduce(torch.tensor(mine, dtype=torch.float64), op=sr.Max).tolist()
+        split = {}
+        for j, part in enumerate(("data", "compute", "comm", "other")):
+            split[f"time_{part}"] = mine[j]
+            split[f"time_{part}_slowest"] = slowest[j]
+        split["samples_per_second"] = rows / mine[4] if mine[4] > 0 else 0.0
+        return split
 
     def _trainer_state(self, epoch: int, stopped: bool) -> Dict[str, Any]:
         # a snapshot: an asynchronous checkpoint is completed after later epochs have run
