@@ -154,24 +154,30 @@ def optimizer_vs_ddp(steps=60, width=1024, batch=64, rounds=20):
     return out
 
 
-def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
-    """Hand-written TorchDistributor loop: pyarrow reads the Parquet, DDP trains."""
+def _rank_rows(files_by_rank, batch_size):
+    """This rank's Parquet rows as tensors (pyarrow), and the steps every rank can take."""
     import numpy as np
     import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+
+    table = pq.read_table(files_by_rank[dist.get_rank()])
+    feats = table.column("features").combine_chunks()
+    x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
+    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    n = torch.tensor([len(x)])
+    dist.all_reduce(n, op=dist.ReduceOp.MIN)  # ranks must take the same number of steps
+    return x, y, int(n) // batch_size
+
+
+def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
+    """Hand-written TorchDistributor loop: pyarrow reads the Parquet, DDP trains."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    table = pq.read_table(files_by_rank[rank])
-    feats = table.column("features").combine_chunks()
-    x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
-    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
-    # ranks must take the same number of steps
-    n = torch.tensor([len(x)])
-    dist.all_reduce(n, op=dist.ReduceOp.MIN)
-    steps = int(n) // batch_size
+    x, y, steps = _rank_rows(files_by_rank, batch_size)
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(x.shape[1], 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -403,8 +409,6 @@ def _layer_stack(d_in, width, layers, classes):
 def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, checkpoint_dir):
     """Hand-written FSDP2 loop under TorchDistributor: pyarrow reads the rank's Parquet files,
     fully_shard per layer, Adam, a DCP checkpoint after every epoch (what fit() does)."""
-    import numpy as np
-    import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -413,14 +417,8 @@ def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, 
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    table = pq.read_table(files_by_rank[rank])
-    feats = table.column("features").combine_chunks()
-    x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
-    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
-    n = torch.tensor([len(x)])
-    dist.all_reduce(n, op=dist.ReduceOp.MIN)
-    steps = int(n) // batch_size
+    x, y, steps = _rank_rows(files_by_rank, batch_size)
+    size = dist.get_world_size()
     mesh = init_device_mesh("cpu", (size,))
     torch.manual_seed(0)
     model = _layer_stack(x.shape[1], width, layers, 10)

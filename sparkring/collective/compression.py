@@ -34,41 +34,33 @@ class NoneCompressor(Compressor):
         return tensor
 
 
-class FP16Compressor(Compressor):
-    """Casts floating point tensors to float16 on the wire, back to their dtype after.
+def _casting(dtype: torch.dtype, name: str, doc: str) -> type:
+    """A compressor that sends floating point tensors as ``dtype`` and casts them back after."""
+
+    def compress(tensor):
+        if tensor.dtype.is_floating_point and tensor.dtype != dtype:
+            return tensor.to(dtype), tensor.dtype
+        return tensor, None
+
+    def decompress(tensor, ctx):
+        return tensor.to(ctx) if ctx is not None else tensor
+
+    return type(name, (Compressor,), {"__doc__": doc, "__module__": __name__,
+                                      "compress": staticmethod(compress), "decompress": staticmethod(decompress)})
+
+
+FP16Compressor = _casting(torch.float16, "FP16Compressor", """Casts floating point tensors to float16 on the wire, back
+    to their dtype after.
 
     >>> t, ctx = FP16Compressor.compress(torch.ones(2)); t.dtype
     torch.float16
-    """
-
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
-            return tensor.to(torch.float16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor.to(ctx) if ctx is not None else tensor
-
-
-class BF16Compressor(Compressor):
-    """Casts floating point tensors to bfloat16 on the wire (float32's range, 8 bits of mantissa),
-    back to their dtype after.
+    """)
+BF16Compressor = _casting(torch.bfloat16, "BF16Compressor", """Casts floating point tensors to bfloat16 on the wire
+    (float32's range, 8 bits of mantissa), back to their dtype after.
 
     >>> t, ctx = BF16Compressor.compress(torch.ones(2)); t.dtype, BF16Compressor.decompress(t, ctx).dtype
     (torch.bfloat16, torch.float32)
-    """
-
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating_point and tensor.dtype != torch.bfloat16:
-            return tensor.to(torch.bfloat16), tensor.dtype
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor.to(ctx) if ctx is not None else tensor
+    """)
 
 
 class Compression:
