@@ -170,6 +170,18 @@ def _rank_rows(files_by_rank, batch_size):
     return x, y, int(n) // batch_size
 
 
+def _shuffled_epoch(model, opt, x, y, steps, batch_size):
+    """One epoch of a hand-written loop: a permutation, ``steps`` batches, Adam."""
+    import torch
+
+    perm = torch.randperm(len(x))
+    for i in range(steps):
+        idx = perm[i * batch_size:(i + 1) * batch_size]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+
+
 def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
     """Hand-written TorchDistributor loop: pyarrow reads the Parquet, DDP trains."""
     import torch
@@ -182,12 +194,7 @@ def ddp_parquet_training(files_by_rank, epochs, batch_size, lr):
     model = DDP(torch.nn.Sequential(torch.nn.Linear(x.shape[1], 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for _ in range(epochs):
-        perm = torch.randperm(len(x))
-        for i in range(steps):
-            idx = perm[i * batch_size:(i + 1) * batch_size]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+        _shuffled_epoch(model, opt, x, y, steps, batch_size)
     dist.destroy_process_group()
     return steps * batch_size * epochs
 
@@ -428,12 +435,7 @@ def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, 
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for epoch in range(epochs):
-        perm = torch.randperm(len(x))
-        for i in range(steps):
-            idx = perm[i * batch_size:(i + 1) * batch_size]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+        _shuffled_epoch(model, opt, x, y, steps, batch_size)
         dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                  checkpoint_id=f"{checkpoint_dir}/epoch-{epoch}")
     dist.destroy_process_group()
