@@ -260,8 +260,8 @@ def test_cluster_gpus_come_from_task_resources_and_ranks_span_executors(spark_cl
 
 
 def test_nccl_is_refused_when_two_ranks_of_a_host_were_given_the_same_gpu(spark_cluster):
-    with pytest.raises(RankFailedError, match=r"backend='nccl' but ranks on host\(s\) \['127.0.0.1'\] were "
-                                              r"given the same GPU, which NCCL refuses"):
+    with pytest.raises(RankFailedError, match=r"backend='nccl' but ranks on host\(s\) \['127.0.0.1'\] share a GPU "
+                                              r"\(they were given the same GPU\), which NCCL refuses"):
         run(rank_fns.whoami, num_proc=2, backend="nccl")
     assert wait_no_workers() == []
 

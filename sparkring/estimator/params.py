@@ -225,7 +225,7 @@ def check_values(values: Dict[str, Any]) -> None:
     >>> check_values({"gradientCompression": "int8"})
     Traceback (most recent call last):
     ...
-    sparkring.errors.ConfigurationError: gradientCompression='int8': use one of 'none', 'fp16'
+    sparkring.errors.ConfigurationError: gradientCompression='int8': use one of 'none', 'fp16', 'bf16'
     """
     for name, value in values.items():
         spec = BY_NAME[name]
