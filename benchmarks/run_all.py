@@ -427,7 +427,7 @@ def bench_sharding(spark, rows, reps, tmp, n=100_000):
         fsdp = local.run(bench_fns.training_state_per_rank, True)
         ddp = local.run(bench_fns.training_state_per_rank, False)
         rows.append(Row("sharding", f"parameters + gradients + Adam state kept per rank, {num_proc} ranks "
-                        "(6-layer MLP, 1.5M parameters; storage bytes)", f"fsdp {max(fsdp) / 1e6:.2f} MB",
+                        "(6-layer MLP, 1.35M parameters; storage bytes)", f"fsdp {max(fsdp) / 1e6:.2f} MB",
                         f"ddp {max(ddp) / 1e6:.2f} MB", max(ddp) / max(fsdp), f"~{num_proc}x (1/N per rank)",
                         goal_value=num_proc * 0.9))
     times = run(bench_fns.checkpoint_times, args=(os.path.join(tmp, "ckpt_times"),), num_proc=2, verbose=0)[0]
