@@ -183,7 +183,7 @@ SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_wide": "wid
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
-                   "test_examples"}
+                   "test_examples", "test_sharding"}
 
 # What the compat environment (pyspark 3.5, pyarrow 14, numpy 1, petastorm) runs: `make test-compat`
 # runs these and the fast layer, `make test-compat FULL=1` everything. The version-dependent tests
