@@ -413,6 +413,16 @@ def _layer_stack(d_in, width, layers, classes):
     return torch.nn.Sequential(*blocks, torch.nn.Linear(width, classes))
 
 
+def _shard_by_layer(model, mesh):
+    """FSDP2 the way a user writes it: each layer with parameters, then the whole model."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model:
+        if any(True for _ in block.parameters()):
+            fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, checkpoint_dir):
     """Hand-written FSDP2 loop under TorchDistributor: pyarrow reads the rank's Parquet files,
     fully_shard per layer, Adam, a DCP checkpoint after every epoch (what fit() does)."""
@@ -421,7 +431,6 @@ def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo")
     x, y, steps = _rank_rows(files_by_rank, batch_size)
@@ -429,10 +438,7 @@ def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, 
     mesh = init_device_mesh("cpu", (size,))
     torch.manual_seed(0)
     model = _layer_stack(x.shape[1], width, layers, 10)
-    for block in model:
-        if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    _shard_by_layer(model, mesh)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     for epoch in range(epochs):
         _shuffled_epoch(model, opt, x, y, steps, batch_size)
@@ -445,7 +451,6 @@ def fsdp_parquet_training(files_by_rank, epochs, batch_size, lr, width, layers, 
 def training_state_per_rank(sharded, width=512, layers=6):
     """Bytes of parameters + gradients + Adam state one rank keeps after a step, sharded or not."""
     import torch
-    from torch.distributed.fsdp import fully_shard
 
     import sparkring.collective as sr
 
@@ -453,10 +458,7 @@ def training_state_per_rank(sharded, width=512, layers=6):
     model = _layer_stack(64, width, layers, 10)
     if sharded:
         mesh = sr.device_mesh()
-        for block in model:
-            if any(True for _ in block.parameters()):
-                fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        _shard_by_layer(model, mesh)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:
         opt = sr.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3),
@@ -492,17 +494,13 @@ def checkpoint_times(directory, width=1024, layers=8, reps=3):
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-    from torch.distributed.fsdp import fully_shard
 
     import sparkring.collective as sr
 
     torch.manual_seed(0)
     model = _layer_stack(64, width, layers, 10)
     mesh = sr.device_mesh()
-    for block in model:
-        if any(True for _ in block.parameters()):
-            fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    _shard_by_layer(model, mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     torch.nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
     opt.step()
