@@ -35,8 +35,10 @@ MASTERS = {
     "wide": "local[3]",
     "cluster": "local-cluster[2,1,1024]",
     "gpu": "local[2]",
+    "hosts": None,  # a standalone cluster of two workers on 127.0.0.2 and 127.0.0.3 (two "hosts"), two cores each
 }
-ORDER = ["local", "retry", "wide", "cluster", "gpu", "connect"]
+ORDER = ["local", "retry", "wide", "cluster", "hosts", "gpu", "connect"]
+HOSTS = ["127.0.0.2", "127.0.0.3"]
 
 
 def _spark_major() -> int:
@@ -55,6 +57,7 @@ class _Sessions:
         self.kind = None
         self.spark = None
         self.server = None
+        self.cluster = None
 
     def get(self, kind: str, log_dir: str = "/tmp"):
         if self.kind == kind:
@@ -69,16 +72,28 @@ class _Sessions:
             self.kind = kind
             return self.spark
 
-        builder = (SparkSession.builder.master(MASTERS[kind]).appName(f"sparkring-tests-{kind}")
+        master = MASTERS[kind]
+        if kind == "hosts":
+            import tempfile
+
+            from standalone_cluster import StandaloneCluster
+
+            self.cluster = StandaloneCluster(tempfile.mkdtemp(prefix="sparkring-hosts-", dir=log_dir),
+                                             dict(os.environ)).start(HOSTS, cores=2)
+            master = self.cluster.master
+        builder = (SparkSession.builder.master(master).appName(f"sparkring-tests-{kind}")
                    .config("spark.driver.host", "127.0.0.1")
                    .config("spark.driver.bindAddress", "127.0.0.1")
                    .config("spark.ui.enabled", "false")
                    .config("spark.ui.showConsoleProgress", "false")
                    .config("spark.sql.shuffle.partitions", "4")
                    .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
-                   .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
                    .config("spark.executorEnv.OMP_NUM_THREADS", "1")
                    .config("spark.python.worker.reuse", "true"))
+        if kind != "hosts":  # there each worker's executors listen on the worker's own address
+            builder = builder.config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+        if kind == "hosts":
+            builder = builder.config("spark.executor.memory", "900m").config("spark.cores.max", "4")
         if kind == "local":
             # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
             builder = (builder.config("spark.driver.resource.gpu.amount", "2")
@@ -100,6 +115,10 @@ class _Sessions:
                        .config("spark.task.resource.gpu.amount", "1"))
         self.spark = builder.getOrCreate()
         self.kind = kind
+        if kind == "hosts":  # the executors register after the session starts
+            from sparkring.runner.driver.session import wait_for_slots
+
+            assert wait_for_slots(self.spark, 2 * len(HOSTS), timeout=90), "the executors did not register"
         return self.spark
 
     def stop(self):
@@ -115,6 +134,9 @@ class _Sessions:
             SparkContext._active_spark_context = None
             self.spark = None
             self.kind = None
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
 
     def stop_server(self):
         self.stop()
@@ -179,7 +201,14 @@ def connect_url(spark_connect):
     return _sessions.server.url
 
 
-SESSION_FIXTURES = {"spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster",
+@pytest.fixture
+def spark_hosts(_spark_sessions, tmp_path_factory):
+    """A standalone cluster whose two workers are two hosts (127.0.0.2 and 127.0.0.3, two cores
+    each): four ranks, two per host."""
+    return _spark_sessions.get("hosts", str(tmp_path_factory.getbasetemp()))
+
+
+SESSION_FIXTURES = {"spark_hosts": "hosts", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster",
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
@@ -250,7 +279,7 @@ def pytest_collection_modifyitems(config, items):
         sessions = {SESSION_FIXTURES[n] for n in names if n in SESSION_FIXTURES}
         if sessions or item.module.__name__ in PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
-        if "cluster" in sessions:
+        if sessions & {"cluster", "hosts"}:
             item.add_marker(pytest.mark.cluster)
         if "connect" in sessions:
             item.add_marker(pytest.mark.connect)
@@ -265,7 +294,7 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
             fixture = {"local": "spark", "retry": "spark_retry", "wide": "spark_wide", "cluster": "spark_cluster",
-                       "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
+                       "hosts": "spark_hosts", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

@@ -2,6 +2,7 @@
 import torch
 
 import sparkring.collective as sr
+from sparkring.estimator.sharding import state_bytes
 
 
 def layer_stack(d=8, width=32, layers=3, classes=3):
@@ -34,30 +35,8 @@ def sparse_embeddings():
 
 
 def _training_state_bytes(model, opt):
-    """Bytes of the training state this rank keeps between steps: its parameters, gradients and
-    optimizer state, as the sizes of the storages behind them (each once: DistributedOptimizer's
-    gradients share bucket buffers; DTensors by their local shard's storage). Storages are what
-    the allocator holds, unlike RSS, which the interpreter, torch and the data also move."""
-    seen, total = set(), 0
-
-    def add(t):
-        nonlocal total
-        if t is None:
-            return
-        t = t.to_local() if hasattr(t, "to_local") else t
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-
-    for p in model.parameters():
-        add(p)
-        add(p.grad)
-    for state in opt.state.values():
-        for value in state.values():
-            if torch.is_tensor(value) and value.dim() > 0:
-                add(value)
-    return total
+    """Parameters, gradients and optimizer state this rank keeps (storage sizes: see state_bytes)."""
+    return sum(state_bytes(model, opt))
 
 
 def sharded_training_in_run(sharded, width=256, layers=4, steps=3):

@@ -189,6 +189,8 @@ CASES = [
          ConfigurationError, r"strategy='fsdp' needs torch.distributed collectives .*backend='gloo'"),
     Case("fit-hsdp-on-one-host", lambda c: _fit(c, model=S.layer_stack(), strategy="hsdp"), ConfigurationError,
          r"every rank runs on one host: there it is strategy='fsdp'"),
+    Case("fit-cpu-offload-with-ddp", lambda c: _fit(c, cpuOffload=True), ConfigurationError,
+         r"cpuOffload=True applies to a sharded model: set strategy='fsdp'"),
     Case("fit-fsdp-optimizer-instance", lambda c: _fit(c, strategy="fsdp", optimizer=torch.optim.SGD(
         H.mlp().parameters(), lr=0.1)), ConfigurationError, r"pass optimizer= as a factory"),
     Case("fit-fsdp-sparse-embeddings", lambda c: _fit(c, model=S.sparse_embeddings, strategy="fsdp"),

@@ -20,25 +20,57 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in model.getModel().state_dict().items()}
 
 
-def _fsdp_equals_ddp(spark, tmp_path, num_proc):
+def _sharded_equals_ddp(spark, tmp_path, num_proc, strategy="fsdp", **kw):
     df = H.classification_df(spark, n=192)
-    ddp = _fit(df, Store(str(tmp_path / "ddp")), numProc=num_proc, strategy="ddp")
-    fsdp = _fit(df, Store(str(tmp_path / "fsdp")), numProc=num_proc, strategy="fsdp")
+    # one store: both fits read the same prepared Parquet (on a cluster a DataFrame's row order
+    # can differ between two materializations)
+    store = Store(str(tmp_path / "store"))
+    ddp = _fit(df, store, numProc=num_proc, strategy="ddp", runId="ddp", **kw)
+    fsdp = _fit(df, store, numProc=num_proc, strategy=strategy, runId=strategy, **kw)
+    _same_training(ddp, fsdp)
+    # the fitted model is a plain module: it predicts and saves like a replicated fit's
+    assert fsdp.transform(df.limit(8)).count() == 8
+    return ddp, fsdp
+
+
+def _same_training(ddp, fsdp):
     a, b = _weights(ddp), _weights(fsdp)
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0)
     assert [h["loss"] for h in fsdp.history] == pytest.approx([h["loss"] for h in ddp.history], abs=1e-5)
-    # the fitted model is a plain module: it predicts and saves like a replicated fit's
-    assert fsdp.transform(df.limit(8)).count() == 8
 
 
-def test_fsdp_fit_gives_the_weights_of_a_ddp_fit_on_two_ranks(spark, tmp_path):
-    _fsdp_equals_ddp(spark, tmp_path, 2)
+def test_fsdp_fit_with_cpu_offload_gives_the_weights_of_a_ddp_fit_on_two_ranks(spark, tmp_path):
+    # on a CPU rank the offloaded shards stay where they are: this runs FSDP2's offload policy
+    # (the optimizer stepping on host-memory shards) and checks it trains the same weights
+    df = H.classification_df(spark, n=192)
+    ddp = _fit(df, Store(str(tmp_path / "ddp")), numProc=2, strategy="ddp")
+    offloaded = _fit(df, Store(str(tmp_path / "fsdp")), numProc=2, strategy="fsdp", cpuOffload=True)
+    _same_training(ddp, offloaded)
 
 
-def test_fsdp_fit_gives_the_weights_of_a_ddp_fit_on_three_ranks(spark_wide, tmp_path):
-    _fsdp_equals_ddp(spark_wide, tmp_path, 3)
+def test_fsdp_fit_on_three_ranks_trains_ddps_weights_keeping_a_third_of_the_state_per_rank(spark_wide, tmp_path):
+    model = S.layer_stack(layers=8)
+    ddp, fsdp = _sharded_equals_ddp(spark_wide, tmp_path, 3, model=model)
+    built = model()
+    params = sum(p.numel() for p in built.parameters())
+    largest_unit = max(sum(p.numel() for p in m.parameters()) for m in built.children()) * 4
+    full = params * 4 * 4      # float32 parameters, gradients and Adam's two moments
+    budget = full / 3          # what one rank may keep: the full training state is 3x it
+    for h in fsdp.history:
+        # parameters + optimizer state, the largest rank's; plus the one layer FSDP2 gathers at a time
+        assert h["state_bytes"] + largest_unit < budget, (h["state_bytes"], largest_unit, budget)
+        assert h["state_bytes"] + h["grad_bytes"] <= full / 3 * 1.1  # ~1/3 of everything, padding aside
+    for h in ddp.history:
+        assert h["state_bytes"] >= params * 4 * 3 > budget  # replicated: every rank keeps it all
+
+
+def test_hsdp_fit_on_two_hosts_trains_ddps_weights_sharding_within_each_host(spark_hosts, tmp_path):
+    ddp, hsdp = _sharded_equals_ddp(spark_hosts, tmp_path, 4, strategy="hsdp")
+    # two ranks per host: each keeps half of the state, the other host a replica of it
+    for d, h in zip(ddp.history, hsdp.history):
+        assert h["state_bytes"] == pytest.approx(d["state_bytes"] / 2, rel=0.1)
 
 
 def test_a_sharded_checkpoint_resumes_at_another_number_of_ranks(spark_wide, tmp_path):

@@ -5,18 +5,16 @@ named by doctor; nothing is left running afterwards."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-import psutil
 import pyspark
 import pytest
+from standalone_cluster import SPARK_HOME, free_port, port_open, processes_under, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPARK_HOME = os.path.dirname(os.path.abspath(pyspark.__file__))
 # the skewed worker's Python: a small venv layered over the packed one with another cloudpickle
 # (torch's other releases are multi-GB CUDA wheels here; cloudpickle is compared the same way)
 SKEWED_CLOUDPICKLE = "3.0.0"
@@ -26,10 +24,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster,
                                  reason="run with the main environment (pyspark 4); one run of these suffices")]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(**extra):
@@ -44,13 +38,6 @@ def _clean_env(**extra):
     return env
 
 
-def _wait(predicate, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(what)
 
 
 def _alive_workers(ui_port):
@@ -84,7 +71,7 @@ def cluster(packed, tmp_path_factory):
     """A master and two 1-core workers; worker 1's executors find the packed Python through
     SPARKRING_TEST_PYTHON, worker 2's the skewed one (see the python-of-this-worker wrapper)."""
     root = tmp_path_factory.mktemp("standalone")
-    port, ui = _free_port(), _free_port()
+    port, ui = free_port(), free_port()
     spark_class = os.path.join(SPARK_HOME, "bin", "spark-class")
     procs = []
     logs = []
@@ -101,13 +88,13 @@ def cluster(packed, tmp_path_factory):
     try:
         start(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
                "--webui-port", str(ui)], "master.log")
-        _wait(lambda: _port_open(port), 60, "the master did not start")
+        wait_for(lambda: port_open(port), 60, "the master did not start")
         for i, python in enumerate([packed["python"], packed["skewed"]]):
             (root / f"work{i}").mkdir()
             start(["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory",
-                   "1200m", "--webui-port", str(_free_port()), "--work-dir", str(root / f"work{i}"),
+                   "1200m", "--webui-port", str(free_port()), "--work-dir", str(root / f"work{i}"),
                    f"spark://127.0.0.1:{port}"], f"worker{i}.log", SPARKRING_TEST_PYTHON=str(python))
-        _wait(lambda: _alive_workers(ui) == 2, 90, "the workers did not register")
+        wait_for(lambda: _alive_workers(ui) == 2, 90, "the workers did not register")
         yield {"master": f"spark://127.0.0.1:{port}", "root": root, "wrapper": str(wrapper), **packed}
     finally:
         for p in procs:
@@ -122,27 +109,11 @@ def cluster(packed, tmp_path_factory):
                 os.killpg(p.pid, signal.SIGKILL)
         for log in logs:
             log.close()
-        _wait(lambda: not _cluster_processes(root), 30, "cluster processes outlived the test")
+        wait_for(lambda: not processes_under(root), 30, "cluster processes outlived the test")
 
 
-def _port_open(port):
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _cluster_processes(root):
-    """Master, workers, executors and their Python workers/ranks still running for this cluster."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "cwd", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            text = " ".join(p.info["cmdline"] or []) + " " + (p.info["cwd"] or "")
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if str(root) in text:
-            found.append(p.pid)
-    return found
 
 
 def _submit_env():

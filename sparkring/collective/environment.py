@@ -32,7 +32,7 @@ PARENT_PID = "SPARKRING_PARENT_PID"    # the task process the worker dies with
 WORKER_START = START_VARIABLE          # fork | spawn (sparkring.processes decides)
 SHM = "SPARKRING_SHM"                  # 0: allreduce between ranks of one host through gloo, not shared memory
 GPU = "SPARKRING_GPU"                  # the CUDA ordinal of this rank's GPU (in its CUDA_VISIBLE_DEVICES)
-HOST_ID = "SPARKRING_HOST_ID"          # the host a rank says it is on (tests simulate several hosts)
+HOST_ID = "SPARKRING_HOST_ID"          # the host an executor is on, where its address does not tell
 
 DEFAULT_TIMEOUT_S = 1800.0             # a collective's limit without a runner (gloo's own default)
 

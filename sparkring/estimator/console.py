@@ -135,7 +135,8 @@ class Progress:
 
 
 def _is_timing(key: str) -> bool:
-    return key.startswith("time_") or key == "samples_per_second"
+    """Figures of how the epoch ran (time, throughput, memory), kept out of the metrics shown."""
+    return key.startswith("time_") or key in ("samples_per_second", "state_bytes", "grad_bytes")
 
 
 def _time_split(logs) -> str:

@@ -144,6 +144,10 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         """What a sharded strategy cannot run, refused before any Spark job."""
         strategy = self.getOrDefault("strategy")
         if strategy == "ddp":
+            for sharded_only in ("cpuOffload", "asyncCheckpoint"):
+                if self.getOrDefault(sharded_only):
+                    raise ConfigurationError(f"{sharded_only}=True applies to a sharded model: set strategy='fsdp' "
+                                             f"(or 'hsdp'), or drop {sharded_only}")
             return
         if launch_plan.backend == "mpi":
             raise ConfigurationError(f"strategy={strategy!r} needs torch.distributed collectives (DTensor, FSDP2): "
@@ -403,7 +407,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             reader=self.getOrDefault("reader"), lightning=is_lightning_module(self._model_shape()),
             sharding=Sharding(self.getOrDefault("strategy"), tuple(self.getOrDefault("fsdpWrap") or ()),
                               self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint"),
-                              bf16_compute=self.getOrDefault("precision") == "bf16-mixed"),
+                              cpu_offload=self.getOrDefault("cpuOffload"), bf16_compute=self.getOrDefault("precision") == "bf16-mixed"),
             precision=self.getOrDefault("precision"), compile=_compile_options(self.getOrDefault("compile")))
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]

@@ -167,6 +167,9 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "the model's top-level children that holds parameters)", _to_optional_names),
     ParamSpec("initFn", "Callable[[Module], None] | None", None, "initializes each module that holds parameters, at "
               "full size, after a factory-built model is sharded (default: its reset_parameters())", is_object=True),
+    ParamSpec("cpuOffload", "bool", False, "with a sharded strategy, keep each rank's shards of parameters, "
+              "gradients and optimizer state in CPU memory between uses (FSDP2's CPUOffloadPolicy; the optimizer "
+              "steps on CPU): for models whose shards outgrow the GPU", TypeConverters.toBoolean),
     ParamSpec("asyncCheckpoint", "bool", False, "with a sharded strategy, write each checkpoint while training goes "
               "on (completed at the next one, or at the end)", TypeConverters.toBoolean),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",

@@ -39,6 +39,7 @@ class Sharding:
     wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see wrap_units)
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None
     async_checkpoint: bool = False    # write sharded checkpoints while training goes on
+    cpu_offload: bool = False         # shards live in CPU memory between uses (FSDP2's CPUOffloadPolicy)
     bf16_compute: bool = False        # precision="bf16-mixed": bfloat16 parameters in compute, float32 reduction
 
     @property
@@ -84,7 +85,8 @@ def build_model(model: Any, sharding: Sharding, device: torch.device, seed: int)
         with torch.device("meta"):
             module = model()
         _shard(module, sharding)
-        module.to_empty(device=device)
+        # offloaded shards live in host memory: FSDP2 copies each to the device when it gathers it
+        module.to_empty(device=torch.device("cpu") if sharding.cpu_offload else device)
         _initialize(module, seed, sharding.init_fn)
         return module
     module = model.to(device)  # every rank holds the driver's values: rank 0's are the initial weights
@@ -93,14 +95,17 @@ def build_model(model: Any, sharding: Sharding, device: torch.device, seed: int)
 
 
 def _shard(module: torch.nn.Module, sharding: Sharding) -> None:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = device_mesh(sharding.strategy)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if sharding.bf16_compute else MixedPrecisionPolicy())
+    # pinned host memory makes the copies to and from a GPU asynchronous; a CPU rank has none to pin
+    offload = (CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if sharding.cpu_offload
+               else OffloadPolicy())
     for unit in wrap_units(module, sharding.wrap):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload)
 
 
 def _initialize(model: torch.nn.Module, seed: int, init_fn: Optional[Callable[[torch.nn.Module], None]]) -> None:
@@ -156,6 +161,37 @@ def grads_finite(model: torch.nn.Module) -> bool:
             else p.grad.detach().float().abs().sum() for p in model.parameters() if p.grad is not None]
     bad = 0.0 if not sums or bool(torch.isfinite(torch.stack(sums).sum())) else 1.0
     return sr.allreduce(torch.tensor([bad]), op=sr.Max).item() == 0.0
+
+
+def state_bytes(model: torch.nn.Module, opt: Optional[torch.optim.Optimizer]) -> Tuple[int, int]:
+    """Bytes this rank keeps between steps: (parameters + optimizer state, gradients), as the
+    sizes of the storages behind them, each counted once (DistributedOptimizer's gradients share
+    bucket buffers; a DTensor counts its local shard). Storages are what the allocator holds,
+    unlike RSS, which the interpreter, torch and the data also move. FSDP2's gathered copy of
+    the layer being computed is transient (freed after its forward and backward) and not counted.
+
+    >>> m = torch.nn.Linear(4, 2)
+    >>> state_bytes(m, None)
+    (40, 0)
+    """
+    seen: set = set()
+
+    def size(t: Optional[torch.Tensor]) -> int:
+        if t is None:
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+
+    kept = sum(size(p) for p in model.parameters())
+    if opt is not None:
+        kept += sum(size(v) for state in opt.state.values() for v in state.values()
+                    if torch.is_tensor(v) and v.dim() > 0)
+    grads = sum(size(p.grad) for p in model.parameters())
+    return kept, grads
 
 
 # -- checkpoints ------------------------------------------------------------------------------

@@ -418,6 +418,7 @@ class _Trainer:
         self.runs = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
         self.first_step_s: Optional[float] = None
         self.clock = _StepClock()
+        self.state_sizes = (0, 0)  # (parameters + optimizer state, gradients) in bytes, at the epoch's last update
         # float16 needs its loss scaled; bfloat16 has float32's range and does not
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "16-mixed" else None
         self.workers = 0
@@ -498,6 +499,8 @@ class _Trainer:
             self.clock.lap("comm")
             with opt.skip_synchronize():
                 opt.step()
+        if i + 1 == self.steps:  # the state is whole now (gradients and optimizer moments): measured once an epoch
+            self.state_sizes = sharding.state_bytes(self.model, opt)
         opt.zero_grad()
         updates = (epoch * self.steps + i + 1) // cfg.backward_passes_per_step
         for schedule in self.schedules:
@@ -603,14 +606,16 @@ class _Trainer:
 
     def _time_split(self, rows: float) -> Dict[str, float]:
         """Seconds of the epoch's training steps by part, this rank's (rank 0 reports it) and the
-        slowest rank's; samples/s over every rank's rows."""
+        slowest rank's; samples/s over every rank's rows; the training state of the rank that
+        keeps the most (one exchange for all of it)."""
         mine = self.clock.seconds()
-        slowest = sr.allreduce(torch.tensor(mine, dtype=torch.float64), op=sr.Max).tolist()
+        largest = sr.allreduce(torch.tensor(mine + list(self.state_sizes), dtype=torch.float64), op=sr.Max).tolist()
         split = {}
         for j, part in enumerate(("data", "compute", "comm", "other")):
             split[f"time_{part}"] = mine[j]
-            split[f"time_{part}_slowest"] = slowest[j]
+            split[f"time_{part}_slowest"] = largest[j]
         split["samples_per_second"] = rows / mine[4] if mine[4] > 0 else 0.0
+        split["state_bytes"], split["grad_bytes"] = int(largest[5]), int(largest[6])
         return split
 
     def _trainer_state(self, epoch: int, stopped: bool) -> Dict[str, Any]:

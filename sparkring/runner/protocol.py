@@ -241,6 +241,7 @@ class Rendezvous:
     versions: Dict[str, str] = field(default_factory=dict)
     gpus: Optional[List[str]] = None   # the CUDA names Spark gave this task (None: local mode)
     gpu_error: Optional[str] = None    # why this task's GPU addresses cannot be used
+    host_id: Optional[str] = None      # SPARKRING_HOST_ID of its executor: the host it groups with (else its address)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

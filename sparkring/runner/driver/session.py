@@ -116,7 +116,7 @@ def _registered_slots(spark) -> Optional[int]:
     sc = spark.sparkContext
     try:
         jsc = sc._jsc.sc()
-        profile = sc._jvm.org.apache.spark.resource.ResourceProfile.getOrCreateDefaultProfile(jsc.conf())
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
         return int(jsc.maxNumConcurrentTasks(profile))
     except Exception:  # noqa: BLE001
         return None

@@ -225,7 +225,7 @@ def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workd
     host_gpus_ = gpus.by_host[hosts[rank]] if gpus is not None else None
     place = environment.RankEnv(
         rank=rank, size=spec.num_proc, local_rank=local_rank, local_size=local_size, cross_rank=cross_rank,
-        cross_size=cross_size, master_addr=resolve(hosts[0]), master_port=joined.ports[0],
+        cross_size=cross_size, master_addr=resolve(joined.addresses[0]), master_port=joined.ports[0],
         torch_port=joined.ports[1], run_id=str(joined.attempt),
         backend=gpus.backend if gpus is not None else spec.backend, secret=spec.secret.hex(),
         attempt=joined.attempt, start_timeout=spec.start_timeout, parent_pid=os.getpid(),
@@ -271,7 +271,8 @@ class _Joined:
 
     rank: int
     executors: List[str]            # host:port of each task's executor
-    hosts: List[str]
+    addresses: List[str]            # where each task is reached
+    hosts: List[str]                # which host each task is on: ranks of one host share it (local ranks)
     my_ip: str
     ports: List[int]                # rank 0's: the rendezvous store's, torch's MASTER_PORT
     gathered: List[Rendezvous]
@@ -294,8 +295,8 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
     detached (then task 0 hosts a relay)."""
     rank = ctx.partitionId()
     executors = [info.address for info in ctx.getTaskInfos()]
-    hosts = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
-    my_ip = resolve(hosts[rank])
+    addresses = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
+    my_ip = resolve(addresses[rank])
     driver = _connect_driver(spec)
     if driver is not None:
         driver.send(protocol.Arrived(rank=rank))
@@ -308,7 +309,8 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
     # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
     # user code that calls init_process_group itself (env://, the torchrun way)
     mine = Rendezvous(ports=free_ports(my_ip, 2) if rank == 0 else None, task_attempt_id=ctx.taskAttemptId(),
-                      live=driver is not None, versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error)
+                      live=driver is not None, versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error,
+                      host_id=os.environ.get(environment.HOST_ID) or None)
     gathered = _gather_through_driver(ctx, driver, mine, spec) if driver is not None else None
     if gathered is None:
         gathered = [Rendezvous.from_json(text)
@@ -317,7 +319,10 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
     assert ports is not None  # rank 0 chose them
     # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
     attempt = min(g.task_attempt_id for g in gathered)
-    joined = _Joined(rank=rank, executors=executors, hosts=hosts, my_ip=my_ip, ports=ports, gathered=gathered,
+    # executors name their host by address; one that says otherwise (several simulated on one machine) is believed
+    hosts = [g.host_id or address for g, address in zip(gathered, addresses)]
+    joined = _Joined(rank=rank, executors=executors, addresses=addresses, hosts=hosts, my_ip=my_ip, ports=ports,
+                     gathered=gathered,
                      attempt=attempt, live=all(g.live for g in gathered), driver=driver)
     if not joined.live:
         if driver is not None:  # this task got through, another did not: tell the driver why it goes quiet
@@ -327,7 +332,7 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
         joined.relay = _Relay(my_ip, spec.secret) if rank == 0 else None
         relay_port = int(_all_gather(ctx, str(joined.relay.server.address[1] if joined.relay else 0),
                                      spec.start_timeout, spec.num_proc)[0])
-        joined.control = channel.connect(resolve(hosts[0]), relay_port, spec.secret, timeout=spec.start_timeout)
+        joined.control = channel.connect(resolve(addresses[0]), relay_port, spec.secret, timeout=spec.start_timeout)
         joined.control.send(Hello(rank=rank))
     return joined
 
