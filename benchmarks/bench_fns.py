@@ -380,18 +380,25 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
     from sparkring.collective import _runtime, ops
 
     sr.init()
-    assert _runtime.current()._host_ring is not None, "the shared-memory path is off on this ring"
+    ring = _runtime.current().single_host_ring()
+    assert ring is not None, "the shared-memory path is off on this ring"
     out = []
     n = sr.size()
     for nbytes in sizes:
         t = torch.ones(nbytes // 4)
         dst = torch.empty_like(t)
+        shard = torch.empty(t.numel() // n)
         methods = {"shm": lambda: sr.allreduce(t, op=sr.Sum), "gloo": lambda: dist.all_reduce(t),
                    "memcpy": lambda: dst.copy_(t),
                    # as DistributedOptimizer's buckets call it: arguments agreed once, not per call
                    "shm_agreed": lambda: ops.synchronize(ops.allreduce_start(t, None, ops.Sum, blocking=True)),
                    "shm_bcast": lambda: sr.broadcast_(dst, root_rank=0),
-                   "gloo_bcast": lambda: dist.broadcast(dst, src=0)}
+                   "gloo_bcast": lambda: dist.broadcast(dst, src=0),
+                   # FSDP2's two exchanges on gloo, over the same bytes (the whole unsharded tensor)
+                   "gloo_reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, t),
+                   "gloo_all_gather": lambda: dist.all_gather_into_tensor(dst, shard),
+                   "shm_reduce_scatter": lambda: ring.reduce_scatter_sum(t, shard),
+                   "shm_all_gather": lambda: ring.all_gather_into(shard, dst)}
         times = _rotating_blocks(methods, lambda: dist.all_reduce(t), rounds, block_seconds, min_iters=2)
         bus = lambda sec: 2 * (n - 1) / n * nbytes / sec / 1e9  # noqa: E731
         row = {"bytes": nbytes, **{k: statistics.median(v) for k, v in times.items()}}
@@ -400,6 +407,9 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
         row["shm/gloo"] = statistics.median(g / s for s, g in zip(times["shm"], times["gloo"]))
         row["bcast_shm/gloo"] = statistics.median(g / s for s, g in zip(times["shm_bcast"], times["gloo_bcast"]))
         row["shm/memcpy"] = statistics.median(s / m for s, m in zip(times["shm"], times["memcpy"]))
+        for kind in ("reduce_scatter", "all_gather"):  # FSDP2's exchanges (sparkring.collective.fsdp)
+            row[f"{kind}_shm/gloo"] = statistics.median(g / s for s, g in zip(times[f"shm_{kind}"],
+                                                                            times[f"gloo_{kind}"]))
         out.append(row)
     return out
 

@@ -217,6 +217,11 @@ def bench_shm(spark, rows, reps, tmp, n=1_000_000):
         rows.append(Row("shared memory", f"broadcast {label}, 2 local ranks: sr.broadcast_ through shared memory vs "
                         "dist.broadcast (gloo)", f"{r['shm_bcast'] * 1000:.2f} ms", f"gloo {r['gloo_bcast'] * 1000:.2f} ms",
                         r["bcast_shm/gloo"], "(reference)"))
+        for kind, call in (("reduce_scatter", "reduce_scatter_tensor"), ("all_gather", "all_gather_into_tensor")):
+            rows.append(Row("shared memory", f"FSDP2's {kind.replace('_', '-')} of {label} (the unsharded tensor), 2 "
+                            f"local ranks: through shared memory (sparkring.collective.fsdp) vs gloo's dist.{call}",
+                            f"{r[f'shm_{kind}'] * 1000:.2f} ms", f"gloo {r[f'gloo_{kind}'] * 1000:.2f} ms",
+                            r[f"{kind}_shm/gloo"], ">= 1.0x", goal_value=1.0))
         big = r["bytes"] >= (64 << 20)
         rows.append(Row("shared memory", f"allreduce time {label} vs the physical floor: 1.75x one memcpy of the same "
                         "bytes on every rank at once (lower is better)", f"{r['shm'] * 1000:.2f} ms",

@@ -2,6 +2,7 @@
 import torch
 
 import sparkring.collective as sr
+from sparkring.collective.fsdp import SharedMemoryAllGather, SharedMemoryReduceScatter, use_shared_memory
 from sparkring.estimator.sharding import state_bytes
 
 
@@ -52,6 +53,7 @@ def sharded_training_in_run(sharded, width=256, layers=4, steps=3):
             if any(True for _ in block.parameters()):
                 fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        routed = use_shared_memory(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:
         sr.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -69,7 +71,8 @@ def sharded_training_in_run(sharded, width=256, layers=4, steps=3):
     local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     return {"full_params": full_params, "local_params": local, "state_bytes": _training_state_bytes(model, opt),
             "full_state_bytes": full_params * 4 * 4, "losses": losses,
-            "mesh": str(sr.device_mesh().mesh.tolist()) if sharded else None}
+            "mesh": str(sr.device_mesh().mesh.tolist()) if sharded else None,
+            "shared_memory": (routed, SharedMemoryAllGather.served, SharedMemoryReduceScatter.served) if sharded else None}
 
 
 def hybrid_sharded_training(steps=3):

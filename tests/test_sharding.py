@@ -102,12 +102,16 @@ def test_each_rank_keeps_a_third_of_the_training_state_with_device_mesh_in_run(s
     budget = full / 2.5                    # what one rank may keep: the full state is over 2.5x it
     for r in sharded:
         assert r["mesh"] == "[0, 1, 2]"
+        # ranks of one host: FSDP2's exchanges went through the shared-memory ring, every step
+        routed, gathers, scatters = r["shared_memory"]
+        assert routed and gathers >= 3 * 5 and scatters >= 3 * 5, r["shared_memory"]
         assert abs(r["local_params"] - r["full_params"] / 3) <= r["full_params"] * 0.02
         assert r["state_bytes"] < budget, (r["state_bytes"], budget)
         assert r["losses"][-1] < r["losses"][0]
     for r in whole:
         assert r["state_bytes"] >= full * 0.99 > budget  # replicated: every rank keeps it all
-    # the same data and initial weights: sharded training follows the replicated one
+    # the same data and initial weights: sharded training (exchanging shards through shared
+    # memory) follows the replicated one
     for s, w in zip(sharded, whole):
         assert s["losses"] == pytest.approx(w["losses"], abs=1e-5)
 

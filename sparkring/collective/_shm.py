@@ -321,6 +321,46 @@ class HostRing:
         self._wait(self._reduced, g, "allgather")
         return out
 
+    # -- FSDP2's exchanges (one host): each rank moves about its input's bytes, not an allreduce's
+    def all_gather_into(self, shard: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (local_size x the flat ``shard``) gets every local rank's shard in rank order."""
+        k, n, me = shard.numel(), self.local_size, self.local_rank
+        step = max(1, self._chunk // shard.element_size())
+        for start in range(0, k, step):
+            m = min(step, k - start)
+            self._generation += 1
+            g = self._generation
+            self._area(me, m, shard.dtype).copy_(shard[start:start + m])
+            self._flags[self._arrived.start + me] = g
+            self._wait(self._arrived, g, "all-gather")
+            for j in range(n):
+                out[j * k + start:j * k + start + m].copy_(self._area(j, m, shard.dtype))
+            self._flags[self._reduced.start + me] = g  # read: the slots may be written again
+            self._wait(self._reduced, g, "all-gather")
+
+    def reduce_scatter_sum(self, full: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (the flat ``full``'s length / local_size) gets this local rank's block of the
+        sum of every local rank's ``full``: per window each rank offers that window of every
+        block, and sums the others' offers of its own block."""
+        n, me = self.local_size, self.local_rank
+        k = out.numel()
+        step = max(1, self._chunk // (n * full.element_size()))
+        for start in range(0, k, step):
+            m = min(step, k - start)
+            self._generation += 1
+            g = self._generation
+            mine = self._area(me, n * m, full.dtype).view(n, m)
+            mine.copy_(full.view(n, k)[:, start:start + m])
+            self._flags[self._arrived.start + me] = g
+            self._wait(self._arrived, g, "reduce-scatter")
+            target = out[start:start + m]
+            torch.add(self._area(0, n * m, full.dtype).view(n, m)[me], self._area(1, n * m, full.dtype).view(n, m)[me],
+                      out=target)
+            for j in range(2, n):
+                target.add_(self._area(j, n * m, full.dtype).view(n, m)[me])
+            self._flags[self._reduced.start + me] = g
+            self._wait(self._reduced, g, "reduce-scatter")
+
     def _wait(self, words: slice, generation: int, phase: str) -> None:
         flags = self._flags[words]
         if (flags >= generation).all():

@@ -150,6 +150,11 @@ class TorchBackend(Backend):
     def device(self) -> Optional[torch.device]:
         return rank_device() if self.name == "nccl" else None
 
+    def single_host_ring(self) -> Optional[HostRing]:
+        """The shared-memory ring where it joins every rank of the ring on this one host."""
+        ring = self._host_ring
+        return ring if ring is not None and self._group is None and ring.hosts == 1 else None
+
     def _host_ring_for(self, tensor: torch.Tensor) -> Optional[HostRing]:
         """The shared-memory ring where it takes ``tensor`` (the whole ring's CPU tensors)."""
         if self._host_ring is not None and self._group is None and HostRing.supports(tensor):

@@ -106,6 +106,9 @@ def _shard(module: torch.nn.Module, sharding: Sharding) -> None:
     for unit in wrap_units(module, sharding.wrap):
         fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
     fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload)
+    from sparkring.collective.fsdp import use_shared_memory
+
+    use_shared_memory(module)  # ranks of one host exchange shards through shared memory, not loopback TCP
 
 
 def _initialize(model: torch.nn.Module, seed: int, init_fn: Optional[Callable[[torch.nn.Module], None]]) -> None:
