@@ -14,13 +14,15 @@ from .errors import (
     RankFailedError,
     RankTimeoutError,
     SparkRingError,
+    StageLostError,
     StoreError,
     TrainingError,
 )
 
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "doctor", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
-           "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError"]
+           "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError",
+           "StageLostError"]
 __version__ = "0.1.0"
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should

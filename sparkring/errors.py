@@ -49,6 +49,10 @@ class RankTimeoutError(SparkRingError, TimeoutError):
         super().__init__(message)
 
 
+class StageLostError(SparkRingError):
+    """The barrier stage failed before any rank could say why: an executor (or its host) was lost."""
+
+
 class TrainingError(RankFailedError):
     """Training went wrong on a rank (a non-finite loss): the reason names the epoch, step and
     rank; the last good checkpoint is kept, so fitting again with the same runId resumes.

@@ -36,9 +36,10 @@ MASTERS = {
     "cluster": "local-cluster[2,1,1024]",
     "gpu": "local[2]",
     "hosts": None,  # a standalone cluster of two workers on 127.0.0.2 and 127.0.0.3 (two "hosts"), two cores each
+    "elastic": None,  # a standalone cluster of three one-core workers (127.0.0.2-4), which its test kills
 }
-ORDER = ["local", "retry", "wide", "cluster", "hosts", "gpu", "connect"]
-HOSTS = ["127.0.0.2", "127.0.0.3"]
+ORDER = ["local", "retry", "wide", "cluster", "hosts", "elastic", "gpu", "connect"]
+CLUSTERS = {"hosts": (["127.0.0.2", "127.0.0.3"], 2), "elastic": (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 1)}
 
 
 def _spark_major() -> int:
@@ -73,13 +74,14 @@ class _Sessions:
             return self.spark
 
         master = MASTERS[kind]
-        if kind == "hosts":
+        if kind in CLUSTERS:
             import tempfile
 
             from standalone_cluster import StandaloneCluster
 
-            self.cluster = StandaloneCluster(tempfile.mkdtemp(prefix="sparkring-hosts-", dir=log_dir),
-                                             dict(os.environ)).start(HOSTS, cores=2)
+            hosts, cores = CLUSTERS[kind]
+            self.cluster = StandaloneCluster(tempfile.mkdtemp(prefix=f"sparkring-{kind}-", dir=log_dir),
+                                             dict(os.environ)).start(hosts, cores=cores)
             master = self.cluster.master
         builder = (SparkSession.builder.master(master).appName(f"sparkring-tests-{kind}")
                    .config("spark.driver.host", "127.0.0.1")
@@ -90,10 +92,10 @@ class _Sessions:
                    .config("spark.executorEnv.PYTHONPATH", os.environ["PYTHONPATH"])
                    .config("spark.executorEnv.OMP_NUM_THREADS", "1")
                    .config("spark.python.worker.reuse", "true"))
-        if kind != "hosts":  # there each worker's executors listen on the worker's own address
+        if kind not in CLUSTERS:  # there each worker's executors listen on the worker's own address
             builder = builder.config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
-        if kind == "hosts":
-            builder = builder.config("spark.executor.memory", "900m").config("spark.cores.max", "4")
+        else:
+            builder = builder.config("spark.executor.memory", "900m")
         if kind == "local":
             # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
             builder = (builder.config("spark.driver.resource.gpu.amount", "2")
@@ -115,10 +117,11 @@ class _Sessions:
                        .config("spark.task.resource.gpu.amount", "1"))
         self.spark = builder.getOrCreate()
         self.kind = kind
-        if kind == "hosts":  # the executors register after the session starts
+        if kind in CLUSTERS:  # the executors register after the session starts
             from sparkring.runner.driver.session import wait_for_slots
 
-            assert wait_for_slots(self.spark, 2 * len(HOSTS), timeout=90), "the executors did not register"
+            hosts, cores = CLUSTERS[kind]
+            assert wait_for_slots(self.spark, cores * len(hosts), timeout=90), "the executors did not register"
         return self.spark
 
     def stop(self):
@@ -208,7 +211,15 @@ def spark_hosts(_spark_sessions, tmp_path_factory):
     return _spark_sessions.get("hosts", str(tmp_path_factory.getbasetemp()))
 
 
-SESSION_FIXTURES = {"spark_hosts": "hosts", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster",
+@pytest.fixture
+def spark_elastic(_spark_sessions, tmp_path_factory):
+    """A standalone cluster of three one-core workers (three ranks, one per host); the test may
+    kill workers, so the session ends with it."""
+    yield _spark_sessions.get("elastic", str(tmp_path_factory.getbasetemp()))
+    _spark_sessions.stop()
+
+
+SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster",
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
@@ -279,7 +290,7 @@ def pytest_collection_modifyitems(config, items):
         sessions = {SESSION_FIXTURES[n] for n in names if n in SESSION_FIXTURES}
         if sessions or item.module.__name__ in PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
-        if sessions & {"cluster", "hosts"}:
+        if sessions & {"cluster", "hosts", "elastic"}:
             item.add_marker(pytest.mark.cluster)
         if "connect" in sessions:
             item.add_marker(pytest.mark.connect)
@@ -294,7 +305,7 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
             fixture = {"local": "spark", "retry": "spark_retry", "wide": "spark_wide", "cluster": "spark_cluster",
-                       "hosts": "spark_hosts", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
+                       "hosts": "spark_hosts", "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

@@ -25,7 +25,7 @@ def _sharded_equals_ddp(spark, tmp_path, num_proc, strategy="fsdp", **kw):
     # one store: both fits read the same prepared Parquet (on a cluster a DataFrame's row order
     # can differ between two materializations)
     store = Store(str(tmp_path / "store"))
-    ddp = _fit(df, store, numProc=num_proc, strategy="ddp", runId="ddp", **kw)
+    ddp = _fit(df, store, numProc=num_proc, strategy="ddp", runId="ddp", keepData=True, **kw)
     fsdp = _fit(df, store, numProc=num_proc, strategy=strategy, runId=strategy, **kw)
     _same_training(ddp, fsdp)
     # the fitted model is a plain module: it predicts and saves like a replicated fit's

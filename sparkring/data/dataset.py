@@ -152,6 +152,42 @@ class Dataset:
             out = transformed(out, transform, workers)
         return (as_torch(b) for b in out)
 
+    def global_batches(self, global_batch: int, rank: int, size: int, seed: int = 0, epoch: int = 0,
+                       start_step: int = 0, steps: Optional[int] = None, shuffle: bool = True,
+                       columns: Optional[Sequence[str]] = None,
+                       transform: Optional[Callable] = None) -> Iterator[Dict[str, Any]]:
+        """Yield ``rank``'s part of each of the epoch's global batches, from ``start_step`` on.
+
+        The epoch's row order (a permutation of the training rows drawn from ``(seed, epoch)``
+        when ``shuffle``) is cut into global batches of ``global_batch`` rows; of ``size`` ranks,
+        rank r takes rows ``r*G//size`` to ``(r+1)*G//size`` of each. So the sequence of global
+        batches depends on (seed, epoch) only, not on how many ranks share it, and any slice of
+        any batch can be served again (a resumed or resized run). Every rank holds the split
+        decoded in memory (it reads rows from everywhere in the epoch's order).
+
+        >>> next(iter(ds.global_batches(96, rank=1, size=2, epoch=0)))["label"].shape  # doctest: +SKIP
+        torch.Size([48])
+        """
+        if not 0 <= rank < size:
+            raise ValueError(f"rank={rank} is outside 0..size-1 (size={size})")
+        cols = list(columns) if columns is not None else list(self.columns)
+        memory = self._memory_for("train", cols, cache=True)
+        assert memory is not None
+        units = self._units("train")
+        for _ in decoded_pieces(self._row_groups("arrow", "train", cols), [(p, rg, 0, n) for p, rg, n in units],
+                                memory):
+            pass  # decoded once per process; later epochs and runs read the memory
+        total = memory.total // global_batch
+        last = total if steps is None else min(total, start_step + steps)
+        order = (np.random.default_rng([seed, epoch, 104_729]).permutation(memory.total) if shuffle
+                 else np.arange(memory.total))
+        lo, hi = rank * global_batch // size, (rank + 1) * global_batch // size
+        out = ({c: np.take(a, np.sort(order[j * global_batch + lo:j * global_batch + hi]), axis=0)
+                for c, a in memory.arrays.items()} for j in range(start_step, last))
+        if transform is not None:
+            out = transformed(out, transform, 0)
+        return (as_torch(b) for b in out)
+
     def _row_groups(self, reader: str, split: str, cols: List[str]):
         if reader == "arrow":
             return arrow_row_groups(self._open, self.spec, cols)

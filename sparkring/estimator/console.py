@@ -117,6 +117,12 @@ class Progress:
                 self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}{_time_split(logs)}"
                             + ("  (early stop)" if event.stopped else ""))
 
+    def note(self, line: str) -> None:
+        """A line the driver adds between the ranks' (a restart of an elastic fit)."""
+        with self.lock:
+            self._close_bar()
+            self._write(line)
+
     def _write(self, line: str) -> None:
         self.lines.append(line)
         if self.verbose > 0:
@@ -136,7 +142,8 @@ class Progress:
 
 def _is_timing(key: str) -> bool:
     """Figures of how the epoch ran (time, throughput, memory), kept out of the metrics shown."""
-    return key.startswith("time_") or key in ("samples_per_second", "state_bytes", "grad_bytes")
+    return key.startswith("time_") or key in ("samples_per_second", "state_bytes", "grad_bytes", "num_proc",
+                                              "restarts", "resumed_at_step")
 
 
 def _time_split(logs) -> str:

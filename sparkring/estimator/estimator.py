@@ -1,6 +1,7 @@
 """SparkRingEstimator: fit a torch model on a DataFrame with data-parallel ranks."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..runner import (
 )
 from . import losses, tracking
 from .console import Progress, SparkBarPause
+from .elastic import ElasticPlan, fit_with_restarts
 from .events import TrainingEvent, from_payload
 from .lightning_steps import check_module as check_lightning_module
 from .lightning_steps import is_lightning_module
@@ -103,11 +105,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         spec = self._check_columns(df)
         validation = self.getOrDefault("validation")
         es = self._early_stopping(validation is not None, metrics, lightning)
-        launch_plan = plan(df.sparkSession, num_proc=self.getOrDefault("numProc"),
-                           use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
-                           stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
-                           shared_memory=self.getOrDefault("sharedMemory"))
+        launch_plan = self._plan(df.sparkSession, self.getOrDefault("numProc"))
         self._check_sharding(launch_plan, lightning)
+        self._check_elastic(launch_plan, lightning)
         if self.getOrDefault("runId") is not None:
             check_run_id(self.getOrDefault("runId"))
         store = self.getOrDefault("store") or Store()
@@ -139,6 +139,37 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if not isinstance(built, torch.nn.Module):
             raise ConfigurationError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
         return built
+
+    def _plan(self, spark, num_proc: Optional[int]) -> LaunchPlan:
+        return plan(spark, num_proc=num_proc, use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
+                    stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
+                    shared_memory=self.getOrDefault("sharedMemory"))
+
+    def _elastic(self, num_proc: int) -> Optional[ElasticPlan]:
+        """The elastic plan where minProc or checkpointEvery asks for one (None: a plain fit)."""
+        min_proc, every = self.getOrDefault("minProc"), self.getOrDefault("checkpointEvery")
+        if min_proc is None and every is None:
+            return None
+        return ElasticPlan(global_batch=self.getOrDefault("batchSize") * num_proc, target_size=num_proc,
+                           min_size=num_proc if min_proc is None else min_proc, checkpoint_every=every)
+
+    def _check_elastic(self, launch_plan: LaunchPlan, lightning: bool) -> None:
+        """What an elastic fit cannot run, refused before any Spark job."""
+        min_proc = self.getOrDefault("minProc")
+        if min_proc is not None and min_proc > launch_plan.num_proc:
+            raise ConfigurationError(f"minProc={min_proc} is more than numProc={launch_plan.num_proc}: the fit starts "
+                                     "with numProc ranks and may go on with as few as minProc; lower minProc")
+        if self._elastic(launch_plan.num_proc) is None:
+            return
+        what = "minProc" if min_proc is not None else "checkpointEvery"
+        if self.getOrDefault("strategy") != "ddp":
+            raise ConfigurationError(f"{what} (an elastic fit) runs strategy='ddp' only for now; drop {what} or use "
+                                     "strategy='ddp'")
+        if lightning:
+            raise ConfigurationError(f"{what} (an elastic fit) does not train a LightningModule yet; drop {what}")
+        if self.getOrDefault("backwardPassesPerStep") != 1:
+            raise ConfigurationError(f"{what} (an elastic fit) steps on every global batch: drop "
+                                     "backwardPassesPerStep (or raise batchSize instead)")
 
     def _check_sharding(self, launch_plan: LaunchPlan, lightning: bool) -> None:
         """What a sharded strategy cannot run, refused before any Spark job."""
@@ -408,7 +439,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             sharding=Sharding(self.getOrDefault("strategy"), tuple(self.getOrDefault("fsdpWrap") or ()),
                               self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint"),
                               cpu_offload=self.getOrDefault("cpuOffload"), bf16_compute=self.getOrDefault("precision") == "bf16-mixed"),
-            precision=self.getOrDefault("precision"), compile=_compile_options(self.getOrDefault("compile")))
+            precision=self.getOrDefault("precision"), compile=_compile_options(self.getOrDefault("compile")),
+            elastic=self._elastic(num_proc))
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 
@@ -418,9 +450,24 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                 for listener in listeners:
                     listener(rank, event)
 
+        def launch_once(now: LaunchPlan, elastic: Optional[ElasticPlan]) -> List[Any]:
+            # validation splits its rows among the ranks there are: its steps follow their number
+            run_cfg = cfg if elastic is None else dataclasses.replace(
+                cfg, elastic=elastic, val_steps=self._steps_per_epoch(ds, now.num_proc)[1])
+            return launch(spark, now, train_rank, args=(run_cfg,), timeout=self.getOrDefault("timeout"),
+                          start_timeout=self.getOrDefault("startTimeout"),
+                          verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=on_event)
+
         try:
-            results = launch(spark, launch_plan, train_rank, args=(cfg,), timeout=self.getOrDefault("timeout"),
-                             verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=on_event)
+            if cfg.elastic is None:
+                results = launch_once(launch_plan, None)
+            else:  # the driver launches again when ranks are lost, not Spark's stage retry (same size only)
+                results = fit_with_restarts(
+                    spark, dataclasses.replace(launch_plan, attempts=1), cfg.elastic, self.getOrDefault("maxRestarts"),
+                    self.getOrDefault("startTimeout"), launch_once,
+                    replan=lambda n: dataclasses.replace(self._plan(spark, n), attempts=1), say=progress.note,
+                    final=lambda exc: isinstance(exc, RankFailedError) and non_finite_reason(exc.remote_traceback)
+                    is not None)
         except RankFailedError as exc:
             reason = non_finite_reason(exc.remote_traceback)
             if reason is None:

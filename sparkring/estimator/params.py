@@ -208,6 +208,16 @@ PARAMS: Tuple[ParamSpec, ...] = (
               minimum=1),
     ParamSpec("keepData", "bool", False, "keep the prepared Parquet after fit", TypeConverters.toBoolean),
     ParamSpec("timeout", "float | None", None, "seconds before a rank is considered hung (default: none)"),
+    ParamSpec("startTimeout", "float", 120.0, "seconds the ranks have to start (and an elastic fit waits for numProc "
+              "slots before going on with fewer)", TypeConverters.toFloat),
+    ParamSpec("minProc", "int | None", None, "elastic fit: when ranks are lost, go on with as few as this many "
+              "(default: numProc, no shrinking); batches stay batchSize x numProc rows, so the result does not "
+              "depend on how many ranks trained", _to_optional_int, minimum=1),
+    ParamSpec("checkpointEvery", "int | None", None, "elastic fit: also checkpoint every this many steps inside "
+              "an epoch (default: at the end of each epoch only); a resumed run goes on at the next step",
+              _to_optional_int, minimum=1),
+    ParamSpec("maxRestarts", "int", 3, "elastic fit: launches after the first one when ranks are lost",
+              TypeConverters.toInt, minimum=0),
     ParamSpec("streamLogs", "bool", True, "stream progress and rank output live to the driver; False (or executors "
               "that cannot reach it) prints the epoch lines when training ends", TypeConverters.toBoolean),
     ParamSpec("sharedMemory", "bool", True, "CPU gradient allreduce between ranks of one host through shared memory "

@@ -10,7 +10,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -21,13 +21,14 @@ from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
 from . import lightning_steps, losses, sharding
+from .elastic import ElasticPlan
 from .events import EpochDone, FitBegan, StepDone, to_payload
 from .lightning_steps import Schedule
 from .sharding import Sharding
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})\.pt$")
+CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})(-step-\d{7})?\.pt$")  # a step: inside the epoch (elastic fits)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class TrainConfig:
     sharding: Sharding = field(default_factory=Sharding)
     precision: str = "32"             # 32 | bf16-mixed | 16-mixed
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
+    elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -244,14 +246,19 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
 
 
 def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited,
-                     schedules: Sequence[Schedule] = ()) -> None:
+                     schedules: Sequence[Schedule] = (), position: Optional[Tuple[int, List[float]]] = None) -> None:
+    """The trainer's state after ``epoch``, or inside it at ``position``: (the next step, the
+    epoch's figures summed over every rank so far)."""
     buf = io.BytesIO()
     # on CPU, so that a host without the GPU (or with fewer) loads it
     torch.save(_on_cpu({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
                         "history": history, "seed": cfg.seed, "stopped": stopped,
                         "early_stopping": (best, waited),
-                        "schedulers": [s.scheduler.state_dict() for s in schedules]}), buf)
-    cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, f"epoch-{epoch:05d}.pt"), buf.getvalue())
+                        "schedulers": [s.scheduler.state_dict() for s in schedules],
+                        "step": position[0] if position else None,
+                        "epoch_sums": position[1] if position else None}), buf)
+    name = f"epoch-{epoch:05d}" + (f"-step-{position[0]:07d}" if position else "") + ".pt"
+    cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, name), buf.getvalue())
     # keep the two newest: the latest, and the one before in case the latest is cut short
     for old in checkpoint_names(cfg.store, cfg.run_id)[:-2]:
         cfg.store.delete(cfg.store.checkpoint_path(cfg.run_id, old))
@@ -407,6 +414,8 @@ class _Trainer:
             opt = _build_optimizer(cfg, self.model)
         self.history: List[Dict[str, Any]] = []
         self.start_epoch, self.stopped, self.best, self.waited = 0, False, None, 0
+        # a checkpoint inside an epoch: the step to go on at, and the epoch's figures until then (every rank's)
+        self.start_step, self.epoch_sums = 0, None
         self._resume(opt)
         self.base_lrs = [g["lr"] for g in opt.param_groups]
         # FSDP2 reduce-scatters the gradients itself; replicated models allreduce them in buckets
@@ -449,8 +458,8 @@ class _Trainer:
                 opt.load_state_dict(ckpt["optimizer"])
                 self._restore_trainer(ckpt)
                 resumed = True
-        self.start_epoch, self.history, self.stopped, resumed = sr.broadcast_object(
-            (self.start_epoch, self.history, self.stopped, resumed), root_rank=0)
+        self.start_epoch, self.start_step, self.epoch_sums, self.history, self.stopped, resumed = sr.broadcast_object(
+            (self.start_epoch, self.start_step, self.epoch_sums, self.history, self.stopped, resumed), root_rank=0)
         sr.broadcast_parameters(self.model.state_dict(), root_rank=0)
         if not resumed:
             return  # fresh optimizers are alike: making state to broadcast would count an extra Adam step
@@ -469,7 +478,8 @@ class _Trainer:
         cfg = self.cfg
         global_step = (epoch * self.steps + i) // cfg.backward_passes_per_step
         warm = max(1.0, cfg.warmup_epochs * self.steps / cfg.backward_passes_per_step)
-        factor = 1 + (self.size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else self.size
+        size = cfg.elastic.target_size if cfg.elastic is not None else self.size  # the global batch's ranks
+        factor = 1 + (size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else size
         for g, lr in zip(self.opt.param_groups, self.base_lrs):
             g["lr"] = lr * factor
 
@@ -515,12 +525,16 @@ class _Trainer:
         model.train()
         if cfg.lightning:
             model.on_train_epoch_start()
+        first, self.start_step = self.start_step, 0  # a run resumed inside this epoch goes on at its next step
         sums = torch.zeros(step.width(), dtype=torch.float64, device=self.device)
+        if first and rank == 0 and self.epoch_sums:  # every rank's figures before the checkpoint, counted once
+            sums += torch.tensor(self.epoch_sums, dtype=torch.float64, device=self.device)
+        # an elastic fit's rank trains on its share of a global batch: weighted, the ranks' mean is the batch's
+        weight = cfg.elastic.gradient_weight(rank, self.size) if cfg.elastic is not None else 1.0
         skipped = 0
         last_report = 0.0
         self.clock = clock = _StepClock()
-        for i, batch in enumerate(clock.timed(_run_batches(cfg, "train", cfg.batch_size, rank, self.size, epoch,
-                                                           self.steps, cfg.shuffle, True, self.workers, self.device))):
+        for i, batch in enumerate(clock.timed(self._batches(epoch, first)), start=first):
             if cfg.lr_scaling == "linear":
                 self._scale_lr(epoch, i)
             started = time.monotonic() if self.first_step_s is None else 0.0
@@ -533,7 +547,7 @@ class _Trainer:
                                          f"step {i} on rank {rank}")
             # every rank goes through backward (its gradients take part in the allreduce); with
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
-            scaled = loss / cfg.backward_passes_per_step
+            scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 skipped += self._update(epoch, i)
@@ -542,11 +556,36 @@ class _Trainer:
                 self.first_step_s = time.monotonic() - started
             if finite:
                 sums += figures
+            self._checkpoint_inside(epoch, i, sums)
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
                 report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=self.steps,
                                            loss=float(sums[0] / sums[1]))))
-        return self._epoch_logs(epoch, sums, skipped)
+        logs = self._epoch_logs(epoch, sums, skipped)
+        if first:
+            logs["resumed_at_step"] = first  # this epoch went on from a checkpoint inside it
+        return logs
+
+    def _batches(self, epoch: int, first: int) -> Iterator[Dict[str, Any]]:
+        cfg = self.cfg
+        if cfg.elastic is None:
+            return _run_batches(cfg, "train", cfg.batch_size, self.rank, self.size, epoch, self.steps, cfg.shuffle,
+                                True, self.workers, self.device)
+        batches = cfg.dataset.global_batches(cfg.elastic.global_batch, self.rank, self.size, seed=cfg.seed,
+                                             epoch=epoch, start_step=first, steps=self.steps - first,
+                                             shuffle=cfg.shuffle, transform=cfg.transform_fn)
+        return pinned(batches) if self.device.type == "cuda" else batches
+
+    def _checkpoint_inside(self, epoch: int, i: int, sums: torch.Tensor) -> None:
+        """Every checkpointEvery steps (not at the epoch's end, which has its own): rank 0 saves
+        the trainer with the position and every rank's figures so far."""
+        every = self.cfg.elastic.checkpoint_every if self.cfg.elastic is not None else None
+        if not every or (i + 1) % every or i + 1 >= self.steps:
+            return
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
+        if self.rank == 0:
+            _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, False, self.best, self.waited,
+                             self.schedules, position=(i + 1, totals))
 
     def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
         cfg = self.cfg
@@ -558,6 +597,8 @@ class _Trainer:
             logs["skipped_steps"] = skipped
         if cfg.compile is not None and epoch == self.start_epoch:
             logs["first_step_seconds"] = self.first_step_s
+        if cfg.elastic is not None:
+            logs["num_proc"], logs["restarts"] = self.size, cfg.elastic.restarts
         logs.update(self._time_split(float(totals[1])))
         if cfg.lightning:
             self.model.on_train_epoch_end()
@@ -627,6 +668,9 @@ class _Trainer:
     def _restore_trainer(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
         self.start_epoch = int(state["epoch"]) + 1
+        if state.get("step") is not None:  # saved inside the epoch: go on at its next step
+            self.start_epoch, self.start_step = int(state["epoch"]), int(state["step"])
+            self.epoch_sums = list(state["epoch_sums"])
         self.stopped = bool(state.get("stopped"))
         self.best, self.waited = state.get("early_stopping", (None, 0))
         for schedule, saved in zip(self.schedules, state.get("schedulers", [])):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import cloudpickle
 
 from ...collective import environment
-from ...errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
+from ...errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, StageLostError
 from .. import pickling, protocol
 from ..channel import DriverChannel
 from ..protocol import (
@@ -470,7 +470,7 @@ def _raise_for_outcome(state: _RunState, outcome: Dict[str, Any], rows: List[Any
     if _CANCELLED.search(str(error)):
         raise SparkRingError("the Spark job of this run was cancelled (cancelAllJobs, a job group or tag "
                              "cancel, or the Spark UI); its ranks were stopped") from error
-    raise SparkRingError(f"the barrier stage failed before any rank reported an error: {error}") from error
+    raise StageLostError(f"the barrier stage failed before any rank reported an error: {error}") from error
 
 
 def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout: float) -> RankTimeoutError:

@@ -110,7 +110,7 @@ def _classic_driver_gpus(spark) -> Tuple[str, ...]:
     return tuple(info.addresses) if info is not None else ()
 
 
-def _registered_slots(spark) -> Optional[int]:
+def registered_slots(spark) -> Optional[int]:
     """Concurrent task slots the scheduler of a classic session has now (executors that
     registered); None where Spark's internal API is not there (it can change between versions)."""
     sc = spark.sparkContext
@@ -125,7 +125,7 @@ def _registered_slots(spark) -> Optional[int]:
 def _scheduler_slots(spark) -> Optional[int]:
     """Slots of a classic cluster session: the scheduler's count once executors registered,
     else the default parallelism."""
-    slots = _registered_slots(spark)
+    slots = registered_slots(spark)
     return slots if slots else int(spark.sparkContext.defaultParallelism)
 
 
@@ -136,7 +136,7 @@ def wait_for_slots(spark, wanted: int, timeout: float) -> bool:
 
     deadline = time.monotonic() + timeout
     while True:
-        slots = _registered_slots(spark)
+        slots = registered_slots(spark)
         if slots is None or slots >= wanted:  # None: no way to ask; the launch finds out
             return True
         if time.monotonic() > deadline:

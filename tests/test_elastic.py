@@ -1,0 +1,90 @@
+"""Elastic fit: global batches that do not depend on how many ranks train, checkpoints inside
+an epoch, a fit that goes on after a lost rank (the same size in local mode; fewer ranks on a
+standalone cluster whose worker is killed) and ends with the weights of an uninterrupted run."""
+import threading
+
+import elastic_fns as E
+import est_helpers as H
+import pytest
+import torch
+
+from sparkring import SparkRingEstimator, Store
+from sparkring.errors import RankTimeoutError
+
+
+def _fit(df, store, **kw):
+    params = dict(model=E.Paced(), optimizer=H.adam, loss="cross_entropy", batchSize=8, epochs=3, store=store,
+                  verbose=0, seed=5, checkpointEvery=4, startTimeout=15.0,
+                  # kept: the next fit of the same DataFrame reads the same Parquet (on a cluster two
+                  # materializations may order rows differently)
+                  keepData=True)
+    params.update(kw)
+    return SparkRingEstimator(**params).fit(df)
+
+
+def _same_weights(a, b, atol=1e-5):
+    x, y = a.getModel().state_dict(), b.getModel().state_dict()
+    for key in x:
+        torch.testing.assert_close(y[key], x[key], atol=atol, rtol=0)
+
+
+def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_the_same_weights(spark_wide,
+                                                                                                  tmp_path):
+    df = H.classification_df(spark_wide, n=384)
+    store = Store(str(tmp_path / "store"))
+    plain = _fit(df, store, numProc=3, runId="uninterrupted")
+    # 384 rows / (8 x 3) = 16 steps an epoch; rank 1 dies at its 22nd step (epoch 1, step 5), after the
+    # checkpoint at step 4: the fit launches again and goes on at step 4
+    lost = _fit(df, store, numProc=3, runId="lost", model=E.DiesOnce(str(tmp_path / "died"), rank=1, at=22))
+    assert (tmp_path / "died").exists()
+    assert [h["epoch"] for h in lost.history] == [0, 1, 2]
+    assert [h["num_proc"] for h in lost.history] == [3, 3, 3]
+    assert [h["restarts"] for h in lost.history] == [0, 1, 1]
+    assert [h.get("resumed_at_step") for h in lost.history] == [None, 4, None]  # 1 step redone, of 4 at most
+    _same_weights(plain, lost)
+    assert [h["loss"] for h in lost.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-5)
+
+
+class _KillInsideEpoch1:
+    """Kills a worker of the cluster once the run's first checkpoint inside epoch 1 is written."""
+
+    def __init__(self, cluster, worker, store_dir, run_id):
+        self.cluster, self.worker, self.pattern = cluster, worker, f"{run_id}/**/epoch-00001-step-*.pt"
+        self.store_dir, self.done = store_dir, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        while not self.done.is_set():
+            if any(self.store_dir.rglob(self.pattern)):
+                self.cluster.kill_worker(self.worker)
+                self.done.set()
+            self.done.wait(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+
+
+def test_fit_goes_on_with_two_ranks_when_a_worker_is_lost_and_ends_with_three_rank_weights(spark_elastic,
+                                                                                           tmp_path):
+    from conftest import _sessions
+
+    cluster = _sessions.cluster
+    df = H.classification_df(spark_elastic, n=384)
+    store = Store(str(tmp_path / "store"))
+    paced = E.Paced(seconds=0.1)
+    plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=paced)
+    with _KillInsideEpoch1(cluster, 2, tmp_path / "store", "lost"):
+        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced)
+    assert [h["num_proc"] for h in lost.history] == [3, 2, 2]
+    assert [h["restarts"] for h in lost.history] == [0, 1, 1]
+    assert lost.history[1]["resumed_at_step"] in (4, 8, 12)  # at most checkpointEvery=4 steps redone
+    _same_weights(plain, lost)
+    # a second worker lost: the one slot left is fewer than minProc, said within startTimeout
+    with _KillInsideEpoch1(cluster, 1, tmp_path / "store", "starved"), pytest.raises(
+            RankTimeoutError, match=r"offers 1 task slot\(s\) within startTimeout=15s, fewer than minProc=2"):
+        _fit(df, store, numProc=2, minProc=2, runId="starved", model=paced)
