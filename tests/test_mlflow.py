@@ -65,7 +65,7 @@ def test_fit_logs_params_epoch_metrics_loss_curve_and_a_torch_model_for_any_batc
         assert [m.step for m in history] == [0, 1, 2]
         assert [m.value for m in history] == [h[key] for h in model.history]
     artifacts = [a.path for a in client.list_artifacts(run.info.run_id)]
-    assert "loss_curve.png" in artifacts
+    assert "loss_curve.png" in artifacts and "step_time.png" in artifacts
 
     # the logged torch model takes any batch size and predicts what transform predicts
     rows = df.orderBy("id").limit(7).collect()

@@ -30,7 +30,7 @@ def _digits_fit(df, store, **kw):
 
 def test_bf16_mixed_fit_reaches_the_held_out_accuracy_of_float32(spark, tmp_path):
     df = _digits_df(spark)
-    full = _digits_fit(df, Store(str(tmp_path / "f32")))
+    full = _digits_fit(df, Store(str(tmp_path / "f32")), timeline=str(tmp_path / "trace" / "fit.json"))
     mixed = _digits_fit(df, Store(str(tmp_path / "bf16")), precision="bf16-mixed")
     assert full.history[-1]["val_accuracy"] > 0.9
     assert mixed.history[-1]["val_accuracy"] == pytest.approx(full.history[-1]["val_accuracy"], abs=0.02)
@@ -41,6 +41,30 @@ def test_bf16_mixed_fit_reaches_the_held_out_accuracy_of_float32(spark, tmp_path
         parts = [h[f"time_{p}"] for p in ("data", "compute", "comm", "other")]
         assert all(v >= 0 for v in parts) and h["time_compute"] > 0 and h["samples_per_second"] > 0
         assert all(h[f"time_{p}_slowest"] >= h[f"time_{p}"] for p in ("data", "compute", "comm", "other"))
+    _check_timeline(tmp_path / "trace" / "fit.json", ranks=2, steps=len(full.history))
+
+
+def _check_timeline(path, ranks, steps):
+    """The merged Chrome trace: one process per rank, every step's forward, backward and optimizer
+    spans inside it, each gradient allreduce with its bytes, the start-up and checkpoints."""
+    import json
+
+    events = json.load(open(path))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(ranks))
+    for rank in range(ranks):
+        mine = [e for e in spans if e["pid"] == rank]
+        names = {e["name"] for e in mine}
+        assert {"forward", "backward", "data wait", "start-up: join the ring (rendezvous, transports)",
+                "validation"} <= names, names
+        step_spans = [e for e in mine if e["name"].startswith("step ")]
+        assert len(step_spans) >= steps
+        for part in (e for e in mine if e["name"] in ("forward", "backward") or e["name"].startswith("optimizer")):
+            assert any(s["ts"] <= part["ts"] and part["ts"] + part["dur"] <= s["ts"] + s["dur"] + 1
+                       for s in step_spans), part
+        exchanges = [e for e in mine if e["name"] == "allreduce"]
+        assert exchanges and all(e["args"]["bytes"] > 0 and e["tid"] == 1 for e in exchanges)
+    assert any(e["name"] == "checkpoint" for e in spans if e["pid"] == 0)
 
 
 def test_16_mixed_fit_scales_the_loss_and_counts_the_steps_it_skipped(spark, tmp_path):

@@ -16,6 +16,7 @@ from ._backend import Handle
 from ._sparse import allreduce_sparse_grads
 from .compression import Compression
 from .process_sets import ProcessSet, backend_of
+from .timeline import COMM, recorder
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -31,6 +32,7 @@ class _Bucket:
         self.pending = set(id(p) for p in params)
         self.handle: Optional[Handle] = None
         self.buffer: Optional[torch.Tensor] = None
+        self.launched_us = 0.0  # when its allreduce started (the timeline's span)
         self._offsets = [0]
         for p in params[:-1]:
             self._offsets.append(self._offsets[-1] + p.numel())
@@ -181,6 +183,7 @@ class DistributedOptimizerMixin:
             for g, offset, there in zip(grads, bucket.offsets(), placed):
                 if not there:
                     flat[offset:offset + g.numel()].copy_(g.reshape(-1))
+        bucket.launched_us = recorder.now() if recorder.on else 0.0
         if self._sr_op == ops.Adasum:
             bucket.handle = ops.allreduce_start(flat, flat, ops.Adasum)
             return
@@ -214,6 +217,9 @@ class DistributedOptimizerMixin:
             if bucket.handle is None:  # emptied: its parameters' gradients are sparse
                 continue
             reduced = bucket.handle.wait()
+            if recorder.on:
+                recorder.add("allreduce", bucket.launched_us, recorder.now(), COMM,
+                             bytes=reduced.numel() * reduced.element_size(), tensors=len(bucket.params))
             for p, offset in zip(bucket.params, bucket.offsets()):
                 if reduced is bucket.buffer and p.grad.is_contiguous():
                     # like Horovod's p.grad.set_(output): the grad (same tensor object) now

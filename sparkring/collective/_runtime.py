@@ -5,12 +5,13 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from ..errors import NotInitializedError
-from . import environment
+from . import environment, timeline
 from ._backend import Backend
 from ._join import Joiner, Recipe
 
@@ -75,6 +76,7 @@ def init(backend: Optional[str] = None) -> None:
         if factory is None:
             raise ValueError(f"backend={name!r} is not known; use one of {', '.join(sorted(BACKENDS))} or 'auto'")
         port = state.next_port or (str(place.master_port) if place.master_port is not None else None)
+        began = time.time() * 1e6
         state.backend = factory(name, place.rank, place.size, place.master_addr, port, place.collective_timeout,
                                 place.rendezvous_timeout)
         state.local_rank = state.backend.rank if place.local_rank is None else place.local_rank
@@ -82,6 +84,7 @@ def init(backend: Optional[str] = None) -> None:
         state.cross_rank, state.cross_size = place.cross_rank, place.cross_size
         for hook in _new_ring_hooks:
             hook(state.backend)
+        timeline.recorder.joined_us = (began, time.time() * 1e6)
 
 
 # What the modules above this one reset or start for each new ring (names in flight, process

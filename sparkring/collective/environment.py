@@ -33,6 +33,8 @@ WORKER_START = START_VARIABLE          # fork | spawn (sparkring.processes decid
 SHM = "SPARKRING_SHM"                  # 0: allreduce between ranks of one host through gloo, not shared memory
 GPU = "SPARKRING_GPU"                  # the CUDA ordinal of this rank's GPU (in its CUDA_VISIBLE_DEVICES)
 HOST_ID = "SPARKRING_HOST_ID"          # the host an executor is on, where its address does not tell
+TIMELINE = "SPARKRING_TIMELINE"        # run()/CLI: write a Chrome-trace timeline of the ranks here
+HOROVOD_TIMELINE = "HOROVOD_TIMELINE"  # Horovod's name for the same
 
 DEFAULT_TIMEOUT_S = 1800.0             # a collective's limit without a runner (gloo's own default)
 

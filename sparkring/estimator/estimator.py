@@ -13,6 +13,7 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
+from ..collective import timeline
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs, prepare
 from ..data.store import check_run_id
 from ..errors import RankFailedError, TrainingError
@@ -440,7 +441,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                               self.getOrDefault("initFn"), self.getOrDefault("asyncCheckpoint"),
                               cpu_offload=self.getOrDefault("cpuOffload"), bf16_compute=self.getOrDefault("precision") == "bf16-mixed"),
             precision=self.getOrDefault("precision"), compile=_compile_options(self.getOrDefault("compile")),
-            elastic=self._elastic(num_proc))
+            elastic=self._elastic(num_proc), timeline=self.getOrDefault("timeline") is not None)
         progress = Progress(verbose)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 
@@ -477,6 +478,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             progress.close()
         trained = self._fresh_module()
         result: RankResult = results[0]
+        if result.timeline is not None:
+            timeline.merge(result.timeline, self.getOrDefault("timeline"))
         trained.load_state_dict(result.state_dict)
         model = SparkRingModel()
         self._copyValues(model)

@@ -208,6 +208,9 @@ PARAMS: Tuple[ParamSpec, ...] = (
               minimum=1),
     ParamSpec("keepData", "bool", False, "keep the prepared Parquet after fit", TypeConverters.toBoolean),
     ParamSpec("timeout", "float | None", None, "seconds before a rank is considered hung (default: none)"),
+    ParamSpec("timeline", "str | None", None, "write a Chrome-trace JSON of every rank's spans (start-up, data wait, "
+              "forward, backward, each gradient allreduce with its bytes, optimizer step, checkpoint, validation) "
+              "to this path on the driver; open it in Perfetto or chrome://tracing", _to_optional_string),
     ParamSpec("startTimeout", "float", 120.0, "seconds the ranks have to start (and an elastic fit waits for numProc "
               "slots before going on with fewer)", TypeConverters.toFloat),
     ParamSpec("minProc", "int | None", None, "elastic fit: when ranks are lost, go on with as few as this many "

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 MODEL_NAME = "model"
 LOSS_CURVE = "loss_curve.png"
+STEP_TIME = "step_time.png"  # where each epoch's training seconds went, stacked by part
 _PARENT_TAG = "mlflow.parentRunId"
 _GRID_TAG = "sparkring.grid_index"
 _FITS_TAG = "sparkring.fits"
@@ -175,6 +176,7 @@ class FitTracker:
         if self.prefix and history:
             self._log_fold_means(history[-1])
         self._log_loss_curve(history)
+        self._log_step_time(history)
         if not self.prefix:  # a grid point's fits keep no model: the parent's refit of the best does
             self._log_torch_model(net, example)
         self._end("FINISHED")
@@ -217,6 +219,25 @@ class FitTracker:
         ax.set_ylabel("loss")
         ax.legend()
         self.client.log_figure(self.run_id, fig, f"{self.prefix}{LOSS_CURVE}")
+
+    def _log_step_time(self, history: Sequence[Dict[str, Any]]) -> None:
+        timed = [h for h in history if "time_compute" in h]
+        if not timed:
+            return
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6, 4))
+        ax = fig.add_subplot()
+        epochs = [h["epoch"] + 1 for h in timed]
+        bottom = np.zeros(len(timed))
+        for part in ("data", "compute", "comm", "other"):
+            seconds = np.array([h[f"time_{part}"] for h in timed])
+            ax.bar(epochs, seconds, bottom=bottom, label=part)
+            bottom += seconds
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("seconds (rank 0)")
+        ax.legend()
+        self.client.log_figure(self.run_id, fig, f"{self.prefix}{STEP_TIME}")
 
     def _log_torch_model(self, net: torch.nn.Module, example: Optional[tuple]) -> None:
         """``mlflow.pytorch.log_model`` with a signature and input example, as a graph that takes

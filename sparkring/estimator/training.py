@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 import sparkring.collective as sr
+from sparkring.collective.timeline import recorder
 from sparkring.data import FeatureSpec
 from sparkring.data.reader import prefetched
 from sparkring.runner import report
@@ -78,6 +79,7 @@ class TrainConfig:
     precision: str = "32"             # 32 | bf16-mixed | 16-mixed
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
+    timeline: bool = False                    # record each rank's spans for the driver's Chrome trace
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order _Step sums them."""
@@ -144,9 +146,13 @@ class _StepClock:
 
     def timed(self, batches: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
         self.mark = time.monotonic()
+        waited = recorder.now() if recorder.on else 0.0
         for batch in batches:
             self.lap("data")
+            if recorder.on:
+                recorder.add("data wait", waited, recorder.now())
             yield batch
+            waited = recorder.now() if recorder.on else 0.0
 
     def seconds(self) -> List[float]:
         """data, compute, comm, other, total."""
@@ -381,17 +387,30 @@ class RankResult:
     state_dict: Dict[str, Any]
     history: List[Dict[str, Any]]
     output_shapes: Any
+    timeline: Optional[List[List[Dict[str, Any]]]] = None  # every rank's Chrome-trace events
 
 
 def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
     """The training loop of one rank (what fit() runs on every rank); rank 0 returns the result."""
-    trainer = _Trainer(cfg)
+    if cfg.timeline:
+        recorder.start(sr.rank())
+        began, joined = recorder.joined_us
+        recorder.add("start-up: join the ring (rendezvous, transports)", began, joined)
+        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", _process_started_us(), began)
+    with recorder.span("start-up: model, optimizer, resume"):
+        trainer = _Trainer(cfg)
     trainer.begin()
     for epoch in range(trainer.start_epoch, cfg.epochs):
         logs = trainer.train_epoch(epoch)
         if trainer.end_epoch(epoch, logs):
             break
     return trainer.finish()
+
+
+def _process_started_us() -> float:
+    import psutil
+
+    return psutil.Process().create_time() * 1e6
 
 
 class _Trainer:
@@ -535,11 +554,13 @@ class _Trainer:
         last_report = 0.0
         self.clock = clock = _StepClock()
         for i, batch in enumerate(clock.timed(self._batches(epoch, first)), start=first):
+            step_began = recorder.now() if recorder.on else 0.0
             if cfg.lr_scaling == "linear":
                 self._scale_lr(epoch, i)
             started = time.monotonic() if self.first_step_s is None else 0.0
-            loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
-            figures = step.figures(loss, heads, ys, head_losses)
+            with recorder.span("forward"):
+                loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
+                figures = step.figures(loss, heads, ys, head_losses)
             # the one host sync of a step: whether training may go on decides the step
             finite = bool(torch.isfinite(figures[0]))
             if not finite and not cfg.skip_non_finite:
@@ -548,10 +569,14 @@ class _Trainer:
             # every rank goes through backward (its gradients take part in the allreduce); with
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
             scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            with recorder.span("backward"):
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             if (i + 1) % cfg.backward_passes_per_step == 0:
-                skipped += self._update(epoch, i)
+                with recorder.span("optimizer step (after the gradient exchange)"):
+                    skipped += self._update(epoch, i)
             clock.lap("compute")
+            if recorder.on:
+                recorder.add(f"step {i}", step_began, recorder.now(), epoch=epoch)
             if self.first_step_s is None:  # compiling happens here: timed apart from the steps
                 self.first_step_s = time.monotonic() - started
             if finite:
@@ -584,8 +609,9 @@ class _Trainer:
             return
         totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
         if self.rank == 0:
-            _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, False, self.best, self.waited,
-                             self.schedules, position=(i + 1, totals))
+            with recorder.span("checkpoint (inside the epoch)", step=i + 1):
+                _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, False, self.best,
+                                 self.waited, self.schedules, position=(i + 1, totals))
 
     def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
         cfg = self.cfg
@@ -604,8 +630,9 @@ class _Trainer:
             self.model.on_train_epoch_end()
             logs.update(self.step.logged["train"].epoch_means())
         if self.val_steps:
-            logs.update(_validate(cfg, self.step, self.runs, self.rank, self.size, epoch, self.val_steps,
-                                  self.workers))
+            with recorder.span("validation"):
+                logs.update(_validate(cfg, self.step, self.runs, self.rank, self.size, epoch, self.val_steps,
+                                      self.workers))
         for schedule in self.schedules:
             if schedule.interval == "epoch" and (epoch + 1) % schedule.frequency == 0:
                 schedule.step(logs)
@@ -622,11 +649,13 @@ class _Trainer:
             self.board.epoch(epoch, logs)
             stop = self._early_stop(logs) or stop
             if not self.sharded:
-                _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best, self.waited,
-                                 self.schedules)
+                with recorder.span("checkpoint"):
+                    _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best,
+                                     self.waited, self.schedules)
         stop = bool(sr.broadcast_object(stop, root_rank=0))
         if self.checkpointer is not None:  # every rank writes its shards
-            self.checkpointer.save(epoch, self.model, self.opt, self._trainer_state(epoch, stop))
+            with recorder.span("checkpoint (this rank's shards)"):
+                self.checkpointer.save(epoch, self.model, self.opt, self._trainer_state(epoch, stop))
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
         return stop
@@ -699,6 +728,8 @@ class _Trainer:
         if self.checkpointer is not None:  # every rank takes part
             self.checkpointer.finish()
             gathered = sharding.full_state_dict(self.model)
+        timeline = sr.allgather_object(recorder.events()) if self.cfg.timeline else None  # every rank's spans
+        recorder.stop()
         if self.rank != 0:
             return None
         self.callbacks.call("on_train_end", self.history, self.model)
@@ -708,7 +739,8 @@ class _Trainer:
         buf = io.BytesIO()
         torch.save(state, buf)
         self.cfg.store.write_bytes(self.cfg.store.model_path(self.cfg.run_id, "state_dict.pt"), buf.getvalue())
-        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes)
+        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes,
+                          timeline=timeline)
 
 
 def _validate(cfg: TrainConfig, step: Any, model, rank: int, size: int, epoch: int, val_steps: int,
