@@ -82,10 +82,22 @@ def test_an_overflowing_step_is_skipped_on_every_rank_alike(spark):
     assert skipped == [False, True, False] and scale == 2.0 ** 15  # step 2 overflowed on rank 1 only
 
 
-def test_bf16_compression_reduces_gradients_close_to_float32(spark):
-    exact, compressed = run(rank_fns.bf16_compressed_training, num_proc=2, verbose=0)[0]
+def test_bf16_compression_reduces_gradients_close_to_float32(spark, tmp_path):
+    trace = tmp_path / "run-trace.json"
+    exact, compressed = run(rank_fns.bf16_compressed_training, num_proc=2, verbose=0,
+                            env={"HOROVOD_TIMELINE": str(trace)})[0]  # Horovod's name for run()'s timeline
     torch.testing.assert_close(compressed, exact, atol=2e-2, rtol=2e-2)
     assert not torch.equal(compressed, exact)  # it did travel in bfloat16
+    import json
+
+    spans = [e for e in json.load(open(trace))["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        work = next(e for e in mine if e["name"] == "your function")
+        exchanges = [e for e in mine if e["name"] == "allreduce"]
+        assert len(exchanges) == 4 and all(e["args"]["bytes"] in (16 * 4 * 4 + 4 * 4, 16 * 4 * 2 + 4 * 2)
+                                           for e in exchanges)  # two steps, float32 then bfloat16 on the wire
+        assert all(work["ts"] <= e["ts"] and e["ts"] + e["dur"] <= work["ts"] + work["dur"] for e in exchanges)
 
 
 def test_a_compiled_fit_trains_the_eager_weights_and_saves_a_plain_module(spark, tmp_path):

@@ -3,9 +3,9 @@ the calls around the user's function inside a rank. The runner imports this, nev
 collective's private modules."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
-from . import _runtime, _torchrun
+from . import _runtime, _torchrun, environment, timeline
 
 TRANSPORTS: Tuple[str, ...] = tuple(_runtime.BACKENDS)  # the one list of backends a ring can use
 
@@ -17,6 +17,27 @@ def before_user_code() -> None:
     >>> before_user_code()  # doctest: +SKIP
     """
     _torchrun.install()
+    if timeline.requested():  # run() with SPARKRING_TIMELINE / HOROVOD_TIMELINE: this rank records
+        timeline.recorder.start(environment.RankEnv.from_env().rank)
+        timeline.recorder.user_code_began = timeline.recorder.now()
+
+
+def timeline_events() -> Optional[dict]:
+    """This rank's timeline as the event run()'s driver merges (None when none was asked for).
+
+    >>> timeline_events() is None  # doctest: +SKIP
+    True
+    """
+    tl = timeline.recorder
+    if not tl.on:
+        return None
+    began, joined = tl.joined_us
+    if joined:
+        tl.add("start-up: join the ring (rendezvous, transports)", began, joined)
+    tl.add("your function", tl.user_code_began, tl.now())
+    events = tl.events()
+    tl.stop()
+    return {timeline.EVENTS_KEY: events}
 
 
 def after_user_code() -> None:

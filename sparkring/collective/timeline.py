@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Optional
 from . import environment
 
 COMPUTE, COMM = 0, 1  # thread ids of the trace: the training thread, the gradient exchanges
+EVENTS_KEY = "sparkring_timeline"  # a rank's spans, sent to run()'s driver as its last event
 
 
 class Timeline:
@@ -33,6 +34,7 @@ class Timeline:
         self._spans: List[tuple] = []
         self._lock = threading.Lock()
         self.joined_us = (0.0, 0.0)  # when this process began and finished joining its last ring
+        self.user_code_began = 0.0   # run(): when the user's function started
 
     def start(self, rank: int) -> None:
         self.on, self.rank = True, rank

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 
-from ...collective import environment
+from ...collective import environment, timeline
 from ...errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, StageLostError
 from .. import pickling, protocol
 from ..channel import DriverChannel
@@ -278,8 +278,39 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     spark = spark or active_spark()
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
                        names=RUN_NAMES, shared_memory=shared_memory)
-    return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
-                  env=env, verbose=verbose, on_event=on_event)
+    given = env or {}
+    trace = _TimelineCollector.requested(given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE),
+                                         on_event)
+    if trace is not None:
+        env, on_event = {**(env or {}), environment.TIMELINE: trace.path}, trace.on_event
+    results = launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
+                     env=env, verbose=verbose, on_event=on_event)
+    if trace is not None:
+        trace.write()
+    return results
+
+
+class _TimelineCollector:
+    """run()'s timeline: SPARKRING_TIMELINE (or Horovod's HOROVOD_TIMELINE) names the file; each
+    rank sends its spans as its last event, the driver merges them there."""
+
+    def __init__(self, path: str, forward: Optional[Callable[[int, Any], None]]):
+        self.path, self.forward = path, forward
+        self.by_rank: Dict[int, List[Any]] = {}
+
+    @classmethod
+    def requested(cls, given: Optional[str], forward) -> Optional["_TimelineCollector"]:
+        path = given or timeline.requested()
+        return cls(path, forward) if path else None
+
+    def on_event(self, rank: int, payload: Any) -> None:
+        if isinstance(payload, dict) and timeline.EVENTS_KEY in payload:
+            self.by_rank[rank] = payload[timeline.EVENTS_KEY]
+        elif self.forward is not None:
+            self.forward(rank, payload)
+
+    def write(self) -> None:
+        timeline.merge([self.by_rank[r] for r in sorted(self.by_rank)], self.path)
 
 
 def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequence[Any] = (),

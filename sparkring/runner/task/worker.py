@@ -109,6 +109,9 @@ def main(path: str) -> None:
         # No sr.init() here: sparkring.collective joins the ring on first use, so code that
         # sets up torch.distributed itself (torchrun-style scripts) comes first.
         result = fn(*args, **(kwargs or {}))
+        spans = hosting.timeline_events()
+        if spans is not None:
+            channel.report(spans)  # before the result: the driver has every rank's spans when results are in
         tmp = workdir.result + ".tmp"
         with open(tmp, "wb") as f:
             cloudpickle.dump(result, f)
