@@ -362,32 +362,106 @@ def bench_training(spark, rows, reps, tmp, n):
                     f"{sps(t_ours):,.0f} samples/s", f"TorchDistributor+DDP+pyarrow {sps(t_td):,.0f} samples/s",
                     t_td / t_ours, ">= 1.0x", goal_value=1.0))
 
-    def single():
-        import numpy as np
-        import pyarrow.parquet as pq
-
-        path = os.path.join(tmp, "td_parquet")
-        table = pq.read_table(path)
-        feats = table.column("features").combine_chunks()
-        x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
-        y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
-        model = net()
-        opt = torch.optim.Adam(model.parameters(), lr=lr)
-        for _ in range(epochs):
-            perm = torch.randperm(len(x))
-            for i in range(len(x) // bs):
-                idx = perm[i * bs:(i + 1) * bs]
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-                opt.step()
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    t_single = timed(single)
-    torch.set_num_threads(threads)
+    t_single = _plain_torch_seconds(os.path.join(tmp, "td_parquet"), net(), lr, bs, epochs, timed_load=True)
     rows.append(Row("estimator", "fit() vs one plain torch process on the same rows (2 threads, data in memory)",
                     f"{sps(t_ours):,.0f} samples/s", f"single process {sps(t_single):,.0f} samples/s",
                     t_single / t_ours, "(scaling; 2 cores shared)"))
+
+
+def _plain_torch_seconds(path, model, lr, bs, epochs, threads=2, timed_load=False):
+    """Seconds one plain torch process with ``threads`` threads takes for ``epochs`` shuffled
+    epochs of Adam over the Parquet at ``path`` held in memory (reading it counted only with
+    ``timed_load``)."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    began = time.perf_counter()
+    table = pq.read_table(path)
+    feats = table.column("features").combine_chunks()
+    x = torch.from_numpy(feats.flatten().to_numpy().astype(np.float32).reshape(len(feats), -1))
+    y = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    if not timed_load:
+        began = time.perf_counter()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for _ in range(epochs):
+        perm = torch.randperm(len(x))
+        for i in range(len(x) // bs):
+            idx = perm[i * bs:(i + 1) * bs]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    seconds = time.perf_counter() - began
+    torch.set_num_threads(before)
+    return seconds
+
+
+def _median_rates(configs, reps):
+    """Each config's return value (samples/s), its runs alternating round after round; medians."""
+    import statistics
+
+    got = {name: [] for name in configs}
+    for _ in range(reps):
+        for name, go in configs.items():
+            got[name].append(go())
+    return {name: statistics.median(v) for name, v in got.items()}
+
+
+def bench_speed(spark, rows, reps, tmp, n=200_000, epochs=3):
+    """The speed switches side by side: per-epoch samples/s (the epochs after the first, from
+    history: launch, prepare and compiling left out) with the timeline on/off, bf16-mixed vs
+    float32, compile vs eager, bf16 gradients vs float32 on the shared-memory ring; and per-epoch
+    scaling against one plain torch process with the same 2 threads on the same rows."""
+    import statistics
+
+    import torch
+    from pyspark.ml.functions import vector_to_array
+
+    from sparkring import SparkRingEstimator, Store
+
+    src = os.path.join(tmp, "speed_source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+    df = spark.read.parquet(src).cache()
+    store, bs = Store(os.path.join(tmp, "speed_store")), 256
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                                   torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+    def fit(**kw):
+        def go():
+            model = SparkRingEstimator(model=net(), optimizer=lambda p: torch.optim.Adam(p, lr=1e-3),
+                                       loss="cross_entropy", batchSize=bs, epochs=epochs, numProc=2, verbose=0,
+                                       store=store, keepData=True, **kw).fit(df)
+            return statistics.median(h["samples_per_second"] for h in model.history[1:])
+        return go
+
+    def one_process():
+        seconds = _plain_torch_seconds(flat, net(), 1e-3, bs, 1)
+        return (n // bs) * bs / seconds
+
+    flat = os.path.join(tmp, "speed_flat")
+    df.select(vector_to_array("features", "float32").alias("features"), "label").write.mode("overwrite") \
+        .parquet(flat)
+    r = _median_rates({"plain": fit(), "timeline": fit(timeline=os.path.join(tmp, "speed_trace.json")),
+                       "bf16": fit(precision="bf16-mixed"), "compiled": fit(compile=True),
+                       "bf16_wire": fit(gradientCompression="bf16"), "one": one_process}, reps)
+    what = f"{n // 1000}k rows x 64, 3-layer MLP (width 256), batch {bs}, 2 ranks, per-epoch samples/s"
+    sps = lambda v: f"{v:,.0f} samples/s"  # noqa: E731
+    rows.append(Row("speed", f"timeline on vs off ({what})", sps(r["timeline"]), f"off {sps(r['plain'])}",
+                    r["timeline"] / r["plain"], ">= 0.97x", goal_value=0.97))
+    rows.append(Row("speed", f"precision='bf16-mixed' vs float32 on CPU ({what})", sps(r["bf16"]),
+                    f"float32 {sps(r['plain'])}", r["bf16"] / r["plain"], "(reference)"))
+    rows.append(Row("speed", f"compile=True vs eager, after the compiling epoch ({what})", sps(r["compiled"]),
+                    f"eager {sps(r['plain'])}", r["compiled"] / r["plain"], "(reference)"))
+    rows.append(Row("speed", f"gradientCompression='bf16' vs none on the shared-memory ring ({what})",
+                    sps(r["bf16_wire"]), f"none {sps(r['plain'])}", r["bf16_wire"] / r["plain"], "(reference)"))
+    rows.append(Row("speed", f"per-epoch scaling: fit() on 2 ranks vs one plain torch process with the same 2 threads "
+                    f"on the same rows in memory ({what})", sps(r["plain"]), f"one process {sps(r['one'])}",
+                    r["plain"] / r["one"], ">= 0.85x", goal_value=0.85))
 
 
 def bench_sharding(spark, rows, reps, tmp, n=100_000):
@@ -507,7 +581,7 @@ def bench_transform(spark, rows, reps, tmp):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,sharding,"
+    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,speed,sharding,"
                                           "transform,shm,versions,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
@@ -529,7 +603,7 @@ def main():
         all_rows = []
         for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                      "versions", "inputs",
-                     "training", "sharding", "transform"):
+                     "training", "speed", "sharding", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -593,6 +667,11 @@ def main():
             rows = []
             bench_training(spark, rows, max(1, args.reps - 1), tmp, args.train_rows)
             done("training", rows)
+        if "speed" in only:
+            print("== speed", flush=True)
+            rows = []
+            bench_speed(spark, rows, args.reps, tmp)
+            done("speed", rows)
         if "sharding" in only:
             print("== sharding", flush=True)
             rows = []
