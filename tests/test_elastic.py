@@ -14,7 +14,7 @@ from sparkring.errors import RankTimeoutError
 
 def _fit(df, store, **kw):
     params = dict(model=E.Paced(), optimizer=H.adam, loss="cross_entropy", batchSize=8, epochs=3, store=store,
-                  verbose=0, seed=5, checkpointEvery=4, startTimeout=15.0,
+                  verbose=0, seed=5, checkpointEvery=4, startTimeout=10.0,
                   # kept: the next fit of the same DataFrame reads the same Parquet (on a cluster two
                   # materializations may order rows differently)
                   keepData=True)
@@ -76,7 +76,7 @@ def test_fit_goes_on_with_two_ranks_when_a_worker_is_lost_and_ends_with_three_ra
     cluster = _sessions.cluster
     df = H.classification_df(spark_elastic, n=384)
     store = Store(str(tmp_path / "store"))
-    paced = E.Paced(seconds=0.1)
+    paced = E.Paced(seconds=0.05)
     plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=paced)
     with _KillInsideEpoch1(cluster, 2, tmp_path / "store", "lost"):
         lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced)
@@ -86,5 +86,5 @@ def test_fit_goes_on_with_two_ranks_when_a_worker_is_lost_and_ends_with_three_ra
     _same_weights(plain, lost)
     # a second worker lost: the one slot left is fewer than minProc, said within startTimeout
     with _KillInsideEpoch1(cluster, 1, tmp_path / "store", "starved"), pytest.raises(
-            RankTimeoutError, match=r"offers 1 task slot\(s\) within startTimeout=15s, fewer than minProc=2"):
+            RankTimeoutError, match=r"offers 1 task slot\(s\) within startTimeout=10s, fewer than minProc=2"):
         _fit(df, store, numProc=2, minProc=2, runId="starved", model=paced)

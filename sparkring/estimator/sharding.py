@@ -176,12 +176,18 @@ def state_bytes(model: torch.nn.Module, opt: Optional[torch.optim.Optimizer]) ->
     >>> m = torch.nn.Linear(4, 2)
     >>> state_bytes(m, None)
     (40, 0)
+    >>> e = torch.nn.Embedding(10, 4, sparse=True)
+    >>> e(torch.tensor([1, 2])).sum().backward()
+    >>> state_bytes(e, None)  # the weight, and a sparse gradient of 2 rows and their indices
+    (160, 48)
     """
     seen: set = set()
 
     def size(t: Optional[torch.Tensor]) -> int:
         if t is None:
             return 0
+        if t.layout == torch.sparse_coo:  # sparse embedding gradients: their values and indices
+            return size(t._values()) + size(t._indices())
         t = t.to_local() if hasattr(t, "to_local") else t
         storage = t.untyped_storage()
         if storage.data_ptr() in seen:
