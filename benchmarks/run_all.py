@@ -400,8 +400,6 @@ def _plain_torch_seconds(path, model, lr, bs, epochs, threads=2, timed_load=Fals
 
 def _median_rates(configs, reps):
     """Each config's return value (samples/s), its runs alternating round after round; medians."""
-    import statistics
-
     got = {name: [] for name in configs}
     for _ in range(reps):
         for name, go in configs.items():
@@ -414,8 +412,6 @@ def bench_speed(spark, rows, reps, tmp, n=200_000, epochs=3):
     history: launch, prepare and compiling left out) with the timeline on/off, bf16-mixed vs
     float32, compile vs eager, bf16 gradients vs float32 on the shared-memory ring; and per-epoch
     scaling against one plain torch process with the same 2 threads on the same rows."""
-    import statistics
-
     import torch
     from pyspark.ml.functions import vector_to_array
 

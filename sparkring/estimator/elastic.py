@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 from ..errors import RankFailedError, RankTimeoutError, StageLostError
 from ..runner import LaunchPlan
-from ..runner.driver.session import registered_slots
+from ..runner.driver.session import registered_slots, wait_for_slots
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +71,9 @@ def fit_with_restarts(spark, launch_plan: LaunchPlan, elastic: ElasticPlan, max_
 
 def _slots_within(spark, wanted: int, timeout: float) -> int:
     """The slots the cluster offers: ``wanted`` as soon as it does, else what it has after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        slots = registered_slots(spark)
-        if slots is None:
-            return wanted  # no way to ask: the launch finds out
-        if slots >= wanted or time.monotonic() > deadline:
-            return min(slots, wanted)
-        time.sleep(0.5)
+    wait_for_slots(spark, wanted, timeout)
+    slots = registered_slots(spark)
+    return wanted if slots is None else min(slots, wanted)  # None: no way to ask, the launch finds out
 
 
 def _first_line(exc: BaseException) -> str:
