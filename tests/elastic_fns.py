@@ -1,5 +1,6 @@
 """Models for the elastic-fit tests (importable by Spark's workers): a net that takes its time
-per step, and one whose rank process dies once at a given step."""
+per step (longer while fewer ranks than wanted train), and one whose rank process dies once at
+a given step."""
 import os
 import time
 
@@ -12,15 +13,19 @@ class Paced(torch.nn.Module):
     """A small classifier whose training steps take ``seconds`` each, so that a test can act
     while an epoch runs."""
 
-    def __init__(self, seconds: float = 0.0, d: int = 8, classes: int = 3):
+    def __init__(self, seconds: float = 0.0, d: int = 8, classes: int = 3, below: int = 0,
+                 seconds_below: float = 0.0):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(d, 16), torch.nn.ReLU(), torch.nn.Linear(16, classes))
-        self.seconds = seconds
+        # fewer than ``below`` ranks: ``seconds_below`` a step, time for a lost worker to come back
+        self.seconds, self.below, self.seconds_below = seconds, below, seconds_below
 
     def forward(self, x):
-        if self.training and self.seconds:
-            time.sleep(self.seconds)
+        if self.training:
+            pause = self.seconds_below if sr.size() < self.below else self.seconds
+            if pause:
+                time.sleep(pause)
         return self.net(x)
 
 

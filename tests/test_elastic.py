@@ -1,6 +1,7 @@
 """Elastic fit: global batches that do not depend on how many ranks train, checkpoints inside
 an epoch, a fit that goes on after a lost rank (the same size in local mode; fewer ranks on a
-standalone cluster whose worker is killed) and ends with the weights of an uninterrupted run."""
+standalone cluster whose worker is killed, and more again when it comes back) and ends with the
+weights of an uninterrupted run."""
 import threading
 
 import elastic_fns as E
@@ -45,20 +46,26 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
     assert [h["loss"] for h in lost.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-5)
 
 
-class _KillInsideEpoch1:
-    """Kills a worker of the cluster once the run's first checkpoint inside epoch 1 is written."""
+class _LoseAndBringBack:
+    """Kills a worker of the cluster once the run's first checkpoint inside epoch 1 is written;
+    with ``back``, starts it again once the ranks that went on without it wrote a checkpoint."""
 
-    def __init__(self, cluster, worker, store_dir, run_id):
-        self.cluster, self.worker, self.pattern = cluster, worker, f"{run_id}/**/epoch-00001-step-*.pt"
+    def __init__(self, cluster, worker, store_dir, run_id, back=False):
+        self.cluster, self.worker, self.back = cluster, worker, back
+        self.lost_at, self.back_at = f"{run_id}/**/epoch-00001-step-0000004.*", f"{run_id}/**/epoch-00001-step-0000008.*"
         self.store_dir, self.done = store_dir, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _watch(self):
-        while not self.done.is_set():
-            if any(self.store_dir.rglob(self.pattern)):
-                self.cluster.kill_worker(self.worker)
-                self.done.set()
+    def _wait(self, pattern):
+        while not self.done.is_set() and not any(self.store_dir.rglob(pattern)):
             self.done.wait(0.05)
+        return not self.done.is_set()
+
+    def _watch(self):
+        if self._wait(self.lost_at):
+            self.cluster.kill_worker(self.worker)
+            if self.back and self._wait(self.back_at):
+                self.cluster.start_worker(self.worker, wait=False)
 
     def __enter__(self):
         self.thread.start()
@@ -69,22 +76,25 @@ class _KillInsideEpoch1:
         self.thread.join()
 
 
-def test_fit_goes_on_with_two_ranks_when_a_worker_is_lost_and_ends_with_three_rank_weights(spark_elastic,
-                                                                                           tmp_path):
+def test_a_sharded_fit_goes_on_with_two_ranks_when_a_worker_is_lost_grows_back_and_ends_with_the_weights(
+        spark_elastic, tmp_path):
     from conftest import _sessions
 
     cluster = _sessions.cluster
     df = H.classification_df(spark_elastic, n=384)
     store = Store(str(tmp_path / "store"))
-    paced = E.Paced(seconds=0.05)
-    plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=paced)
-    with _KillInsideEpoch1(cluster, 2, tmp_path / "store", "lost"):
-        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced)
-    assert [h["num_proc"] for h in lost.history] == [3, 2, 2]
-    assert [h["restarts"] for h in lost.history] == [0, 1, 1]
+    plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=E.Paced(seconds=0.05))
+    # 3 -> 2 ranks inside epoch 1 (steps slow while 2 train, so that the worker is back in time), then 2 -> 3
+    paced = E.Paced(seconds=0.05, below=3, seconds_below=1.0)
+    with _LoseAndBringBack(cluster, 2, tmp_path / "store", "lost", back=True):
+        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced, strategy="fsdp")
+    assert cluster.alive_workers() == 3
+    assert lost.history[-1]["restarts"] == 1 and lost.history[-1]["grows"] == 1
     assert lost.history[1]["resumed_at_step"] in (4, 8, 12)  # at most checkpointEvery=4 steps redone
+    assert [h["num_proc"] for h in lost.history][-1] == 3
+    # the sharded fit, at 3, 2 then 3 ranks, trained the replicated uninterrupted 3-rank weights
     _same_weights(plain, lost)
-    # a second worker lost: the one slot left is fewer than minProc, said within startTimeout
-    with _KillInsideEpoch1(cluster, 1, tmp_path / "store", "starved"), pytest.raises(
-            RankTimeoutError, match=r"offers 1 task slot\(s\) within startTimeout=10s, fewer than minProc=2"):
-        _fit(df, store, numProc=2, minProc=2, runId="starved", model=paced)
+    # a worker lost for good: the two slots left are fewer than minProc, said within startTimeout
+    with _LoseAndBringBack(cluster, 1, tmp_path / "store", "starved"), pytest.raises(
+            RankTimeoutError, match=r"offers 2 task slot\(s\) within startTimeout=10s, fewer than minProc=3"):
+        _fit(df, store, numProc=3, minProc=3, runId="starved", model=E.Paced(seconds=0.05))

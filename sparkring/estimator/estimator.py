@@ -29,7 +29,7 @@ from ..runner import (
 )
 from . import losses, tracking
 from .console import Progress, SparkBarPause
-from .elastic import ElasticPlan, fit_with_restarts
+from .elastic import ElasticPlan, GrowRequest, fit_with_restarts
 from .events import TrainingEvent, from_payload
 from .lightning_steps import check_module as check_lightning_module
 from .lightning_steps import is_lightning_module
@@ -163,9 +163,6 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         if self._elastic(launch_plan.num_proc) is None:
             return
         what = "minProc" if min_proc is not None else "checkpointEvery"
-        if self.getOrDefault("strategy") != "ddp":
-            raise ConfigurationError(f"{what} (an elastic fit) runs strategy='ddp' only for now; drop {what} or use "
-                                     "strategy='ddp'")
         if lightning:
             raise ConfigurationError(f"{what} (an elastic fit) does not train a LightningModule yet; drop {what}")
         if self.getOrDefault("backwardPassesPerStep") != 1:
@@ -467,6 +464,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                     spark, dataclasses.replace(launch_plan, attempts=1), cfg.elastic, self.getOrDefault("maxRestarts"),
                     self.getOrDefault("startTimeout"), launch_once,
                     replan=lambda n: dataclasses.replace(self._plan(spark, n), attempts=1), say=progress.note,
+                    request=GrowRequest(checked.store, run_id), paused=lambda results: results[0].paused,
                     final=lambda exc: isinstance(exc, RankFailedError) and non_finite_reason(exc.remote_traceback)
                     is not None)
         except RankFailedError as exc:

@@ -23,7 +23,7 @@ import sparkring.collective as sr
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
-CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})\.dcp$")
+CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})(-step-\d{7})?\.dcp$")  # a step: inside the epoch (elastic fits)
 _TRAINER_STATE = "trainer.pt"  # written by rank 0 once every rank's shards are: the checkpoint is complete
 
 
@@ -237,12 +237,14 @@ class Checkpointer:
             self.group = dist.new_group(backend="gloo")  # its collectives never meet training's
         self.pending: Optional[Tuple[Any, str, Dict[str, Any]]] = None
 
-    def save(self, epoch: int, model, opt, trainer_state: Dict[str, Any]) -> None:
+    def save(self, epoch: int, model, opt, trainer_state: Dict[str, Any], step: Optional[int] = None) -> None:
+        """Every rank's shards after ``epoch``, or inside it before ``step`` (the step to go on at)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         self.finish()
-        path = self.store.checkpoint_path(self.run_id, f"epoch-{epoch:05d}.dcp")
+        name = f"epoch-{epoch:05d}" + (f"-step-{step:07d}" if step is not None else "") + ".dcp"
+        path = self.store.checkpoint_path(self.run_id, name)
         if sr.rank() == 0:
             self.store.makedirs(path)
         sr.barrier()

@@ -22,7 +22,7 @@ from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
 from . import lightning_steps, losses, sharding
-from .elastic import ElasticPlan
+from .elastic import ElasticPlan, GrowRequest
 from .events import EpochDone, FitBegan, StepDone, to_payload
 from .lightning_steps import Schedule
 from .sharding import Sharding
@@ -388,6 +388,11 @@ class RankResult:
     history: List[Dict[str, Any]]
     output_shapes: Any
     timeline: Optional[List[List[Dict[str, Any]]]] = None  # every rank's Chrome-trace events
+    paused: bool = False  # stopped at a checkpoint when the driver asked (an elastic fit grows): no weights
+
+
+class _PausedToGrow(Exception):
+    """Every rank stops at the checkpoint it just wrote: the driver launches more ranks from it."""
 
 
 def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
@@ -400,10 +405,13 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
     with recorder.span("start-up: model, optimizer, resume"):
         trainer = _Trainer(cfg)
     trainer.begin()
-    for epoch in range(trainer.start_epoch, cfg.epochs):
-        logs = trainer.train_epoch(epoch)
-        if trainer.end_epoch(epoch, logs):
-            break
+    try:
+        for epoch in range(trainer.start_epoch, cfg.epochs):
+            logs = trainer.train_epoch(epoch)
+            if trainer.end_epoch(epoch, logs):
+                break
+    except _PausedToGrow:
+        return trainer.pause()
     return trainer.finish()
 
 
@@ -459,6 +467,7 @@ class _Trainer:
             self.step.attach(self.model)
             self.model.on_fit_start()
         self.callbacks = _Callbacks(cfg.callbacks if self.rank == 0 else [])
+        self.grow_request = GrowRequest(cfg.store, cfg.run_id) if cfg.elastic is not None else None
         self.board = _Tensorboard(cfg) if self.rank == 0 else None
 
     def _resume(self, opt) -> None:
@@ -607,11 +616,20 @@ class _Trainer:
         every = self.cfg.elastic.checkpoint_every if self.cfg.elastic is not None else None
         if not every or (i + 1) % every or i + 1 >= self.steps:
             return
-        totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
-        if self.rank == 0:
+        # rank 0 reads the driver's grow request; it travels to every rank in the figures' allreduce
+        asked = float(self.rank == 0 and self.grow_request is not None and self.grow_request.made())
+        totals = sr.allreduce(torch.cat([sums.cpu(), torch.tensor([asked], dtype=sums.dtype)]), op=sr.Sum).tolist()
+        grow = totals.pop() > 0
+        if self.checkpointer is not None:  # every rank writes its shards
+            with recorder.span("checkpoint (inside the epoch, this rank's shards)", step=i + 1):
+                self.checkpointer.save(epoch, self.model, self.opt,
+                                       self._trainer_state(epoch, False, position=(i + 1, totals)), step=i + 1)
+        elif self.rank == 0:
             with recorder.span("checkpoint (inside the epoch)", step=i + 1):
                 _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, False, self.best,
                                  self.waited, self.schedules, position=(i + 1, totals))
+        if grow:
+            raise _PausedToGrow()
 
     def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
         cfg = self.cfg
@@ -624,7 +642,7 @@ class _Trainer:
         if cfg.compile is not None and epoch == self.start_epoch:
             logs["first_step_seconds"] = self.first_step_s
         if cfg.elastic is not None:
-            logs["num_proc"], logs["restarts"] = self.size, cfg.elastic.restarts
+            logs["num_proc"], logs["restarts"], logs["grows"] = self.size, cfg.elastic.restarts, cfg.elastic.grows
         logs.update(self._time_split(float(totals[1])))
         if cfg.lightning:
             self.model.on_train_epoch_end()
@@ -652,13 +670,16 @@ class _Trainer:
                 with recorder.span("checkpoint"):
                     _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best,
                                      self.waited, self.schedules)
-        stop = bool(sr.broadcast_object(stop, root_rank=0))
+        asked = self.rank == 0 and self.grow_request is not None and self.grow_request.made()
+        stop, grow = sr.broadcast_object((stop, asked), root_rank=0)
         if self.checkpointer is not None:  # every rank writes its shards
             with recorder.span("checkpoint (this rank's shards)"):
                 self.checkpointer.save(epoch, self.model, self.opt, self._trainer_state(epoch, stop))
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
-        return stop
+        if grow and not stop and epoch + 1 < self.cfg.epochs:
+            raise _PausedToGrow()
+        return bool(stop)
 
     def _scaled_update(self) -> int:
         """16-mixed: unscale the reduced gradients, step unless they overflowed; the reduced
@@ -688,11 +709,15 @@ class _Trainer:
         split["state_bytes"], split["grad_bytes"] = int(largest[5]), int(largest[6])
         return split
 
-    def _trainer_state(self, epoch: int, stopped: bool) -> Dict[str, Any]:
+    def _trainer_state(self, epoch: int, stopped: bool,
+                       position: Optional[Tuple[int, List[float]]] = None) -> Dict[str, Any]:
+        """What a sharded checkpoint keeps beside the shards (after ``epoch``, or inside it at
+        ``position``: the next step and every rank's figures so far), as ``_save_checkpoint`` does."""
         # a snapshot: an asynchronous checkpoint is completed after later epochs have run
         return {"epoch": epoch, "history": [dict(h) for h in self.history], "seed": self.cfg.seed, "stopped": stopped,
                 "early_stopping": (self.best, self.waited),
-                "schedulers": [s.scheduler.state_dict() for s in self.schedules]}
+                "schedulers": [s.scheduler.state_dict() for s in self.schedules],
+                "step": position[0] if position else None, "epoch_sums": position[1] if position else None}
 
     def _restore_trainer(self, state: Dict[str, Any]) -> None:
         self.history = list(state["history"])
@@ -720,6 +745,16 @@ class _Trainer:
             return False
         self.waited += 1
         return self.waited >= es.patience
+
+    def pause(self) -> Optional[RankResult]:
+        """Stop at the checkpoint just written (the driver launches more ranks from it)."""
+        if self.checkpointer is not None:
+            self.checkpointer.finish()
+        recorder.stop()
+        if self.board is not None:
+            self.board.close()
+        return RankResult(state_dict={}, history=self.history, output_shapes=None, paused=True) if self.rank == 0 \
+            else None
 
     def finish(self) -> Optional[RankResult]:
         if self.cfg.lightning:
