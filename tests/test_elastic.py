@@ -33,10 +33,14 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
                                                                                                   tmp_path):
     df = H.classification_df(spark_wide, n=384)
     store = Store(str(tmp_path / "store"))
-    plain = _fit(df, store, numProc=3, runId="uninterrupted")
+    inputs = ["features", "id"]  # the model writes down the row ids it trains on
+    plain = _fit(df, store, numProc=3, runId="uninterrupted", modelInputs=inputs)
     # 384 rows / (8 x 3) = 16 steps an epoch; rank 1 dies at its 22nd step (epoch 1, step 5), after the
     # checkpoint at step 4: the fit launches again and goes on at step 4
-    lost = _fit(df, store, numProc=3, runId="lost", model=E.DiesOnce(str(tmp_path / "died"), rank=1, at=22))
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    lost = _fit(df, store, numProc=3, runId="lost", modelInputs=inputs,
+                model=E.DiesOnce(str(tmp_path / "died"), rank=1, at=22, audit=str(audit)))
     assert (tmp_path / "died").exists()
     assert [h["epoch"] for h in lost.history] == [0, 1, 2]
     assert [h["num_proc"] for h in lost.history] == [3, 3, 3]
@@ -44,6 +48,26 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
     assert [h.get("resumed_at_step") for h in lost.history] == [None, 4, None]  # 1 step redone, of 4 at most
     _same_weights(plain, lost)
     assert [h["loss"] for h in lost.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-5)
+    # across both launches, every row trained exactly once an epoch: the first launch's steps up to
+    # the checkpoint (16 + 4 a rank), then the second launch's (12 + 16 a rank)
+    first, second = _launches(audit, ranks=3)
+    epochs = [[ids for steps in first for ids in steps[:16]],
+              [ids for steps in first for ids in steps[16:20]] + [ids for steps in second for ids in steps[:12]],
+              [ids for steps in second for ids in steps[12:]]]
+    for seen in epochs:
+        rows = [i for ids in seen for i in ids]
+        assert sorted(rows) == list(range(384))
+
+
+def _launches(audit, ranks):
+    """The audit files' steps (row ids), a list a rank process, grouped by launch (the order the
+    processes began in)."""
+    files = []
+    for path in audit.iterdir():
+        lines = [ln.split() for ln in path.read_text().splitlines()]
+        files.append((float(lines[0][0]), [[int(i) for i in ln[1:]] for ln in lines]))
+    files.sort()
+    return [[steps for _, steps in files[k:k + ranks]] for k in range(0, len(files), ranks)]
 
 
 class _LoseAndBringBack:
