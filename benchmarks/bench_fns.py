@@ -539,3 +539,37 @@ def checkpoint_times(directory, width=1024, layers=8, reps=3):
         out["full"].append(time.perf_counter() - t0)
     params = sum(p.numel() for p in model.parameters())
     return {k: statistics.median(v) for k, v in out.items()} | {"params": params}
+
+
+class DiesOnceAt(torch.nn.Module):
+    """A 3-layer MLP whose rank 1 process exits at its ``at``-th training step the first time
+    (writing the time to ``died``); after the relaunch, the first training step of any rank
+    writes its time to ``back``: the time a lost rank costs until training goes on."""
+
+    def __init__(self, died: str, back: str, at: int, d: int = 64, width: int = 256, classes: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(d, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
+                                       torch.nn.ReLU(), torch.nn.Linear(width, classes))
+        self.died, self.back, self.at, self.steps = died, back, at, 0
+
+    @staticmethod
+    def _stamp(path):
+        try:
+            with open(path, "x") as f:
+                f.write(repr(time.time()))
+        except FileExistsError:
+            pass
+
+    def forward(self, x):
+        import os
+
+        if self.training:
+            self.steps += 1
+            if not os.path.exists(self.died):
+                if self.steps == self.at and sr.rank() == 1:
+                    self._stamp(self.died)
+                    os._exit(3)
+            elif not os.path.exists(self.back):
+                self._stamp(self.back)
+        return self.net(x)

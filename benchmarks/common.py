@@ -25,6 +25,16 @@ def spark_session(master: str = "local[2]"):
             .getOrCreate())
 
 
+def vector_df(spark, n, d=64, partitions=4):
+    """``n`` rows of a ``d``-float vector and a label of 10 classes, made by Spark."""
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    return (spark.range(n, numPartitions=partitions)
+            .select(array_to_vector(F.array(*[F.rand(i).cast("float") for i in range(d)])).alias("features"),
+                    (F.rand(99) * 10).cast("int").cast("double").alias("label")))
+
+
 def timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_fns  # noqa: E402
 from bench_inputs import bench_inputs, bench_recommender_fit, bench_sparse  # noqa: E402
 from common import Row, alternate, spark_session, timed, write_table  # noqa: E402
+from common import vector_df as _vector_df  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -260,15 +261,6 @@ def bench_mpi(spark, rows, reps):
         rows.append(Row("collective", f"MPI backend allreduce bus bandwidth {label}, sr.allreduce_ (in place)",
                         f"{r['ours_inplace'] * 1000:.0f} MB/s", f"mpi4py Allreduce(IN_PLACE) {r['raw'] * 1000:.0f} MB/s",
                         r["ours_inplace/raw"], "(reference)"))
-
-
-def _vector_df(spark, n, d=64, partitions=4):
-    from pyspark.ml.functions import array_to_vector
-    from pyspark.sql import functions as F
-
-    return (spark.range(n, numPartitions=partitions)
-            .select(array_to_vector(F.array(*[F.rand(i).cast("float") for i in range(d)])).alias("features"),
-                    (F.rand(99) * 10).cast("int").cast("double").alias("label")))
 
 
 def bench_data(spark, rows, reps, tmp):
@@ -599,7 +591,7 @@ def main():
         all_rows = []
         for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                      "versions", "inputs",
-                     "training", "speed", "sharding", "transform"):
+                     "training", "speed", "sharding", "elastic", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -673,6 +665,13 @@ def main():
             rows = []
             bench_sharding(spark, rows, max(1, args.reps - 1), tmp)
             done("sharding", rows)
+        if "elastic" in only:
+            from bench_elastic import bench_elastic
+
+            print("== elastic", flush=True)
+            rows = []
+            bench_elastic(spark, rows, max(1, args.reps - 1), tmp)
+            done("elastic", rows)
         if "transform" in only:
             print("== transform", flush=True)
             rows = []

@@ -37,6 +37,7 @@ MASTERS = {
     "gpu": "local[2]",
     "hosts": None,  # a standalone cluster of two workers on 127.0.0.2 and 127.0.0.3 (two "hosts"), two cores each
     "elastic": None,  # a standalone cluster of three one-core workers (127.0.0.2-4), which its test kills
+    # and decommissions
 }
 ORDER = ["local", "retry", "wide", "cluster", "hosts", "elastic", "gpu", "connect"]
 CLUSTERS = {"hosts": (["127.0.0.2", "127.0.0.3"], 2), "elastic": (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 1)}
@@ -80,8 +81,11 @@ class _Sessions:
             from standalone_cluster import StandaloneCluster
 
             hosts, cores = CLUSTERS[kind]
+            env = dict(os.environ)
+            if kind == "elastic":  # a worker sent SIGPWR decommissions its executors
+                env["SPARK_WORKER_OPTS"] = "-Dspark.decommission.enabled=true"
             self.cluster = StandaloneCluster(tempfile.mkdtemp(prefix=f"sparkring-{kind}-", dir=log_dir),
-                                             dict(os.environ)).start(hosts, cores=cores)
+                                             env).start(hosts, cores=cores)
             master = self.cluster.master
         builder = (SparkSession.builder.master(master).appName(f"sparkring-tests-{kind}")
                    .config("spark.driver.host", "127.0.0.1")
@@ -96,6 +100,8 @@ class _Sessions:
             builder = builder.config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
         else:
             builder = builder.config("spark.executor.memory", "900m")
+        if kind == "elastic":
+            builder = builder.config("spark.decommission.enabled", "true")
         if kind == "local":
             # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
             builder = (builder.config("spark.driver.resource.gpu.amount", "2")

@@ -127,6 +127,13 @@ class StandaloneCluster:
             expected = sum(1 for x in self.workers if x.proc is not None)
             wait_for(lambda: self.alive_workers() == expected, 90, f"worker {w.host} did not register")
 
+    def decommission_worker(self, i: int) -> None:
+        """SIGPWR, as Spark's decommission-worker.sh sends: with spark.decommission.enabled the
+        worker decommissions its executors (they finish their tasks, get no new ones, then exit)."""
+        w = self.workers[i]
+        assert w.proc is not None
+        os.kill(w.proc.pid, signal.SIGPWR)
+
     def kill_worker(self, i: int) -> None:
         """The worker daemon and everything it started (executors, their Python workers and
         ranks) die at once, as a lost machine's would."""

@@ -1,7 +1,7 @@
 """Elastic fit: global batches that do not depend on how many ranks train, checkpoints inside
 an epoch, a fit that goes on after a lost rank (the same size in local mode; fewer ranks on a
-standalone cluster whose worker is killed, and more again when it comes back) and ends with the
-weights of an uninterrupted run."""
+standalone cluster whose worker is killed or decommissioned, and more again when it comes back)
+and ends with the weights of an uninterrupted run."""
 import threading
 
 import elastic_fns as E
@@ -50,7 +50,7 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
     assert [h["loss"] for h in lost.history] == pytest.approx([h["loss"] for h in plain.history], abs=1e-5)
     # across both launches, every row trained exactly once an epoch: the first launch's steps up to
     # the checkpoint (16 + 4 a rank), then the second launch's (12 + 16 a rank)
-    first, second = _launches(audit, ranks=3)
+    first, second = _launches(audit, [3, 3])
     epochs = [[ids for steps in first for ids in steps[:16]],
               [ids for steps in first for ids in steps[16:20]] + [ids for steps in second for ids in steps[:12]],
               [ids for steps in second for ids in steps[12:]]]
@@ -59,24 +59,27 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
         assert sorted(rows) == list(range(384))
 
 
-def _launches(audit, ranks):
+def _launches(audit, sizes):
     """The audit files' steps (row ids), a list a rank process, grouped by launch (the order the
-    processes began in)."""
+    processes began in; ``sizes``: each launch's number of ranks)."""
     files = []
     for path in audit.iterdir():
         lines = [ln.split() for ln in path.read_text().splitlines()]
         files.append((float(lines[0][0]), [[int(i) for i in ln[1:]] for ln in lines]))
+    assert len(files) == sum(sizes), (len(files), sizes)
     files.sort()
-    return [[steps for _, steps in files[k:k + ranks]] for k in range(0, len(files), ranks)]
+    starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    return [[steps for _, steps in files[a:b]] for a, b in zip(starts, starts[1:])]
 
 
-class _LoseAndBringBack:
-    """Kills a worker of the cluster once the run's first checkpoint inside epoch 1 is written;
-    with ``back``, starts it again once the ranks that went on without it wrote a checkpoint."""
+class _AtCheckpoint:
+    """Once the run's first checkpoint inside epoch 1 is written, does ``then`` to worker
+    ``worker`` of the cluster (kill it, decommission it); with ``back``, starts it again once the
+    ranks that went on without it wrote a checkpoint."""
 
-    def __init__(self, cluster, worker, store_dir, run_id, back=False):
-        self.cluster, self.worker, self.back = cluster, worker, back
-        self.lost_at, self.back_at = f"{run_id}/**/epoch-00001-step-0000004.*", f"{run_id}/**/epoch-00001-step-0000008.*"
+    def __init__(self, cluster, then, worker, store_dir, run_id, back=False):
+        self.cluster, self.then, self.worker, self.back = cluster, then, worker, back
+        self.at, self.back_at = f"{run_id}/**/epoch-00001-step-0000004.*", f"{run_id}/**/epoch-00001-step-0000008.*"
         self.store_dir, self.done = store_dir, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -86,8 +89,8 @@ class _LoseAndBringBack:
         return not self.done.is_set()
 
     def _watch(self):
-        if self._wait(self.lost_at):
-            self.cluster.kill_worker(self.worker)
+        if self._wait(self.at):
+            self.then(self.worker)
             if self.back and self._wait(self.back_at):
                 self.cluster.start_worker(self.worker, wait=False)
 
@@ -100,25 +103,45 @@ class _LoseAndBringBack:
         self.thread.join()
 
 
-def test_a_sharded_fit_goes_on_with_two_ranks_when_a_worker_is_lost_grows_back_and_ends_with_the_weights(
+def test_an_elastic_fit_shrinks_grows_back_and_leaves_a_decommissioned_worker_ending_with_the_same_weights(
         spark_elastic, tmp_path):
     from conftest import _sessions
 
     cluster = _sessions.cluster
     df = H.classification_df(spark_elastic, n=384)
     store = Store(str(tmp_path / "store"))
-    plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=E.Paced(seconds=0.05))
-    # 3 -> 2 ranks inside epoch 1 (steps slow while 2 train, so that the worker is back in time), then 2 -> 3
+    inputs = ["features", "id"]  # the model can write down the row ids it trains on
+    plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=E.Paced(seconds=0.05),
+                 modelInputs=inputs)
+    # a sharded fit: worker 2 lost inside epoch 1 (3 -> 2 ranks; steps slow while 2 train, so that the
+    # worker is back in time), then back (2 -> 3)
     paced = E.Paced(seconds=0.05, below=3, seconds_below=1.0)
-    with _LoseAndBringBack(cluster, 2, tmp_path / "store", "lost", back=True):
-        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced, strategy="fsdp")
+    with _AtCheckpoint(cluster, cluster.kill_worker, 2, tmp_path / "store", "lost", back=True):
+        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced, strategy="fsdp", modelInputs=inputs)
     assert cluster.alive_workers() == 3
     assert lost.history[-1]["restarts"] == 1 and lost.history[-1]["grows"] == 1
     assert lost.history[1]["resumed_at_step"] in (4, 8, 12)  # at most checkpointEvery=4 steps redone
     assert [h["num_proc"] for h in lost.history][-1] == 3
-    # the sharded fit, at 3, 2 then 3 ranks, trained the replicated uninterrupted 3-rank weights
-    _same_weights(plain, lost)
-    # a worker lost for good: the two slots left are fewer than minProc, said within startTimeout
-    with _LoseAndBringBack(cluster, 1, tmp_path / "store", "starved"), pytest.raises(
-            RankTimeoutError, match=r"offers 2 task slot\(s\) within startTimeout=10s, fewer than minProc=3"):
-        _fit(df, store, numProc=3, minProc=3, runId="starved", model=E.Paced(seconds=0.05))
+    _same_weights(plain, lost)  # at 3, 2 then 3 ranks, sharded: the replicated uninterrupted 3-rank weights
+    # worker 1 decommissioned (SIGPWR) inside epoch 1: the ranks checkpoint at their next step, the fit goes
+    # on with 2 at once, and no step is redone: across both launches every row trains once an epoch
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    with _AtCheckpoint(cluster, cluster.decommission_worker, 1, tmp_path / "store", "decommissioned"):
+        left = _fit(df, store, numProc=3, minProc=2, runId="decommissioned", modelInputs=inputs,
+                    model=E.Paced(seconds=0.25, audit=str(audit)))
+    assert [h["num_proc"] for h in left.history] == [3, 2, 2]
+    assert [h["decommissions"] for h in left.history] == [0, 1, 1] and left.history[-1]["restarts"] == 0
+    at = left.history[1]["resumed_at_step"]
+    first, second = _launches(audit, [3, 2])
+    assert all(len(steps) == 16 + at for steps in first)  # every step the first launch took counts
+    epochs = [[ids for steps in first for ids in steps[:16]],
+              [ids for steps in first for ids in steps[16:]] + [ids for steps in second for ids in steps[:16 - at]],
+              [ids for steps in second for ids in steps[16 - at:]]]
+    for seen in epochs:
+        assert sorted(i for ids in seen for i in ids) == list(range(384))
+    _same_weights(plain, left)
+    # worker 2 lost for good: the one slot left is fewer than minProc, said within startTimeout
+    with _AtCheckpoint(cluster, cluster.kill_worker, 2, tmp_path / "store", "starved"), pytest.raises(
+            RankTimeoutError, match=r"offers 1 task slot\(s\) within startTimeout=10s, fewer than minProc=2"):
+        _fit(df, store, numProc=2, minProc=2, runId="starved", model=E.Paced(seconds=0.05), modelInputs=inputs)

@@ -130,13 +130,21 @@ def _shipped_conf(cluster):
             "--conf", "spark.executor.memory=900m", "--conf", "spark.ui.showConsoleProgress=false"]
 
 
-def test_spark_submit_with_the_packed_environment_trains_transforms_and_saves(cluster, tmp_path):
+def test_spark_submit_with_the_packed_environment_runs_doctor_trains_transforms_and_saves(cluster, tmp_path):
+    # one application (each one unpacks the archive on every executor): run(), doctor(), then the
+    # digits example in the same session
     out = tmp_path / "out"
     submit = os.path.join(SPARK_HOME, "bin", "spark-submit")
     proc = subprocess.run([submit, "--master", cluster["master"], *_shipped_conf(cluster),
+                           os.path.join(ROOT, "tests", "helpers", "run_and_doctor.py"),
                            os.path.join(ROOT, "examples", "digits.py"), "--epochs", "10", "--out", str(out)],
-                          env=_submit_env(), capture_output=True, text=True, timeout=600)
+                          env=_submit_env(), capture_output=True, text=True, timeout=600, cwd=cluster["root"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    # rank 0 imported sparkring from the unpacked archive in its executor's directory
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("rank 0 of 2"))
+    assert "/environment/lib/" in line and str(cluster["root"]) in line, proc.stdout
+    assert "verdict: ready to train" in proc.stdout.splitlines()
+    assert proc.stdout.count("/environment/bin/python") == 2  # each executor's interpreter
     accuracy = float(proc.stdout.split("held-out accuracy: ")[1].split()[0])
     assert accuracy >= 0.95
     assert "reloaded model gives identical predictions: True" in proc.stdout
@@ -158,20 +166,6 @@ def _cli(cluster, *args, shipped=True):
     with open(cluster["root"] / f"cli-{args[0]}-{'shipped' if shipped else 'own'}.log", "w") as f:
         f.write(proc.stdout + proc.stderr)
     return proc
-
-
-def test_run_and_doctor_in_one_application_on_the_shipped_environment(cluster):
-    # one application (each one unpacks the archive on every executor): run() then doctor()
-    submit = os.path.join(SPARK_HOME, "bin", "spark-submit")
-    proc = subprocess.run([submit, "--master", cluster["master"], *_shipped_conf(cluster),
-                           os.path.join(ROOT, "tests", "helpers", "run_and_doctor.py")],
-                          env=_submit_env(), capture_output=True, text=True, timeout=600, cwd=cluster["root"])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    # rank 0 imported sparkring from the unpacked archive in its executor's directory
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("rank 0 of 2"))
-    assert "/environment/lib/" in line and str(cluster["root"]) in line, proc.stdout
-    assert proc.stdout.strip().splitlines()[-1] == "verdict: ready to train"
-    assert proc.stdout.count("/environment/bin/python") == 2  # each executor's interpreter
 
 
 def test_a_worker_with_other_versions_fails_run_fast_and_doctor_names_it(cluster):

@@ -143,7 +143,7 @@ class Progress:
 def _is_timing(key: str) -> bool:
     """Figures of how the epoch ran (time, throughput, memory), kept out of the metrics shown."""
     return key.startswith("time_") or key in ("samples_per_second", "state_bytes", "grad_bytes", "num_proc",
-                                              "restarts", "grows", "resumed_at_step")
+                                              "restarts", "grows", "decommissions", "resumed_at_step")
 
 
 def _time_split(logs) -> str:

@@ -1,11 +1,12 @@
 """Elastic fit: the plan that makes training independent of the world size (global batches of
 batchSize x numProc rows, each rank's gradient weighted by its share), checkpoints inside an
 epoch, and the driver's loop that launches again, with the slots the cluster has, when a rank
-or an executor is lost, and with numProc ranks again when the slots come back.
+or an executor is lost or decommissioned, and with numProc ranks again when the slots come back.
 
-The driver asks the ranks to stop at their next checkpoint through a file beside the run's
-checkpoints (``GrowRequest``) rather than the runner's channel: every rank already reaches the
-store, and a run whose driver cannot be reached (Spark Connect's detached runs) reads it alike."""
+The driver asks the ranks to stop (at their next checkpoint to grow, at once with a checkpoint
+when an executor is decommissioned) through a file beside the run's checkpoints
+(``StopRequest``) rather than the runner's channel: every rank already reaches the store, and a
+run whose driver cannot be reached (Spark Connect's detached runs) reads it alike."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,7 @@ from typing import Any, Callable, List, Optional
 
 from ..errors import RankFailedError, RankTimeoutError, StageLostError
 from ..runner import LaunchPlan
-from ..runner.driver.session import registered_slots, wait_for_slots
+from ..runner.driver.session import decommissioning_executors, registered_slots, wait_for_slots
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class ElasticPlan:
     checkpoint_every: Optional[int] = None
     restarts: int = 0  # launches after a loss so far
     grows: int = 0  # launches that brought the ranks back to target_size so far
+    decommissions: int = 0  # launches after ranks stopped for a decommissioned executor so far
 
     def share(self, rank: int, size: int) -> int:
         """Rows of each global batch that ``rank`` of ``size`` ranks trains on."""
@@ -48,15 +50,19 @@ class ElasticPlan:
         return self.share(rank, size) * size / self.global_batch
 
 
+GROW, LEAVE = 1, 2  # StopRequest.read(): stop at the next checkpoint; checkpoint at the next step and stop
+
+
 @dataclass(frozen=True)
-class GrowRequest:
-    """The driver's request that the ranks stop at their next checkpoint, so that the fit goes
-    on with more of them: a file beside the run's checkpoints.
+class StopRequest:
+    """The driver's request that the ranks stop: at their next checkpoint (``GROW``: more ranks
+    can train) or with a checkpoint at their next step (``LEAVE``: an executor is going away). A
+    file beside the run's checkpoints.
 
     >>> from sparkring import Store
     >>> import tempfile
-    >>> request = GrowRequest(Store(tempfile.mkdtemp()), "run")
-    >>> request.make(3); request.made()
+    >>> request = StopRequest(Store(tempfile.mkdtemp()), "run")
+    >>> request.make(LEAVE); request.read() == LEAVE
     True
     """
 
@@ -64,76 +70,96 @@ class GrowRequest:
     run_id: str
 
     def _path(self) -> str:
-        return self.store.checkpoint_path(self.run_id, "grow-request")
+        return self.store.checkpoint_path(self.run_id, "stop-request")
 
-    def make(self, size: int) -> None:
-        self.store.write_bytes(self._path(), str(size).encode())
+    def make(self, what: int) -> None:
+        self.store.write_bytes(self._path(), str(what).encode())
 
-    def made(self) -> bool:
-        return self.store.exists(self._path())
+    def read(self) -> int:
+        """0 where nothing is asked, else GROW or LEAVE."""
+        try:
+            return int(self.store.read_bytes(self._path()))
+        except (FileNotFoundError, OSError, ValueError):
+            return 0
 
     def clear(self) -> None:
         self.store.delete(self._path())
 
 
-class _SlotWatcher:
-    """While a launch runs with fewer ranks than wanted: makes the grow request once the cluster
-    registers ``wanted`` task slots (the running ranks' included)."""
+class _ClusterWatcher:
+    """While a launch runs: asks its ranks to stop at once (with a checkpoint) when an executor
+    is decommissioned, or at their next checkpoint when there are fewer ranks than wanted and
+    the cluster registers ``wanted`` task slots again (the running ranks' included)."""
 
-    def __init__(self, spark, wanted: int, request: GrowRequest, say: Callable[[str], None], every: float = 1.0):
-        self.spark, self.wanted, self.request, self.say, self.every = spark, wanted, request, say, every
+    def __init__(self, spark, running: int, wanted: int, request: StopRequest, say: Callable[[str], None],
+                 every: float = 1.0):
+        self.spark, self.running, self.wanted, self.request, self.say = spark, running, wanted, request, say
+        self.every = every
+        # executors decommissioned before this launch run none of its ranks (the scheduler offers them no task)
+        self.leaving_before = set(decommissioning_executors(spark) or ())
+        self.asked = 0
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="sparkring-slot-watcher", daemon=True)
+        self.thread = threading.Thread(target=self._watch, name="sparkring-cluster-watcher", daemon=True)
         self.thread.start()
 
     def _watch(self) -> None:
         while not self.done.wait(self.every):
+            leaving = sorted(set(decommissioning_executors(self.spark) or ()) - self.leaving_before)
+            if leaving:
+                self.asked = LEAVE
+                self.request.make(LEAVE)
+                self.say(f"executor {', '.join(leaving)} is decommissioning: the ranks checkpoint at their next step "
+                         "and the fit goes on without it")
+                return
             slots = registered_slots(self.spark)
-            if slots is not None and slots >= self.wanted:
-                self.request.make(self.wanted)
+            if self.running < self.wanted and slots is not None and slots >= self.wanted:
+                self.asked = GROW
+                self.request.make(GROW)
                 self.say(f"{slots} task slots again: the ranks stop at their next checkpoint and the fit goes on "
                          f"with {self.wanted}")
                 return
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """What the watcher asked of the ranks (0, GROW or LEAVE)."""
         self.done.set()
         self.thread.join()
+        return self.asked
 
 
 def fit_with_restarts(spark, launch_plan: LaunchPlan, elastic: ElasticPlan, max_restarts: int, start_timeout: float,
                       launch_once: Callable[[LaunchPlan, ElasticPlan], List[Any]],
-                      replan: Callable[[int], LaunchPlan], say: Callable[[str], None], request: GrowRequest,
+                      replan: Callable[[int], LaunchPlan], say: Callable[[str], None], request: StopRequest,
                       paused: Callable[[List[Any]], bool], final: Callable[[BaseException], bool] = lambda exc: False
                       ) -> List[Any]:
     """Launch; when ranks are lost (a rank failed or did not start, an executor was lost), launch
     again from the last checkpoint with ``min(numProc, the slots the cluster offers within
     start_timeout)`` ranks, at most ``max_restarts`` times; fewer slots than ``min_size``:
     RankTimeoutError. A failure ``final`` says another launch cannot mend is raised at once.
-    A launch with fewer ranks than wanted is asked to stop at its next checkpoint once the slots
-    are back (its results are then ``paused``) and the fit goes on with more ranks."""
-    restarts = grows = 0
+    Ranks the driver asked to stop (``_ClusterWatcher``) end ``paused``: the fit goes on with
+    more ranks (the slots came back), or at once with the slots left (an executor decommissioned)."""
+    counts = {"restarts": 0, "grows": 0, "decommissions": 0}
     try:
         while True:
-            if request.made():
+            if request.read():
                 request.clear()  # an earlier fit's, or the launch that ended on it
-            watcher = (_SlotWatcher(spark, elastic.target_size, request, say)
-                       if launch_plan.num_proc < elastic.target_size else None)
+            watcher = _ClusterWatcher(spark, launch_plan.num_proc, elastic.target_size, request, say)
+            lost: Optional[BaseException] = None
             try:
-                results = launch_once(launch_plan, dataclasses.replace(elastic, restarts=restarts, grows=grows))
+                results = launch_once(launch_plan, dataclasses.replace(elastic, **counts))
+                asked = watcher.stop()
                 if not paused(results):
                     return results
-                grows += 1
-                cause, lost, counted = "the slots are back", None, ""
+                counts["grows" if asked == GROW else "decommissions"] += 1
+                cause, counted = ("the slots are back" if asked == GROW else "an executor left"), ""
             except (RankFailedError, RankTimeoutError, StageLostError) as exc:
-                if restarts >= max_restarts or final(exc):
+                watcher.stop()
+                if counts["restarts"] >= max_restarts or final(exc):
                     raise
-                restarts += 1
+                counts["restarts"] += 1
                 cause, lost = f"lost ranks ({_first_line(exc)})", exc
-                counted = f" (restart {restarts} of at most {max_restarts})"
-            finally:
-                if watcher is not None:
-                    watcher.stop()
-            size = _slots_within(spark, elastic.target_size, start_timeout)
+                counted = f" (restart {counts['restarts']} of at most {max_restarts})"
+            # a decommissioned executor is not coming back: go on with the slots there are now
+            size = _slots_within(spark, elastic.target_size, 0.0 if cause == "an executor left" else start_timeout)
             if size < elastic.min_size:
                 raise RankTimeoutError(
                     f"{cause}; the cluster offers {size} task slot(s) within startTimeout={start_timeout:g}s, "
@@ -142,7 +168,7 @@ def fit_with_restarts(spark, launch_plan: LaunchPlan, elastic: ElasticPlan, max_
             say(f"{cause}: going on with {size} of {elastic.target_size} ranks from the last checkpoint{counted}")
             launch_plan = replan(size)
     finally:
-        if request.made():
+        if request.read():
             request.clear()
 
 

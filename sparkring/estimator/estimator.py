@@ -29,7 +29,7 @@ from ..runner import (
 )
 from . import losses, tracking
 from .console import Progress, SparkBarPause
-from .elastic import ElasticPlan, GrowRequest, fit_with_restarts
+from .elastic import ElasticPlan, StopRequest, fit_with_restarts
 from .events import TrainingEvent, from_payload
 from .lightning_steps import check_module as check_lightning_module
 from .lightning_steps import is_lightning_module
@@ -464,7 +464,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                     spark, dataclasses.replace(launch_plan, attempts=1), cfg.elastic, self.getOrDefault("maxRestarts"),
                     self.getOrDefault("startTimeout"), launch_once,
                     replan=lambda n: dataclasses.replace(self._plan(spark, n), attempts=1), say=progress.note,
-                    request=GrowRequest(checked.store, run_id), paused=lambda results: results[0].paused,
+                    request=StopRequest(checked.store, run_id), paused=lambda results: results[0].paused,
                     final=lambda exc: isinstance(exc, RankFailedError) and non_finite_reason(exc.remote_traceback)
                     is not None)
         except RankFailedError as exc:

@@ -22,7 +22,7 @@ from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
 from . import lightning_steps, losses, sharding
-from .elastic import ElasticPlan, GrowRequest
+from .elastic import LEAVE, ElasticPlan, StopRequest
 from .events import EpochDone, FitBegan, StepDone, to_payload
 from .lightning_steps import Schedule
 from .sharding import Sharding
@@ -388,11 +388,11 @@ class RankResult:
     history: List[Dict[str, Any]]
     output_shapes: Any
     timeline: Optional[List[List[Dict[str, Any]]]] = None  # every rank's Chrome-trace events
-    paused: bool = False  # stopped at a checkpoint when the driver asked (an elastic fit grows): no weights
+    paused: bool = False  # stopped at a checkpoint when the driver asked (an elastic fit resizes): no weights
 
 
-class _PausedToGrow(Exception):
-    """Every rank stops at the checkpoint it just wrote: the driver launches more ranks from it."""
+class _Paused(Exception):
+    """Every rank stops at the checkpoint it just wrote: the driver launches again from it."""
 
 
 def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
@@ -410,7 +410,7 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
             logs = trainer.train_epoch(epoch)
             if trainer.end_epoch(epoch, logs):
                 break
-    except _PausedToGrow:
+    except _Paused:
         return trainer.pause()
     return trainer.finish()
 
@@ -467,7 +467,9 @@ class _Trainer:
             self.step.attach(self.model)
             self.model.on_fit_start()
         self.callbacks = _Callbacks(cfg.callbacks if self.rank == 0 else [])
-        self.grow_request = GrowRequest(cfg.store, cfg.run_id) if cfg.elastic is not None else None
+        # what the driver asks of an elastic fit (elastic.GROW, LEAVE), agreed by every rank after each step
+        self.stop_request = StopRequest(cfg.store, cfg.run_id) if cfg.elastic is not None else None
+        self.asked, self.next_look = 0, 0.0
         self.board = _Tensorboard(cfg) if self.rank == 0 else None
 
     def _resume(self, opt) -> None:
@@ -590,6 +592,7 @@ class _Trainer:
                 self.first_step_s = time.monotonic() - started
             if finite:
                 sums += figures
+            self._ask_driver()
             self._checkpoint_inside(epoch, i, sums)
             if rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
@@ -610,16 +613,27 @@ class _Trainer:
                                              shuffle=cfg.shuffle, transform=cfg.transform_fn)
         return pinned(batches) if self.device.type == "cuda" else batches
 
-    def _checkpoint_inside(self, epoch: int, i: int, sums: torch.Tensor) -> None:
-        """Every checkpointEvery steps (not at the epoch's end, which has its own): rank 0 saves
-        the trainer with the position and every rank's figures so far."""
-        every = self.cfg.elastic.checkpoint_every if self.cfg.elastic is not None else None
-        if not every or (i + 1) % every or i + 1 >= self.steps:
+    def _ask_driver(self) -> None:
+        """After each step of an elastic fit: what the driver asks, the same on every rank (rank 0
+        reads the request at most twice a second; a one-integer broadcast carries it)."""
+        if self.stop_request is None:
             return
-        # rank 0 reads the driver's grow request; it travels to every rank in the figures' allreduce
-        asked = float(self.rank == 0 and self.grow_request is not None and self.grow_request.made())
-        totals = sr.allreduce(torch.cat([sums.cpu(), torch.tensor([asked], dtype=sums.dtype)]), op=sr.Sum).tolist()
-        grow = totals.pop() > 0
+        seen = 0
+        if self.rank == 0 and time.monotonic() >= self.next_look:
+            self.next_look = time.monotonic() + 0.5
+            seen = self.stop_request.read()
+        agreed = int(sr.broadcast_(torch.tensor([seen], dtype=torch.int64), root_rank=0, name="sparkring.stop")[0])
+        self.asked = max(self.asked, agreed)
+
+    def _checkpoint_inside(self, epoch: int, i: int, sums: torch.Tensor) -> None:
+        """Every checkpointEvery steps, and at once when the driver asks to LEAVE (not at the
+        epoch's end, which has its own): the trainer with the position and every rank's figures
+        so far; then every rank stops if the driver asked it to."""
+        every = self.cfg.elastic.checkpoint_every if self.cfg.elastic is not None else None
+        due = bool(every) and (i + 1) % every == 0
+        if not (due or self.asked == LEAVE) or i + 1 >= self.steps:
+            return
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
         if self.checkpointer is not None:  # every rank writes its shards
             with recorder.span("checkpoint (inside the epoch, this rank's shards)", step=i + 1):
                 self.checkpointer.save(epoch, self.model, self.opt,
@@ -628,8 +642,8 @@ class _Trainer:
             with recorder.span("checkpoint (inside the epoch)", step=i + 1):
                 _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, False, self.best,
                                  self.waited, self.schedules, position=(i + 1, totals))
-        if grow:
-            raise _PausedToGrow()
+        if self.asked:
+            raise _Paused()
 
     def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
         cfg = self.cfg
@@ -642,7 +656,8 @@ class _Trainer:
         if cfg.compile is not None and epoch == self.start_epoch:
             logs["first_step_seconds"] = self.first_step_s
         if cfg.elastic is not None:
-            logs["num_proc"], logs["restarts"], logs["grows"] = self.size, cfg.elastic.restarts, cfg.elastic.grows
+            logs.update(num_proc=self.size, restarts=cfg.elastic.restarts, grows=cfg.elastic.grows,
+                        decommissions=cfg.elastic.decommissions)
         logs.update(self._time_split(float(totals[1])))
         if cfg.lightning:
             self.model.on_train_epoch_end()
@@ -670,16 +685,15 @@ class _Trainer:
                 with recorder.span("checkpoint"):
                     _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best,
                                      self.waited, self.schedules)
-        asked = self.rank == 0 and self.grow_request is not None and self.grow_request.made()
-        stop, grow = sr.broadcast_object((stop, asked), root_rank=0)
+        stop = bool(sr.broadcast_object(stop, root_rank=0))
         if self.checkpointer is not None:  # every rank writes its shards
             with recorder.span("checkpoint (this rank's shards)"):
                 self.checkpointer.save(epoch, self.model, self.opt, self._trainer_state(epoch, stop))
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
-        if grow and not stop and epoch + 1 < self.cfg.epochs:
-            raise _PausedToGrow()
-        return bool(stop)
+        if self.asked and not stop and epoch + 1 < self.cfg.epochs:
+            raise _Paused()
+        return stop
 
     def _scaled_update(self) -> int:
         """16-mixed: unscale the reduced gradients, step unless they overflowed; the reduced

@@ -8,7 +8,7 @@ import os
 import re
 import socket
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,19 @@ def registered_slots(spark) -> Optional[int]:
         jsc = sc._jsc.sc()
         profile = jsc.resourceProfileManager().defaultResourceProfile()
         return int(jsc.maxNumConcurrentTasks(profile))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def decommissioning_executors(spark) -> Optional[List[str]]:
+    """Ids of the executors the scheduler was told are decommissioning (spark.decommission.enabled:
+    a standalone worker sent SIGPWR, a Kubernetes pod being deleted): they finish their tasks and
+    get no new ones. None where Spark's internal API is not there."""
+    try:
+        jsc = spark.sparkContext._jsc.sc()
+        scheduler, ids = jsc.taskScheduler(), jsc.getExecutorIds()
+        return [e for e in (ids.apply(i) for i in range(ids.size()))
+                if scheduler.getExecutorDecommissionState(e).isDefined()]
     except Exception:  # noqa: BLE001
         return None
 
