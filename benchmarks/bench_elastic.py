@@ -2,13 +2,14 @@
 a lost rank keeps training stopped, and how many steps are redone."""
 from __future__ import annotations
 
+import json
 import os
 import statistics
 
 from common import Row, vector_df
 
 
-def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
+def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=2):
     import bench_fns
     import torch
 
@@ -29,23 +30,29 @@ def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
                       batchSize=bs, epochs=epochs, numProc=ranks, minProc=ranks, verbose=0, store=store, keepData=True)
         return SparkRingEstimator(**{**params, **kw}).fit(df)
 
-    def rate(**kw):
-        return statistics.median(h["samples_per_second"] for h in fit(net(), **kw).history[1:])
-
-    got = {every: [] for every in (None, 10, 100)}
-    for _ in range(reps):
-        for every in got:
-            got[every].append(rate(checkpointEvery=every))
-    plain = statistics.median(got[None])
-    step_s = bs * ranks / plain
-    what = f"{n // 1000}k rows x 64, 3-layer MLP (width 256, Adam), batch {bs} x {ranks} ranks, per-epoch samples/s"
+    what = f"{n // 1000}k rows x 64, 3-layer MLP (width 256, Adam), batch {bs} x {ranks} ranks"
     for every in (10, 100):
-        with_ckpt = statistics.median(got[every])
-        per_checkpoint = (1 / with_ckpt - 1 / plain) * bs * ranks * every  # the extra seconds of each
-        rows.append(Row("elastic", f"checkpointEvery={every} vs end-of-epoch checkpoints only ({what}); one checkpoint "
-                        f"costs {max(per_checkpoint, 0) / step_s:.1f} steps",
-                        f"{with_ckpt:,.0f} samples/s", f"{plain:,.0f} samples/s", with_ckpt / plain, "(reference)"))
+        checkpoint_ms, step_ms = _checkpoint_and_step_ms(fit, net, tmp, every, reps)
+        steps = checkpoint_ms / step_ms
+        # the share of training time left to steps when every ``every`` steps one checkpoint is written
+        rows.append(Row("elastic", f"checkpointEvery={every}: a checkpoint inside the epoch (rank 0 writes model + Adam "
+                        f"state) takes {checkpoint_ms:.1f} ms = {steps:.2f} steps of {step_ms:.1f} ms, from the "
+                        f"timeline ({what}); ratio: training time left to steps", f"{checkpoint_ms:.1f} ms a checkpoint",
+                        f"{every} steps {every * step_ms:.0f} ms", every / (every + steps), "(reference)"))
     _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks)
+
+
+def _checkpoint_and_step_ms(fit, net, tmp, every, reps):
+    """Median milliseconds of rank 0's checkpoint spans inside epochs and of its training steps,
+    read from the fit's timeline (Chrome trace), over ``reps`` fits."""
+    checkpoints, steps = [], []
+    for rep in range(reps):
+        trace = os.path.join(tmp, f"elastic_trace_{every}_{rep}.json")
+        fit(net(), checkpointEvery=every, timeline=trace)
+        events = [e for e in json.load(open(trace))["traceEvents"] if e.get("ph") == "X" and e.get("pid") == 0]
+        checkpoints += [e["dur"] / 1000 for e in events if e["name"].startswith("checkpoint (inside the epoch")]
+        steps += [e["dur"] / 1000 for e in events if e["name"].startswith("step ")]
+    return statistics.median(checkpoints), statistics.median(steps)
 
 
 def _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks, every=10, at_step=25):

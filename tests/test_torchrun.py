@@ -97,8 +97,8 @@ def test_fifteen_line_ddp_script_and_the_example_run_unchanged_through_the_cli(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "equal across ranks: True" in proc.stdout
     assert "trying to initialize the default process group twice" not in proc.stderr
-    checkpoint = tmp_path / "ddp.pt"
-    proc = _cli("-np", "2", "--master", master, os.path.join(ROOT, "examples", "ddp_script.py"), "--epochs", "2",
+    checkpoint = tmp_path / "ddp.pt"  # the example in one executor (no executors to start)
+    proc = _cli("-np", "2", "--master", "local[2]", os.path.join(ROOT, "examples", "ddp_script.py"), "--epochs", "2",
                 "--checkpoint", str(checkpoint))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "epoch 2/2 loss" in proc.stdout and "weights identical on all ranks: True" in proc.stdout
