@@ -9,7 +9,7 @@ import statistics
 from common import Row, vector_df
 
 
-def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=2):
+def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
     import bench_fns
     import torch
 
@@ -40,6 +40,15 @@ def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=2):
                         f"timeline ({what}); ratio: training time left to steps", f"{checkpoint_ms:.1f} ms a checkpoint",
                         f"{every} steps {every * step_ms:.0f} ms", every / (every + steps), "(reference)"))
     _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks)
+    rates = {"elastic": [], "plain": []}
+    for _ in range(reps):  # alternating: an elastic fit (global batches, a stop check every step) vs a plain one
+        for name, kw in (("elastic", {}), ("plain", {"minProc": None})):
+            history = fit(net(), **kw).history
+            rates[name].append(statistics.median(h["samples_per_second"] for h in history[1:]))
+    elastic, plain = statistics.median(rates["elastic"]), statistics.median(rates["plain"])
+    rows.append(Row("elastic", f"an elastic fit (minProc set: global batches, the driver's stop request agreed "
+                    f"after every step) vs a plain fit, per-epoch samples/s ({what})", f"{elastic:,.0f} samples/s",
+                    f"{plain:,.0f} samples/s", elastic / plain, "(reference)"))
 
 
 def _checkpoint_and_step_ms(fit, net, tmp, every, reps):
