@@ -371,7 +371,7 @@ def node_stays_down():
 threading.Thread(target=node_stays_down, daemon=True).start()
 started = time.monotonic()
 try:
-    sparkring.run(rank_fns.lose_executor_of_rank0, args=(marker,), num_proc=2, start_timeout=20, verbose=0)
+    sparkring.run(rank_fns.lose_executor_of_rank0, args=(marker,), num_proc=2, start_timeout=12, verbose=0)
 except sparkring.RankTimeoutError as exc:
     print(f"after {time.monotonic() - started:.0f}s:", str(exc).splitlines()[0])
 spark.stop()
@@ -387,7 +387,7 @@ def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slo
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
     assert re.search(r"after \d+s: attempt 1 of the barrier stage failed \(.*\) and Spark did not start the 2 ranks "
-                     r"again within start_timeout=20s: the cluster lacks 2 free task slots", line), proc.stdout
+                     r"again within start_timeout=12s: the cluster lacks 2 free task slots", line), proc.stdout
     assert int(line.split()[1].rstrip("s:")) < 90
     assert wait_no_workers(30) == []
 
