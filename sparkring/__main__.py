@@ -91,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     spark, owned = _session(args.master, args.num_proc, args.remote)
     try:
         launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
-                           stream=args.stream, names=CLI_NAMES)
+                           stream=args.stream, names=CLI_NAMES, registration_wait=args.start_timeout)
         launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
                verbose=args.verbose)
         return 0

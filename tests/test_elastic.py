@@ -79,12 +79,14 @@ class _AtCheckpoint:
 
     def __init__(self, cluster, then, worker, store_dir, run_id, back=False):
         self.cluster, self.then, self.worker, self.back = cluster, then, worker, back
-        self.at, self.back_at = f"{run_id}/**/epoch-00001-step-0000004.*", f"{run_id}/**/epoch-00001-step-0000008.*"
+        # a complete checkpoint: the file, or the sharded one's trainer state (written once every shard is)
+        self.at, self.back_at = [[f"{run_id}/**/epoch-00001-step-{step:07d}.pt",
+                                  f"{run_id}/**/epoch-00001-step-{step:07d}.dcp/trainer.pt"] for step in (4, 8)]
         self.store_dir, self.done = store_dir, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
-    def _wait(self, pattern):
-        while not self.done.is_set() and not any(self.store_dir.rglob(pattern)):
+    def _wait(self, patterns):
+        while not self.done.is_set() and not any(any(self.store_dir.rglob(p)) for p in patterns):
             self.done.wait(0.05)
         return not self.done.is_set()
 

@@ -144,7 +144,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     def _plan(self, spark, num_proc: Optional[int]) -> LaunchPlan:
         return plan(spark, num_proc=num_proc, use_gpu=self.getOrDefault("useGpu"), backend=self.getOrDefault("backend"),
                     stream=self.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
-                    shared_memory=self.getOrDefault("sharedMemory"))
+                    shared_memory=self.getOrDefault("sharedMemory"), registration_wait=self.getOrDefault("startTimeout"))
 
     def _elastic(self, num_proc: int) -> Optional[ElasticPlan]:
         """The elastic plan where minProc or checkpointEvery asks for one (None: a plain fit)."""

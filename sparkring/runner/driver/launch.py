@@ -277,7 +277,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
     spark = spark or active_spark()
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
-                       names=RUN_NAMES, shared_memory=shared_memory)
+                       names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout)
     given = env or {}
     trace = _TimelineCollector.requested(given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE),
                                          on_event)

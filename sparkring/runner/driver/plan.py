@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 from ...collective.hosting import TRANSPORTS
 from ...errors import ConfigurationError
 from ..gpus import backend_on_shared_gpus
-from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, session_facts
+from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, registered_slots, session_facts, wait_for_slots
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +158,22 @@ def _check_security(facts: SessionFacts) -> None:
                 ACCEPT_PLAIN_TRAFFIC)
 
 
+def _slots_once_registered(spark, facts: SessionFacts, wanted: int, slots: int, wait: float) -> int:
+    """The slots of a classic cluster session once ``wanted`` are there or ``wait`` seconds have
+    passed (executors register one by one after the application starts); ``slots`` elsewhere."""
+    if facts.connect or facts.master.startswith("local"):
+        return slots  # local modes know their slots from the master URL
+    wait_for_slots(spark, wanted, wait)
+    return registered_slots(spark) or slots
+
+
 def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
-         stream: bool = True, names: ParamNames = RUN_NAMES, shared_memory: bool = True) -> LaunchPlan:
+         stream: bool = True, names: ParamNames = RUN_NAMES, shared_memory: bool = True,
+         registration_wait: float = 0.0) -> LaunchPlan:
     """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
-    raises ConfigurationError naming the caller's parameter before any Spark job.
+    raises ConfigurationError naming the caller's parameter before any Spark job. On a cluster
+    whose executors are still registering (an application that just started), waits up to
+    ``registration_wait`` seconds for ``num_proc`` slots before refusing.
 
     >>> p = plan(spark, num_proc=2, backend="gloo")  # doctest: +SKIP
     """
@@ -193,6 +205,8 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
                 f"this session does not say how many task slots it has (master {facts.master!r}, no "
                 f"spark.executor.instances/spark.executor.cores): pass {names.num_proc}=<number of ranks>")
         num_proc = slots
+    if slots is not None and num_proc > slots and registration_wait > 0:
+        slots = _slots_once_registered(spark, facts, num_proc, slots, registration_wait)
     if slots is not None and num_proc > slots:
         what = "GPU task slots" if use_gpu else "task slots"
         raise ConfigurationError(
