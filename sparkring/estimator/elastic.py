@@ -149,17 +149,18 @@ def fit_with_restarts(spark, launch_plan: LaunchPlan, elastic: ElasticPlan, max_
                 asked = watcher.stop()
                 if not paused(results):
                     return results
-                counts["grows" if asked == GROW else "decommissions"] += 1
-                cause, counted = ("the slots are back" if asked == GROW else "an executor left"), ""
+                left = asked == LEAVE
+                counts["decommissions" if left else "grows"] += 1
+                cause, counted = ("an executor left" if left else "the slots are back"), ""
             except (RankFailedError, RankTimeoutError, StageLostError) as exc:
                 watcher.stop()
                 if counts["restarts"] >= max_restarts or final(exc):
                     raise
                 counts["restarts"] += 1
-                cause, lost = f"lost ranks ({_first_line(exc)})", exc
+                cause, lost, left = f"lost ranks ({_first_line(exc)})", exc, False
                 counted = f" (restart {counts['restarts']} of at most {max_restarts})"
             # a decommissioned executor is not coming back: go on with the slots there are now
-            size = _slots_within(spark, elastic.target_size, 0.0 if cause == "an executor left" else start_timeout)
+            size = _slots_within(spark, elastic.target_size, 0.0 if left else start_timeout)
             if size < elastic.min_size:
                 raise RankTimeoutError(
                     f"{cause}; the cluster offers {size} task slot(s) within startTimeout={start_timeout:g}s, "

@@ -10,7 +10,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -251,19 +251,14 @@ def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _save_checkpoint(cfg: TrainConfig, epoch: int, model, opt, history, stopped: bool, best, waited,
-                     schedules: Sequence[Schedule] = (), position: Optional[Tuple[int, List[float]]] = None) -> None:
-    """The trainer's state after ``epoch``, or inside it at ``position``: (the next step, the
-    epoch's figures summed over every rank so far)."""
+def _save_checkpoint(cfg: TrainConfig, model, opt, trainer_state: Dict[str, Any]) -> None:
+    """Rank 0's checkpoint of a replicated model: its weights, the optimizer's state and the
+    trainer's (``_Trainer._trainer_state``: after an epoch, or inside it at a step)."""
     buf = io.BytesIO()
     # on CPU, so that a host without the GPU (or with fewer) loads it
-    torch.save(_on_cpu({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
-                        "history": history, "seed": cfg.seed, "stopped": stopped,
-                        "early_stopping": (best, waited),
-                        "schedulers": [s.scheduler.state_dict() for s in schedules],
-                        "step": position[0] if position else None,
-                        "epoch_sums": position[1] if position else None}), buf)
-    name = f"epoch-{epoch:05d}" + (f"-step-{position[0]:07d}" if position else "") + ".pt"
+    torch.save(_on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict(), **trainer_state}), buf)
+    epoch, step = trainer_state["epoch"], trainer_state["step"]
+    name = f"epoch-{epoch:05d}" + (f"-step-{step:07d}" if step is not None else "") + ".pt"
     cfg.store.write_bytes(cfg.store.checkpoint_path(cfg.run_id, name), buf.getvalue())
     # keep the two newest: the latest, and the one before in case the latest is cut short
     for old in checkpoint_names(cfg.store, cfg.run_id)[:-2]:
@@ -640,8 +635,8 @@ class _Trainer:
                                        self._trainer_state(epoch, False, position=(i + 1, totals)), step=i + 1)
         elif self.rank == 0:
             with recorder.span("checkpoint (inside the epoch)", step=i + 1):
-                _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, False, self.best,
-                                 self.waited, self.schedules, position=(i + 1, totals))
+                _save_checkpoint(self.cfg, self.model, self.opt,
+                                 self._trainer_state(epoch, False, position=(i + 1, totals)))
         if self.asked:
             raise _Paused()
 
@@ -683,8 +678,7 @@ class _Trainer:
             stop = self._early_stop(logs) or stop
             if not self.sharded:
                 with recorder.span("checkpoint"):
-                    _save_checkpoint(self.cfg, epoch, self.model, self.opt, self.history, stop, self.best,
-                                     self.waited, self.schedules)
+                    _save_checkpoint(self.cfg, self.model, self.opt, self._trainer_state(epoch, stop))
         stop = bool(sr.broadcast_object(stop, root_rank=0))
         if self.checkpointer is not None:  # every rank writes its shards
             with recorder.span("checkpoint (this rank's shards)"):
@@ -725,8 +719,8 @@ class _Trainer:
 
     def _trainer_state(self, epoch: int, stopped: bool,
                        position: Optional[Tuple[int, List[float]]] = None) -> Dict[str, Any]:
-        """What a sharded checkpoint keeps beside the shards (after ``epoch``, or inside it at
-        ``position``: the next step and every rank's figures so far), as ``_save_checkpoint`` does."""
+        """The trainer's part of a checkpoint, sharded or not (after ``epoch``, or inside it at
+        ``position``: the next step and every rank's figures so far)."""
         # a snapshot: an asynchronous checkpoint is completed after later epochs have run
         return {"epoch": epoch, "history": [dict(h) for h in self.history], "seed": self.cfg.seed, "stopped": stopped,
                 "early_stopping": (self.best, self.waited),
