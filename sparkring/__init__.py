@@ -9,6 +9,7 @@ from .errors import (
     ConfigurationError,
     DataError,
     HorovodInternalError,
+    HostsUpdatedInterrupt,
     MismatchError,
     NotInitializedError,
     RankFailedError,
@@ -22,7 +23,7 @@ from .errors import (
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "doctor", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
            "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError",
-           "StageLostError"]
+           "StageLostError", "HostsUpdatedInterrupt"]
 __version__ = "0.1.0"
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should

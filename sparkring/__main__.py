@@ -25,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--timeout", type=float, default=None, help="seconds before a rank is killed")
     r.add_argument("--start-timeout", type=float, default=120.0)
     r.add_argument("-v", "--verbose", type=int, default=1, help="0: quiet, 1: rank 0 output, 2: every rank")
+    r.add_argument("--min-np", type=int, default=None,
+                   help="elastic: go on with at least this many ranks when some are lost (hvd.elastic in the script)")
+    r.add_argument("--max-restarts", type=int, default=3, help="elastic: launches after a loss, at most")
+    r.add_argument("--elastic-dir", default=None,
+                   help="elastic: where rank 0 persists commits (every executor reaches it; default: a temporary "
+                        "directory, where every task runs on this machine)")
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     d = sub.add_parser("doctor", help="check the cluster: versions, slots, GPUs, /dev/shm, MPI, the driver's "
@@ -79,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "doctor":
         return _doctor(args)
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
-    from sparkring.runner.driver.launch import ScriptMain
+    from sparkring.runner.driver.launch import ScriptMain, launch_elastic
     from sparkring.runner.driver.plan import CLI_NAMES, check_timeouts
 
     try:  # mistakes in the command line fail before a Spark session starts
@@ -92,8 +98,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
                            stream=args.stream, names=CLI_NAMES, registration_wait=args.start_timeout)
-        launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
-               verbose=args.verbose)
+        if args.min_np is None:
+            launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
+                   verbose=args.verbose)
+        else:
+            launch_elastic(spark, launch_plan, script, min_proc=args.min_np, max_restarts=args.max_restarts,
+                           elastic_dir=args.elastic_dir, start_timeout=args.start_timeout, timeout=args.timeout,
+                           verbose=args.verbose, names=CLI_NAMES)
         return 0
     except RankFailedError as e:
         print(f"sparkring: {e}", file=sys.stderr)

@@ -96,6 +96,16 @@ def is_peer_loss(text: str) -> bool:
     return any(sign in text for sign in PEER_LOSS_SIGNS)
 
 
+class HostsUpdatedInterrupt(SparkRingError):
+    """Raised by ``state.commit()`` inside ``sparkring.collective.elastic.run`` when the driver
+    has more task slots again or an executor is leaving: the launch ends at that commit and the
+    driver launches again with the ranks there are (Horovod's exception of the same name)."""
+
+    def __init__(self, skip_sync: bool = False):
+        super().__init__("the hosts of this run changed: the ranks stop at this commit and start again from it")
+        self.skip_sync = skip_sync
+
+
 class MismatchError(SparkRingError, ValueError):
     """Ranks called a collective with different arguments (raised on every rank, as Horovod
     raises for mismatched tensors)."""

@@ -5,7 +5,10 @@
 >>> sr.allreduce(torch.ones(2), op=sr.Sum)  # doctest: +SKIP
 """
 from ..errors import HorovodInternalError, MismatchError, NotInitializedError
-from . import _replay  # noqa: F401 - registers what a joined rank does (a new-ring hook)
+from . import (
+    _replay,  # noqa: F401 - registers what a joined rank does (a new-ring hook)
+    elastic,  # Horovod's hvd.elastic: TorchState, ElasticSampler, the run decorator
+)
 from ._autograd import (
     allgather,
     allreduce,
@@ -85,5 +88,5 @@ __all__ = [
     "NotInitializedError", "HorovodInternalError", "MismatchError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
     "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
     "mpi_threads_supported", "check_same_shapes", "ProcessSet", "add_process_set", "remove_process_set",
-    "global_process_set", "rank_device", "device_mesh",
+    "global_process_set", "rank_device", "device_mesh", "elastic",
 ]

@@ -35,6 +35,7 @@ GPU = "SPARKRING_GPU"                  # the CUDA ordinal of this rank's GPU (in
 HOST_ID = "SPARKRING_HOST_ID"          # the host an executor is on, where its address does not tell
 TIMELINE = "SPARKRING_TIMELINE"        # run()/CLI: write a Chrome-trace timeline of the ranks here
 HOROVOD_TIMELINE = "HOROVOD_TIMELINE"  # Horovod's name for the same
+ELASTIC_DIR = "SPARKRING_ELASTIC_DIR"  # run(min_proc=...): where rank 0 persists commits and the driver asks to stop
 
 DEFAULT_TIMEOUT_S = 1800.0             # a collective's limit without a runner (gloo's own default)
 

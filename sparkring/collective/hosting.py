@@ -3,9 +3,9 @@ the calls around the user's function inside a rank. The runner imports this, nev
 collective's private modules."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from . import _runtime, _torchrun, environment, timeline
+from . import _runtime, _torchrun, elastic, environment, timeline
 
 TRANSPORTS: Tuple[str, ...] = tuple(_runtime.BACKENDS)  # the one list of backends a ring can use
 
@@ -20,6 +20,19 @@ def before_user_code() -> None:
     if timeline.requested():  # run() with SPARKRING_TIMELINE / HOROVOD_TIMELINE: this rank records
         timeline.recorder.start(environment.RankEnv.from_env().rank)
         timeline.recorder.user_code_began = timeline.recorder.now()
+
+
+def call_user_code(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> Any:
+    """``fn(*args, **kwargs)``; a function that stopped at an elastic commit because the driver
+    asked returns ``elastic.Paused`` instead (the driver launches again from that commit).
+
+    >>> call_user_code(max, (1, 2), None)
+    2
+    """
+    try:
+        return fn(*args, **(kwargs or {}))
+    except elastic.StopAtCommit as stop:
+        return elastic.Paused(commits=stop.commits)
 
 
 def timeline_events() -> Optional[dict]:

@@ -133,6 +133,11 @@ class Store:
     def checkpoint_path(self, run_id: str, *parts: str) -> str:
         return self.run_path(run_id, "checkpoints", *parts)
 
+    def checkpoint_url(self, run_id: str, *parts: str) -> str:
+        """The URL (not a path in ``fs``) of a file beside the run's checkpoints, for fsspec."""
+        check_run_id(run_id)
+        return posixpath.join(self.url, "runs", run_id, "checkpoints", *parts)
+
     def logs_path(self, run_id: str, *parts: str) -> str:
         return self.run_path(run_id, "logs", *parts)
 

@@ -20,16 +20,19 @@ from ..errors import RankFailedError, TrainingError
 from ..runner import (
     ESTIMATOR_NAMES,
     ConfigurationError,
+    ElasticLaunch,
     LaunchPlan,
+    Relaunches,
     check_picklable,
     check_timeouts,
     launch,
     plan,
+    relaunch_until_done,
     to_bytes,
 )
 from . import losses, tracking
 from .console import Progress, SparkBarPause
-from .elastic import ElasticPlan, StopRequest, fit_with_restarts
+from .elastic import ElasticPlan, stop_request
 from .events import TrainingEvent, from_payload
 from .lightning_steps import check_module as check_lightning_module
 from .lightning_steps import is_lightning_module
@@ -448,10 +451,11 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                 for listener in listeners:
                     listener(rank, event)
 
-        def launch_once(now: LaunchPlan, elastic: Optional[ElasticPlan]) -> List[Any]:
+        def launch_once(now: LaunchPlan, counts: Optional[Relaunches]) -> List[Any]:
             # validation splits its rows among the ranks there are: its steps follow their number
-            run_cfg = cfg if elastic is None else dataclasses.replace(
-                cfg, elastic=elastic, val_steps=self._steps_per_epoch(ds, now.num_proc)[1])
+            run_cfg = cfg if cfg.elastic is None or counts is None else dataclasses.replace(
+                cfg, elastic=dataclasses.replace(cfg.elastic, **dataclasses.asdict(counts)),
+                val_steps=self._steps_per_epoch(ds, now.num_proc)[1])
             return launch(spark, now, train_rank, args=(run_cfg,), timeout=self.getOrDefault("timeout"),
                           start_timeout=self.getOrDefault("startTimeout"),
                           verbose=2 if verbose >= 2 else (1 if verbose else 0), on_event=on_event)
@@ -460,11 +464,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             if cfg.elastic is None:
                 results = launch_once(launch_plan, None)
             else:  # the driver launches again when ranks are lost, not Spark's stage retry (same size only)
-                results = fit_with_restarts(
-                    spark, dataclasses.replace(launch_plan, attempts=1), cfg.elastic, self.getOrDefault("maxRestarts"),
-                    self.getOrDefault("startTimeout"), launch_once,
-                    replan=lambda n: dataclasses.replace(self._plan(spark, n), attempts=1), say=progress.note,
-                    request=StopRequest(checked.store, run_id), paused=lambda results: results[0].paused,
+                results = relaunch_until_done(
+                    spark, dataclasses.replace(launch_plan, attempts=1), ElasticLaunch(
+                        cfg.elastic.target_size, cfg.elastic.min_size, self.getOrDefault("maxRestarts"),
+                        self.getOrDefault("startTimeout"), start_timeout_name="startTimeout", min_size_name="minProc"),
+                    launch_once, replan=lambda n: dataclasses.replace(self._plan(spark, n), attempts=1),
+                    say=progress.note, request=stop_request(checked.store, run_id),
+                    paused=lambda results: results[0].paused,
                     final=lambda exc: isinstance(exc, RankFailedError) and non_finite_reason(exc.remote_traceback)
                     is not None)
         except RankFailedError as exc:

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 import sparkring.collective as sr
+from sparkring.collective.elastic import LEAVE
 from sparkring.collective.timeline import recorder
 from sparkring.data import FeatureSpec
 from sparkring.data.reader import prefetched
 from sparkring.runner import report
 
 from . import lightning_steps, losses, sharding
-from .elastic import LEAVE, ElasticPlan, StopRequest
+from .elastic import ElasticPlan, stop_request
 from .events import EpochDone, FitBegan, StepDone, to_payload
 from .lightning_steps import Schedule
 from .sharding import Sharding
@@ -463,7 +464,7 @@ class _Trainer:
             self.model.on_fit_start()
         self.callbacks = _Callbacks(cfg.callbacks if self.rank == 0 else [])
         # what the driver asks of an elastic fit (elastic.GROW, LEAVE), agreed by every rank after each step
-        self.stop_request = StopRequest(cfg.store, cfg.run_id) if cfg.elastic is not None else None
+        self.stop_request = stop_request(cfg.store, cfg.run_id) if cfg.elastic is not None else None
         self.asked, self.next_look = 0, 0.0
         self.board = _Tensorboard(cfg) if self.rank == 0 else None
 

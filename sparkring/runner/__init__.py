@@ -6,11 +6,12 @@
 """
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .channel import report
+from .driver.elastic import ElasticLaunch, Relaunches, relaunch_until_done
 from .driver.launch import launch, run
 from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
 from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
 
 __all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "to_bytes", "spark_major",
-           "check_timeouts",
+           "check_timeouts", "ElasticLaunch", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -4,11 +4,14 @@ and Spark Connect sessions; the driver follows the ranks over the live channel w
 can reach it and reads everything else from the stage's output records."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
 import runpy
+import shutil
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -16,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 
-from ...collective import environment, timeline
+from ...collective import elastic, environment, timeline
 from ...errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, StageLostError
 from .. import pickling, protocol
 from ..channel import DriverChannel
@@ -38,7 +41,8 @@ from ..protocol import (
 )
 from ..task.barrier import RECORD_SCHEMA, TaskSpec, stage_function
 from ..versions import package_versions
-from .plan import RUN_NAMES, LaunchPlan, check_timeouts, plan
+from .elastic import ElasticLaunch, Relaunches, relaunch_until_done
+from .plan import RUN_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
 from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,9 @@ _SLOTS_CHECK = "BarrierJobSlotsNumberCheckFailed"
 # gather through Spark's allGather instead (a task that cannot reach the driver gives up after
 # TaskSpec.connect_timeout).
 JOIN_WINDOW_S = 10.0
+# How long a stage with one planned attempt may go on after a rank failed or went away before the
+# driver ends it (the stage normally ends by itself at once, with the rank's own error).
+LOST_GRACE_S = 3.0
 
 
 class ScriptExit(SystemExit):
@@ -252,7 +259,8 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         num_proc: Optional[int] = None, backend: str = "auto", use_gpu: Optional[bool] = None,
         start_timeout: float = 120, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
-        spark=None, shared_memory: bool = True) -> List[Any]:
+        spark=None, shared_memory: bool = True, min_proc: Optional[int] = None, max_restarts: int = 3,
+        elastic_dir: Optional[str] = None) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
 
@@ -263,6 +271,14 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     CPU allreduces between ranks of one host through gloo instead of /dev/shm. Tensors in
     ``fn``, ``args`` and ``kwargs`` travel as CPU tensors (a model on the driver's GPU too):
     move them to the rank's device inside ``fn``.
+
+    ``min_proc`` makes the run elastic (Horovod's elastic API inside ``fn``, see
+    ``sparkring.collective.elastic``): when ranks are lost it launches again, at most
+    ``max_restarts`` times, with the slots the cluster offers within ``start_timeout`` (at least
+    ``min_proc``), and with ``num_proc`` again when the slots come back; each launch resumes from
+    the last ``state.commit()``, which rank 0 persists under ``elastic_dir`` (a directory every
+    executor reaches; a temporary one on this machine by default, where every task runs here).
+    The results are those of the last launch's ranks.
 
     >>> import sparkring.collective as sr
     >>> def fn():
@@ -283,11 +299,77 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
                                          on_event)
     if trace is not None:
         env, on_event = {**(env or {}), environment.TIMELINE: trace.path}, trace.on_event
-    results = launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
-                     env=env, verbose=verbose, on_event=on_event)
+    if min_proc is None:
+        results = launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
+                         env=env, verbose=verbose, on_event=on_event)
+    else:
+        results = launch_elastic(spark, launch_plan, fn, args, kwargs, min_proc=min_proc,
+                                 max_restarts=max_restarts, elastic_dir=elastic_dir, start_timeout=start_timeout,
+                                 timeout=timeout, env=env, verbose=verbose, on_event=on_event)
     if trace is not None:
         trace.write()
     return results
+
+
+def check_elastic(launch_plan: LaunchPlan, min_proc: int, max_restarts: int, elastic_dir: Optional[str],
+                  names: ParamNames = RUN_NAMES) -> None:
+    """An elastic run's settings, refused before any Spark job.
+
+    >>> check_elastic(plan(spark, num_proc=3), min_proc=4, max_restarts=3, elastic_dir=None)  # doctest: +SKIP
+    Traceback (most recent call last):
+    ConfigurationError: min_proc=4 is larger than num_proc=3 ...
+    """
+    if not 1 <= min_proc <= launch_plan.num_proc:
+        raise ConfigurationError(f"{names.min_proc}={min_proc}: it must be between 1 and {names.num_proc}="
+                                 f"{launch_plan.num_proc} (the ranks the run trains with when the cluster has them)")
+    if max_restarts < 0:
+        raise ConfigurationError(f"max_restarts={max_restarts}: it must be 0 or more")
+    if elastic_dir is None and not launch_plan.facts.single_host:
+        raise ConfigurationError(
+            f"an elastic run on {launch_plan.facts.master} needs {names.elastic_dir}=<a directory every executor "
+            "reads and writes> (a shared mount, hdfs://, s3://): rank 0 persists each commit there and the next "
+            "launch, on any executor, resumes from it")
+
+
+def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequence[Any] = (),
+                   kwargs: Optional[Dict[str, Any]] = None, *, min_proc: int, max_restarts: int = 3,
+                   elastic_dir: Optional[str] = None, start_timeout: float = 120, timeout: Optional[float] = None,
+                   env: Optional[Dict[str, str]] = None, verbose: int = 1,
+                   on_event: Optional[Callable[[int, Any], None]] = None, names: ParamNames = RUN_NAMES) -> List[Any]:
+    """Launch as :func:`launch` does, again (from the last commit) when ranks are lost or the
+    slots come back: run()'s elastic mode (``min_proc``) and the CLI's ``--min-np``.
+
+    >>> launch_elastic(spark, plan(spark, num_proc=3), train, min_proc=2)  # doctest: +SKIP
+    """
+    check_elastic(launch_plan, min_proc, max_restarts, elastic_dir, names)
+    temporary = elastic_dir is None
+    directory = tempfile.mkdtemp(prefix="sparkring-elastic-") if temporary else str(elastic_dir)
+    rank_env = {**(env or {}), environment.ELASTIC_DIR: directory}
+
+    def once(now: LaunchPlan, counts: Relaunches) -> List[Any]:
+        return launch(spark, now, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout, env=rank_env,
+                      verbose=verbose, on_event=on_event)
+
+    def replan(size: int) -> LaunchPlan:
+        return dataclasses.replace(plan(spark, num_proc=size, use_gpu=launch_plan.use_gpu,
+                                        backend="auto" if launch_plan.backend_from_auto else launch_plan.backend,
+                                        stream=launch_plan.stream, names=names,
+                                        shared_memory=launch_plan.shared_memory), attempts=1)
+
+    def say(message: str) -> None:
+        log.info("%s", message)
+        if verbose:
+            print(f"sparkring: {message}", file=sys.stderr, flush=True)
+
+    how = ElasticLaunch(launch_plan.num_proc, min_proc, max_restarts, start_timeout,
+                        start_timeout_name=names.start_timeout, min_size_name=names.min_proc)
+    try:
+        return relaunch_until_done(spark, dataclasses.replace(launch_plan, attempts=1), how, once, replan, say,
+                                   request=elastic.stop_request_in(directory),
+                                   paused=lambda results: any(isinstance(r, elastic.Paused) for r in results))
+    finally:
+        if temporary:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 class _TimelineCollector:
@@ -464,6 +546,9 @@ class _Watch:
         if (failure is None and failed_at is not None and self.plan.attempts > 1 and self.watches_start
                 and not state.detached and now - failed_at > self.start_timeout):
             failure = _not_restarted(state, attempt, num_proc, self.start_timeout)
+        if (failure is None and failed_at is not None and self.plan.attempts == 1 and self.watches_start
+                and not state.detached and now - failed_at > LOST_GRACE_S):
+            failure = _no_attempt_left(state, attempt)
         if failure is None and self.plan.attempts > 1 and failed_attempts >= self.plan.attempts:
             err = state.first_error()
             assert err is not None  # every attempt failed
@@ -517,6 +602,16 @@ def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout:
         f"ranks again within start_timeout={start_timeout:g}s: the cluster lacks {num_proc} free task slots "
         "(an executor was lost and did not come back, or other jobs hold the slots); add executors or lower "
         "the number of ranks", list(range(num_proc)))
+
+
+def _no_attempt_left(state: _RunState, attempt: int) -> BaseException:
+    """A rank of the only planned attempt failed or went away and the stage has not ended (Spark
+    may be waiting to rerun the barrier tasks on slots that are gone): the run ends here."""
+    err = state.errors.get(attempt)
+    if err is not None:
+        return _rank_failed(err)
+    return StageLostError("a rank's task went away without a word (its executor was lost) and no other attempt "
+                          "of the barrier stage is planned")
 
 
 def _rank_failed(err: Error) -> RankFailedError:

@@ -27,13 +27,15 @@ class ParamNames:
     backend: str = "backend"
     timeout: str = "timeout"
     start_timeout: str = "start_timeout"
+    min_proc: str = "min_proc"
+    elastic_dir: str = "elastic_dir"
 
 
 RUN_NAMES = ParamNames()
 ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend")
 DISTRIBUTOR_NAMES = ParamNames(num_proc="num_processes", use_gpu="use_gpu", backend="backend")
 CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", timeout="--timeout",
-                       start_timeout="--start-timeout")
+                       start_timeout="--start-timeout", min_proc="--min-np", elastic_dir="--elastic-dir")
 
 
 def check_timeouts(timeout: Optional[float], start_timeout: Optional[float], names: ParamNames) -> None:

@@ -108,7 +108,7 @@ def main(path: str) -> None:
         hosting.before_user_code()
         # No sr.init() here: sparkring.collective joins the ring on first use, so code that
         # sets up torch.distributed itself (torchrun-style scripts) comes first.
-        result = fn(*args, **(kwargs or {}))
+        result = hosting.call_user_code(fn, args, kwargs)
         spans = hosting.timeline_events()
         if spans is not None:
             channel.report(spans)  # before the result: the driver has every rank's spans when results are in
