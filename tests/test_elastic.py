@@ -2,6 +2,7 @@
 an epoch, a fit that goes on after a lost rank (the same size in local mode; fewer ranks on a
 standalone cluster whose worker is killed or decommissioned, and more again when it comes back)
 and ends with the weights of an uninterrupted run."""
+import contextlib
 import threading
 
 import elastic_fns as E
@@ -39,8 +40,12 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
     # checkpoint at step 4: the fit launches again and goes on at step 4
     audit = tmp_path / "audit"
     audit.mkdir()
-    lost = _fit(df, store, numProc=3, runId="lost", modelInputs=inputs,
-                model=E.DiesOnce(str(tmp_path / "died"), rank=1, at=22, audit=str(audit)))
+    with _mlflow_store(tmp_path) as client:
+        lost = _fit(df, store, numProc=3, runId="lost", modelInputs=inputs, mlflowLogging="on",
+                    model=E.DiesOnce(str(tmp_path / "died"), rank=1, at=22, audit=str(audit)))
+        [logged] = client.search_runs([client.get_experiment_by_name("elastic").experiment_id])
+        assert [m.value for m in client.get_metric_history(logged.info.run_id, "restarts")] == [0, 1, 1]
+        assert [m.value for m in client.get_metric_history(logged.info.run_id, "num_proc")] == [3, 3, 3]
     assert (tmp_path / "died").exists()
     assert [h["epoch"] for h in lost.history] == [0, 1, 2]
     assert [h["num_proc"] for h in lost.history] == [3, 3, 3]
@@ -57,6 +62,24 @@ def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_
     for seen in epochs:
         rows = [i for ids in seen for i in ids]
         assert sorted(rows) == list(range(384))
+
+
+@contextlib.contextmanager
+def _mlflow_store(tmp_path):
+    """A SQLite MLflow tracking store of the test's own, its experiment active; restored after."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    try:
+        mlflow.set_experiment(experiment_id=mlflow.create_experiment(
+            "elastic", artifact_location=(tmp_path / "mlartifacts").as_uri()))
+        yield MlflowClient()
+    finally:
+        while mlflow.active_run() is not None:
+            mlflow.end_run()
+        mlflow.set_tracking_uri(before)
 
 
 def _launches(audit, sizes):
