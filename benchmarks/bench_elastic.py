@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
+import sys
+import threading
+import time
 
 from common import Row, vector_df
 
@@ -40,6 +44,7 @@ def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
                         f"timeline ({what}); ratio: training time left to steps", f"{checkpoint_ms:.1f} ms a checkpoint",
                         f"{every} steps {every * step_ms:.0f} ms", every / (every + steps), "(reference)"))
     _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks)
+    _lost_executor_row(rows, tmp)
     rates = {"elastic": [], "plain": []}
     for _ in range(reps):  # alternating: an elastic fit (global batches, a stop check every step) vs a plain one
         for name, kw in (("elastic", {}), ("plain", {"minProc": None})):
@@ -80,3 +85,43 @@ def _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks, every=10, at_step=2
     redone = (at_step - 1) - lost.history[1]["resumed_at_step"]  # steps finished after the last checkpoint
     rows.append(Row("elastic", f"steps redone after that loss, checkpointEvery={every}", f"{redone} steps",
                     f"at most {every}", redone / every, "<= 1.00x", higher_is_better=False, goal_value=1.0))
+
+
+def _lost_executor_row(rows, tmp, kill_after_steps=300):
+    """An elastic run() on local-cluster[2,1,1024]: once rank 0 stamped ``kill_after_steps``
+    steps, one executor JVM (with its rank) is killed; the worker starts another. Seconds from
+    the kill to the driver saying the ranks are lost (Spark's detection, the stage's end) and to
+    the first step of the next launch."""
+    import psutil
+
+    stamps = os.path.join(tmp, "elastic_executor_steps")
+    open(stamps, "w").close()
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "lost_executor.py"), stamps],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    noticed = []
+
+    def read_stderr():
+        for line in proc.stderr:
+            if line.startswith("sparkring: lost ranks"):
+                noticed.append(time.time())
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    while proc.poll() is None and sum(1 for _ in open(stamps)) < kill_after_steps:
+        time.sleep(0.05)
+    executors = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "CoarseGrainedExecutorBackend" in " ".join(p.cmdline())]
+    killed = time.time()
+    executors[-1].kill()
+    proc.wait(timeout=600)
+    reader.join(10)
+    after = [float(t) for size, t in (ln.split() for ln in open(stamps)) if float(t) > killed]
+    if proc.returncode != 0 or not after or not noticed:
+        raise RuntimeError(f"the lost-executor run failed (exit {proc.returncode})")
+    detected, training = noticed[0] - killed, after[0] - killed
+    rows.append(Row("elastic", f"a lost executor (its JVM killed while run(min_proc=1) trains on local-cluster[2,1,1024]; "
+                    f"the worker starts another): seconds from the loss to the next launch's first step; the "
+                    f"driver knew the ranks lost after {detected:.1f} s (Spark's detection, the stage's end), the "
+                    f"rest is waiting for the replacement executor and launching", f"{training:.1f} s",
+                    "goal 30 s beyond detection", (training - detected) / 30, "<= 1.00x", higher_is_better=False,
+                    goal_value=1.0))

@@ -573,3 +573,30 @@ class DiesOnceAt(torch.nn.Module):
             elif not os.path.exists(self.back):
                 self._stamp(self.back)
         return self.net(x)
+
+
+def elastic_steps(stamps: str, steps: int = 4000):
+    """Horovod-elastic training of a small MLP, one commit a step; rank 0 appends
+    "<launch size> <time>" to ``stamps`` after each step (the lost-executor benchmark reads
+    when training goes on)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
+    state = sr.elastic.TorchState(model, opt, step=0)
+
+    @sr.elastic.run
+    def train(state):
+        x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+        with open(stamps, "a") as out:
+            while state.step < steps:
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(state.model(x), y).backward()
+                opt.step()
+                state.step += 1
+                state.commit()
+                if sr.rank() == 0:
+                    out.write(f"{sr.size()} {time.time()!r}\n")
+                    out.flush()
+                time.sleep(0.005)
+    train(state)
+    return state.step

@@ -98,6 +98,11 @@ def test_bf16_compression_reduces_gradients_close_to_float32(spark, tmp_path):
         assert len(exchanges) == 4 and all(e["args"]["bytes"] in (16 * 4 * 4 + 4 * 4, 16 * 4 * 2 + 4 * 2)
                                            for e in exchanges)  # two steps, float32 then bfloat16 on the wire
         assert all(work["ts"] <= e["ts"] and e["ts"] + e["dur"] <= work["ts"] + work["dur"] for e in exchanges)
+        # a named allreduce: Horovod's negotiation phase inside the operation's span, with its bytes
+        [whole] = [e for e in mine if e["name"] == "ALLREDUCE" and e["args"]["tensor"] == "final.loss"]
+        [negotiation] = [e for e in mine if e["name"] == "NEGOTIATE_ALLREDUCE" and e["args"]["tensor"] == "final.loss"]
+        assert whole["args"]["bytes"] == 8 * 4
+        assert whole["ts"] <= negotiation["ts"] and negotiation["ts"] + negotiation["dur"] <= whole["ts"] + whole["dur"]
 
 
 def test_a_compiled_fit_trains_the_eager_weights_and_saves_a_plain_module(spark, tmp_path):

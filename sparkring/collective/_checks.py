@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import MismatchError
-from . import _pending, _runtime
+from . import _pending, _runtime, timeline
 from ._join import Recipe
 
 KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "broadcast_object", "reducescatter",
@@ -71,10 +71,23 @@ def agree(kind: str, tensor: Optional[torch.Tensor] = None, op: str = "", root: 
     """Every rank's first dimension, once all ranks have checked that they call the same
     collective the same way; raises MismatchError on every rank otherwise. Where a rank has
     async operations queued, the ranks first run those every rank queued (``_pending``);
-    ``kind="sync"`` (synchronize()) meets the others for that alone.
+    ``kind="sync"`` (synchronize()) meets the others for that alone. On the timeline it is
+    Horovod's negotiation phase (``NEGOTIATE_ALLREDUCE`` ...).
 
     >>> firsts = agree("allgather", t, name="emb")  # doctest: +SKIP
     """
+    recorder = timeline.recorder
+    if not recorder.on:
+        return _agree(kind, tensor, op, root, name, joined)
+    began = recorder.now()
+    try:
+        return _agree(kind, tensor, op, root, name, joined)
+    finally:
+        recorder.add(f"NEGOTIATE_{kind.upper()}", began, recorder.now(), timeline.COMM, tensor=name or "")
+
+
+def _agree(kind: str, tensor: Optional[torch.Tensor], op: str, root: int, name: Optional[str],
+           joined: bool) -> List[int]:
     b = _runtime.current()
     sig = _signature(kind, tensor, op, root, name)
     sig[_JOINED] = int(joined)

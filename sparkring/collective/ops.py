@@ -3,12 +3,14 @@ grouped forms), allgather, broadcast, alltoall, reducescatter, barrier and join.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional, Tuple, Union
+import functools
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 import torch
 
 from ..errors import MismatchError
-from . import _checks, _pending, _runtime
+from . import _checks, _pending, _runtime, timeline
 from ._adasum import adasum_allreduce
 from ._backend import Handle
 from ._handles import DoneHandle, PostHandle
@@ -23,6 +25,30 @@ Max = "Max"
 Product = "Product"
 Adasum = "Adasum"
 REDUCE_OPS = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "product"}
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _timed(phase: str) -> Callable[[_F], _F]:
+    """A blocking collective as a span of the timeline (Horovod's ``ALLREDUCE`` ...), with the
+    bytes it reduces or sends and its name; its negotiation is the span inside it."""
+    def decorate(fn: _F) -> _F:
+        params = list(inspect.signature(fn).parameters)
+        name_at = params.index("name") if "name" in params else None
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            recorder = timeline.recorder
+            if not recorder.on:
+                return fn(*args, **kwargs)
+            began = recorder.now()
+            result = fn(*args, **kwargs)
+            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            name = kwargs.get("name") or (args[name_at] if name_at is not None and len(args) > name_at else None)
+            recorder.add(phase, began, recorder.now(), timeline.COMM, tensor=name or "",
+                         bytes=sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor)))
+            return result
+        return timed  # type: ignore[return-value]
+    return decorate
 
 
 def to_wire(tensor: torch.Tensor) -> torch.Tensor:
@@ -173,6 +199,7 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
         "allreduce_async_")
 
 
+@_timed("ALLREDUCE")
 def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """A blocking out-of-place allreduce, without autograd."""
@@ -181,6 +208,7 @@ def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, p
 
 
 @accepts_process_set
+@_timed("ALLREDUCE")
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[str] = None, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0) -> torch.Tensor:
@@ -192,6 +220,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
                                        prescale_factor, postscale_factor, blocking=True, name=name, checked=True))
 
 
+@_timed("ALLREDUCE")
 def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Compression.none,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """Fused allreduce of several tensors (one per dtype and device), without autograd; every
@@ -267,6 +296,7 @@ def grouped_allgather_async(tensors: List[torch.Tensor], name: Optional[str] = N
                                                      for i, t in enumerate(tensors)], "grouped_allgather_async")
 
 
+@_timed("ALLGATHER")
 def allgather_now(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     """Allgather without autograd."""
     b = _runtime.current()
@@ -325,6 +355,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
 
 
 @accepts_process_set
+@_timed("BROADCAST")
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Overwrite ``tensor`` with root's copy, in place.
 
@@ -382,6 +413,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Optional[Union[List[int], torch
     return _pending.defer("alltoall", name, start, "alltoall_async")
 
 
+@_timed("ALLTOALL")
 def alltoall_now(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tensor]] = None,
                  name: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Alltoall without autograd: ``(output, received_splits)``."""
@@ -425,6 +457,7 @@ def check_reducescatter(tensor: torch.Tensor, op: str) -> None:
                          "more dimensions (e.g. tensor.reshape(1))")
 
 
+@_timed("REDUCESCATTER")
 def reducescatter_now(tensor: torch.Tensor, op: str = Average, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """Reducescatter without autograd or compression."""
