@@ -61,6 +61,19 @@ def _warnings(text):
     return [line for line in text.splitlines() if "Warning" in line and "WARN NativeCodeLoader" not in line]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def in_a_pipe(tmp_path_factory):
+    """The script in a pipe, started with the module so that it runs beside the terminal's run
+    (both mostly wait: the model sleeps each step); the pipe's test collects it."""
+    store = tmp_path_factory.mktemp("pipe") / "store"
+    proc = subprocess.Popen([sys.executable, SCRIPT, str(store)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate(timeout=30)
+
+
 def test_in_a_terminal_the_bar_moves_each_epoch_prints_one_line_and_spark_bar_waits_until_fit_ends(tmp_path):
     text = _in_terminal(str(tmp_path / "store"))
     fit, after = text.split("FIT-DONE", 1)
@@ -74,12 +87,11 @@ def test_in_a_terminal_the_bar_moves_each_epoch_prints_one_line_and_spark_bar_wa
     assert _warnings(text) == [], _warnings(text)
 
 
-def test_in_a_pipe_there_is_no_bar_only_one_line_per_epoch(tmp_path):
-    proc = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "store")], capture_output=True, text=True,
-                          env=_env(), timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    fit = proc.stdout.split("FIT-DONE", 1)[0]
+def test_in_a_pipe_there_is_no_bar_only_one_line_per_epoch(in_a_pipe):
+    stdout, stderr = in_a_pipe.communicate(timeout=240)
+    assert in_a_pipe.returncode == 0, stderr[-4000:]
+    fit = stdout.split("FIT-DONE", 1)[0]
     assert re.findall(r"^epoch (\d)/2  loss=\d", fit, re.M) == ["1", "2"]
     assert fit.strip().splitlines() == [line for line in fit.strip().splitlines() if line.startswith("epoch ")]
-    assert "%|" not in proc.stderr and "\r" not in proc.stdout
-    assert _warnings(proc.stdout + proc.stderr) == [], _warnings(proc.stdout + proc.stderr)
+    assert "%|" not in stderr and "\r" not in stdout
+    assert _warnings(stdout + stderr) == [], _warnings(stdout + stderr)
