@@ -62,7 +62,7 @@ def test_rank_failure_on_connect_names_the_rank_with_its_traceback(spark_connect
 @pytest.mark.parametrize("stream", [True, False], ids=["live", "detached"])
 def test_hung_rank_on_connect_gives_a_timeout_naming_it(spark_connect, stream):
     with pytest.raises(RankTimeoutError) as info:
-        run(rank_fns.sleep_on_rank, args=(0,), num_proc=2, timeout=4, stream=stream, spark=spark_connect,
+        run(rank_fns.sleep_on_rank, args=(0,), num_proc=2, timeout=2, stream=stream, spark=spark_connect,
             verbose=0)
     assert info.value.ranks == [0]
     assert "in sleep_on_rank" in str(info.value)
