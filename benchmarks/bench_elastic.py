@@ -115,7 +115,9 @@ def _lost_executor_row(rows, tmp, kill_after_steps=300):
     executors[-1].kill()
     proc.wait(timeout=600)
     reader.join(10)
-    after = [float(t) for size, t in (ln.split() for ln in open(stamps)) if float(t) > killed]
+    stamped = [(pid, float(t)) for pid, t in (ln.split() for ln in open(stamps))]
+    first_launch = next(pid for pid, t in reversed(stamped) if t <= killed)
+    after = [t for pid, t in stamped if t > killed and pid != first_launch]  # the next launch's rank 0
     if proc.returncode != 0 or not after or not noticed:
         raise RuntimeError(f"the lost-executor run failed (exit {proc.returncode})")
     detected, training = noticed[0] - killed, after[0] - killed

@@ -577,8 +577,10 @@ class DiesOnceAt(torch.nn.Module):
 
 def elastic_steps(stamps: str, steps: int = 4000):
     """Horovod-elastic training of a small MLP, one commit a step; rank 0 appends
-    "<launch size> <time>" to ``stamps`` after each step (the lost-executor benchmark reads
-    when training goes on)."""
+    "<its pid> <time>" to ``stamps`` after each step (the lost-executor benchmark reads when
+    the next launch's rank 0, another process, trains)."""
+    import os
+
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
@@ -595,7 +597,7 @@ def elastic_steps(stamps: str, steps: int = 4000):
                 state.step += 1
                 state.commit()
                 if sr.rank() == 0:
-                    out.write(f"{sr.size()} {time.time()!r}\n")
+                    out.write(f"{os.getpid()} {time.time()!r}\n")
                     out.flush()
                 time.sleep(0.005)
     train(state)
