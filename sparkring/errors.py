@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from typing import Dict, Optional
+
 
 class SparkRingError(RuntimeError):
     """Base class of every error sparkring raises on purpose."""
@@ -34,10 +36,11 @@ class RankFailedError(SparkRingError):
     ...     print(e.rank, e.remote_traceback)  # doctest: +SKIP
     """
 
-    def __init__(self, rank: int, remote_traceback: str, exit_code=None):
+    def __init__(self, rank: int, remote_traceback: str, exit_code=None, executor: Optional[str] = None):
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.exit_code = exit_code
+        self.executor = executor  # the Spark executor (host:port) that ran the rank, where known
         super().__init__(f"rank {rank} failed:\n{remote_traceback}")
 
 
@@ -50,7 +53,16 @@ class RankTimeoutError(SparkRingError, TimeoutError):
 
 
 class StageLostError(SparkRingError):
-    """The barrier stage failed before any rank could say why: an executor (or its host) was lost."""
+    """The barrier stage failed before any rank could say why: an executor (or its host) was lost.
+    ``lost`` maps the ranks whose tasks went away to their executors' addresses (where known).
+
+    >>> StageLostError("rank 1's task went away", lost={1: "10.0.0.7:41113"}).lost
+    {1: '10.0.0.7:41113'}
+    """
+
+    def __init__(self, message: str, lost: Optional[Dict[int, str]] = None):
+        self.lost = dict(lost or {})
+        super().__init__(message)
 
 
 class TrainingError(RankFailedError):
@@ -68,6 +80,7 @@ class TrainingError(RankFailedError):
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.exit_code = None
+        self.executor = None
         self.reason = reason
         SparkRingError.__init__(self, f"{reason}; the last good checkpoint is kept (fit again with the same "
                                       f"runId to resume, or set onNonFinite='skip_step')\n{remote_traceback}")

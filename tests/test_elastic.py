@@ -3,6 +3,7 @@ an epoch, a fit that goes on after a lost rank (the same size in local mode; few
 standalone cluster whose worker is killed or decommissioned, and more again when it comes back)
 and ends with the weights of an uninterrupted run."""
 import contextlib
+import re
 import threading
 
 import elastic_fns as E
@@ -129,7 +130,7 @@ class _AtCheckpoint:
 
 
 def test_an_elastic_fit_shrinks_grows_back_and_leaves_a_decommissioned_worker_ending_with_the_same_weights(
-        spark_elastic, tmp_path):
+        spark_elastic, tmp_path, capsys):
     from conftest import _sessions
 
     cluster = _sessions.cluster
@@ -142,7 +143,15 @@ def test_an_elastic_fit_shrinks_grows_back_and_leaves_a_decommissioned_worker_en
     # worker is back in time), then back (2 -> 3)
     paced = E.Paced(seconds=0.05, below=3, seconds_below=1.0)
     with _AtCheckpoint(cluster, cluster.kill_worker, 2, tmp_path / "store", "lost", back=True):
-        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced, strategy="fsdp", modelInputs=inputs)
+        lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced, strategy="fsdp", modelInputs=inputs,
+                    verbose=1)
+    said = capsys.readouterr().out
+    # the console names the lost rank's executor and the step the ranks go on at
+    resumed = lost.history[1]["resumed_at_step"]
+    assert re.search(rf"^lost rank [012] \(executor [\w.-]+:\d+\)(: .*)?: going on with 2 of 3 ranks from step "
+                     rf"{resumed + 1} of epoch 2 \(restart 1 of at most 3\)$", said, re.M), said
+    assert re.search(r"^the slots are back: going on with 3 of 3 ranks from (step \d+ of epoch|the start of epoch) \d$",
+                     said, re.M), said
     assert cluster.alive_workers() == 3
     assert lost.history[-1]["restarts"] == 1 and lost.history[-1]["grows"] == 1
     assert lost.history[1]["resumed_at_step"] in (4, 8, 12)  # at most checkpointEvery=4 steps redone

@@ -146,7 +146,8 @@ def test_horovods_elastic_mnist_example_shrinks_when_an_executor_is_lost_and_gro
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     said = [ln for ln in stderr.splitlines() if ln.startswith("sparkring: ")]
     assert len(said) == 3, "\n".join(said)
-    assert re.search(r"lost ranks \(.*\): going on with 1 of 2 ranks .*\(restart 1 of at most 3\)", said[0]), said
+    assert re.search(r"^sparkring: lost rank [01] \(executor [\w.-]+:\d+\)(: .*)?: going on with 1 of 2 ranks from the "
+                     r"last commit \(restart 1 of at most 3\)$", said[0]), said
     assert "2 task slots again" in said[1], said
     assert "the slots are back: going on with 2 of 2 ranks" in said[2], said
     # the reset callback ran in each later launch, with its number of ranks

@@ -41,7 +41,7 @@ from .params import OBJECT_PARAMS, PARAMS, SparkRingParams, check_values, signat
 from .persistence import SparkRingReader, SparkRingWriter
 from .sharding import Sharding, is_factory
 from .tracking import FitTracker
-from .training import EarlyStopping, RankResult, TrainConfig, non_finite_reason, train_rank
+from .training import EarlyStopping, RankResult, TrainConfig, non_finite_reason, resume_point, train_rank
 
 
 def _compile_options(value: Any) -> Optional[Dict[str, Any]]:
@@ -472,7 +472,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                     say=progress.note, request=stop_request(checked.store, run_id),
                     paused=lambda results: results[0].paused,
                     final=lambda exc: isinstance(exc, RankFailedError) and non_finite_reason(exc.remote_traceback)
-                    is not None)
+                    is not None, resume_point=lambda: resume_point(checked.store, run_id))
         except RankFailedError as exc:
             reason = non_finite_reason(exc.remote_traceback)
             if reason is None:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})(-step-\d{7})?\.dcp$")  # a step: inside the epoch (elastic fits)
-_TRAINER_STATE = "trainer.pt"  # written by rank 0 once every rank's shards are: the checkpoint is complete
+TRAINER_STATE = "trainer.pt"  # written by rank 0 once every rank's shards are: the checkpoint is complete
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ class Checkpointer:
         if sr.rank() == 0:
             buf = io.BytesIO()
             torch.save(trainer_state, buf)
-            self.store.write_bytes(f"{path}/{_TRAINER_STATE}", buf.getvalue())
+            self.store.write_bytes(f"{path}/{TRAINER_STATE}", buf.getvalue())
             for old in checkpoint_dirs(self.store, self.run_id)[:-2]:
                 self.store.delete(self.store.checkpoint_path(self.run_id, old))
 
@@ -289,7 +289,7 @@ def load_latest_checkpoint(store, run_id: str, model, opt) -> Optional[Dict[str,
     chosen = None
     if sr.rank() == 0:
         for name in reversed(checkpoint_dirs(store, run_id)):
-            marker = store.checkpoint_path(run_id, name, _TRAINER_STATE)
+            marker = store.checkpoint_path(run_id, name, TRAINER_STATE)
             if store.exists(marker):
                 chosen = (name, store.read_bytes(marker))
                 break

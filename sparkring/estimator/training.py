@@ -240,6 +240,25 @@ def checkpoint_names(store, run_id: str) -> List[str]:
     return sorted(n for n in store.listdir(store.checkpoint_path(run_id)) if CHECKPOINT_RE.match(n))
 
 
+def resume_point(store, run_id: str) -> str:
+    """Where a fit launched now resumes, in the console's words: its newest checkpoint's position
+    (a sharded one only once complete).
+
+    >>> resume_point(store, "r1")  # epoch-00001-step-0000137.pt  # doctest: +SKIP
+    'step 138 of epoch 2'
+    """
+    names = checkpoint_names(store, run_id) + [
+        n for n in sharding.checkpoint_dirs(store, run_id)
+        if store.exists(store.checkpoint_path(run_id, n, sharding.TRAINER_STATE))]
+    if not names:
+        return "the start"
+    newest = re.match(r"^epoch-(\d{5})(?:-step-(\d{7}))?", max(names))
+    assert newest is not None  # both name patterns start so
+    epoch, step = int(newest.group(1)), newest.group(2)
+    # the name holds the 0-based epoch and the 0-based step to go on at; the console counts from 1
+    return f"step {int(step) + 1} of epoch {epoch + 1}" if step is not None else f"the start of epoch {epoch + 2}"
+
+
 def load_latest_checkpoint(store, run_id: str) -> Optional[Dict[str, Any]]:
     for name in reversed(checkpoint_names(store, run_id)):
         try:

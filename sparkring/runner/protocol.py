@@ -32,6 +32,7 @@ class Hello:
     rank: int
     attempt: int = 0
     host: str = ""
+    executor: str = ""  # the Spark executor's address (host:port) that runs the task
 
 
 @dataclass(frozen=True)

@@ -94,13 +94,16 @@ def relaunch_until_done(spark, launch_plan: LaunchPlan, how: ElasticLaunch,
                         launch_once: Callable[[LaunchPlan, Relaunches], List[Any]],
                         replan: Callable[[int], LaunchPlan], say: Callable[[str], None], request: StopRequest,
                         paused: Callable[[List[Any]], bool],
-                        final: Callable[[BaseException], bool] = lambda exc: False) -> List[Any]:
+                        final: Callable[[BaseException], bool] = lambda exc: False,
+                        resume_point: Callable[[], str] = lambda: "the last checkpoint") -> List[Any]:
     """Launch; when ranks are lost (a rank failed or did not start, an executor was lost), launch
     again with ``min(target, the slots the cluster offers within start_timeout)`` ranks, at most
     ``max_restarts`` times; fewer slots than ``min_size``: RankTimeoutError. A failure ``final``
     says another launch cannot mend is raised at once. Ranks the driver asked to stop end
     ``paused``: the run goes on with more ranks (the slots came back), or at once with the slots
-    left (an executor decommissioned).
+    left (an executor decommissioned). ``resume_point`` says where the next launch starts (the
+    console line: "lost rank 2 (executor 10.0.0.7:41113): going on with 2 of 3 ranks from step
+    138 of epoch 2").
 
     >>> relaunch_until_done(spark, plan, ElasticLaunch(3, 2, 3, 120), launch_once, replan, print,
     ...                     request, paused=lambda results: False)  # doctest: +SKIP
@@ -125,11 +128,11 @@ def relaunch_until_done(spark, launch_plan: LaunchPlan, how: ElasticLaunch,
                 if counts.restarts >= how.max_restarts or final(exc):
                     raise
                 counts = replace(counts, restarts=counts.restarts + 1)
-                cause, lost, left = f"lost ranks ({_first_line(exc)})", exc, False
+                cause, lost, left = what_was_lost(exc), exc, False
                 counted = f" (restart {counts.restarts} of at most {how.max_restarts})"
             launch_plan = replan(_size_for_next_launch(spark, how, cause, lost, wait=not left))
-            say(f"{cause}: going on with {launch_plan.num_proc} of {how.target_size} ranks from the last "
-                f"checkpoint{counted}")
+            say(f"{cause}: going on with {launch_plan.num_proc} of {how.target_size} ranks from {resume_point()}"
+                f"{counted}")
     finally:
         if request.read():
             request.clear()
@@ -149,10 +152,19 @@ def _size_for_next_launch(spark, how: ElasticLaunch, cause: str, lost: Optional[
     return size
 
 
-def _first_line(exc: BaseException) -> str:
-    """What a console line says of a loss: a failed rank's last traceback line, else the message's first."""
+def what_was_lost(exc: BaseException) -> str:
+    """What a console line says of a loss: the ranks and their executors where the driver knows
+    them, with a failed rank's last traceback line; else the message's first line.
+
+    >>> what_was_lost(StageLostError("gone", lost={2: "10.0.0.7:41113"}))
+    'lost rank 2 (executor 10.0.0.7:41113)'
+    """
+    if isinstance(exc, StageLostError) and exc.lost:
+        return "lost " + ", ".join(f"rank {rank}" + (f" (executor {where})" if where else "")
+                                   for rank, where in exc.lost.items())
     remote = getattr(exc, "remote_traceback", None)
-    if remote and str(remote).strip():
+    if isinstance(exc, RankFailedError) and remote and str(remote).strip():
         last = [ln.strip() for ln in str(remote).strip().splitlines() if ln.strip()][-1]
-        return f"rank {getattr(exc, 'rank', '?')}: {last}"[:200]
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        where = f" (executor {exc.executor})" if exc.executor else ""
+        return f"lost rank {exc.rank}{where}: {last}"[:240]
+    return f"lost ranks ({(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]})"

@@ -56,6 +56,7 @@ JOIN_WINDOW_S = 10.0
 # How long a stage with one planned attempt may go on after a rank failed or went away before the
 # driver ends it (the stage normally ends by itself at once, with the rank's own error).
 LOST_GRACE_S = 3.0
+SAME_LOSS_S = 0.25  # tasks that go away this close together went with one loss (an executor, a host)
 
 
 class ScriptExit(SystemExit):
@@ -108,6 +109,9 @@ class _RunState:
         self.attempt = 0
         self.attempt_started = time.monotonic()
         self.hello: Dict[int, set] = {}
+        self.executors: Dict[int, Dict[int, str]] = {}  # attempt -> rank -> its executor's host:port
+        # attempt -> rank -> when its task's connection closed before it was done
+        self.gone: Dict[int, Dict[int, float]] = {}
         self.arrived: set = set()
         self.timeouts: Dict[int, Dict[int, str]] = {}
         self.stacks: Dict[int, Dict[int, str]] = {}
@@ -138,6 +142,7 @@ class _RunState:
                 with self.lock:
                     if rank not in self.done.get(attempt, set()):
                         self.failed_at.setdefault(attempt, time.monotonic())
+                        self.gone.setdefault(attempt, {}).setdefault(rank, time.monotonic())
         elif isinstance(msg, Started):
             with self.lock:
                 self.pids.append(msg.pid)
@@ -205,6 +210,25 @@ class _RunState:
                     self.attempt_started = time.monotonic()
                 self.attempt = max(self.attempt, msg.attempt)
             self.hello.setdefault(msg.attempt, set()).add(msg.rank)
+            if msg.executor:
+                self.executors.setdefault(msg.attempt, {})[msg.rank] = msg.executor
+
+    def lost_ranks(self) -> Dict[int, str]:
+        """The latest attempt's ranks whose tasks went away first, with their executors'
+        addresses ("" unknown). Spark then kills the stage's other tasks, whose connections close
+        later: only those gone within ``SAME_LOSS_S`` of the first count as lost."""
+        with self.lock:
+            if not self.gone:
+                return {}
+            attempt = max(self.gone)
+            when = self.gone[attempt]
+            first = min(when.values())
+            where = self.executors.get(attempt, {})
+            return {rank: where.get(rank, "") for rank in sorted(when) if when[rank] - first <= SAME_LOSS_S}
+
+    def executor_of(self, rank: int, attempt: int) -> Optional[str]:
+        with self.lock:
+            return self.executors.get(attempt, {}).get(rank) or None
 
     def _error(self, msg: Error, conn) -> None:
         rank, attempt = msg.rank, msg.attempt
@@ -366,7 +390,8 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
     try:
         return relaunch_until_done(spark, dataclasses.replace(launch_plan, attempts=1), how, once, replan, say,
                                    request=elastic.stop_request_in(directory),
-                                   paused=lambda results: any(isinstance(r, elastic.Paused) for r in results))
+                                   paused=lambda results: any(isinstance(r, elastic.Paused) for r in results),
+                                   resume_point=lambda: "the last commit")
     finally:
         if temporary:
             shutil.rmtree(directory, ignore_errors=True)
@@ -553,7 +578,7 @@ class _Watch:
             err = state.first_error()
             assert err is not None  # every attempt failed
             failure = (_timeout_error(state, num_proc, self.timeout) if err.kind == protocol.TIMEOUT
-                       else _rank_failed(err))
+                       else _rank_failed(err, state))
         return failure
 
 
@@ -575,7 +600,7 @@ def _raise_for_outcome(state: _RunState, outcome: Dict[str, Any], rows: List[Any
         if err.kind == protocol.TIMEOUT:
             state.timeouts.setdefault(err.attempt, {})[err.rank] = err.traceback
             raise _timeout_error(state, num_proc, timeout, wait=not rows) from None
-        raise _rank_failed(err) from None
+        raise _rank_failed(err, state) from None
     if "error" not in outcome:
         return
     error = outcome["error"]
@@ -586,7 +611,7 @@ def _raise_for_outcome(state: _RunState, outcome: Dict[str, Any], rows: List[Any
     if _CANCELLED.search(str(error)):
         raise SparkRingError("the Spark job of this run was cancelled (cancelAllJobs, a job group or tag "
                              "cancel, or the Spark UI); its ranks were stopped") from error
-    raise StageLostError(f"the barrier stage failed before any rank reported an error: {error}") from error
+    raise _stage_lost(state, f"the barrier stage failed before any rank reported an error: {error}") from error
 
 
 def _not_restarted(state: _RunState, attempt: int, num_proc: int, start_timeout: float) -> RankTimeoutError:
@@ -609,13 +634,21 @@ def _no_attempt_left(state: _RunState, attempt: int) -> BaseException:
     may be waiting to rerun the barrier tasks on slots that are gone): the run ends here."""
     err = state.errors.get(attempt)
     if err is not None:
-        return _rank_failed(err)
-    return StageLostError("a rank's task went away without a word (its executor was lost) and no other attempt "
-                          "of the barrier stage is planned")
+        return _rank_failed(err, state)
+    return _stage_lost(state, "a rank's task went away without a word (its executor was lost) and no other "
+                              "attempt of the barrier stage is planned")
 
 
-def _rank_failed(err: Error) -> RankFailedError:
-    return RankFailedError(err.rank, err.traceback, err.exit_code)
+def _rank_failed(err: Error, state: _RunState) -> RankFailedError:
+    return RankFailedError(err.rank, err.traceback, err.exit_code, executor=state.executor_of(err.rank, err.attempt))
+
+
+def _stage_lost(state: _RunState, what: str) -> StageLostError:
+    """The stage ended, or cannot go on, because tasks went away: the message names their ranks
+    and executors where the driver saw them go."""
+    lost = state.lost_ranks()
+    gone = ", ".join(f"rank {rank}" + (f" (executor {where})" if where else "") for rank, where in lost.items())
+    return StageLostError(f"{what}" + (f"; tasks that went away: {gone}" if gone else ""), lost=lost)
 
 
 def _timeout_error(state: _RunState, num_proc: int, timeout: Optional[float], wait: bool = True) -> RankTimeoutError:

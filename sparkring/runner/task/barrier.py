@@ -459,7 +459,7 @@ def run_task(spec: TaskSpec) -> Iterator[tuple]:
     joined = _rendezvous(ctx, spec)
     rank, attempt = joined.rank, joined.attempt
     outbox = _Outbox(joined.driver, joined.control)
-    outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank]))
+    outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank], executor=joined.executors[rank]))
     gpus = _ring_checks(spec, joined, outbox)
     workdir = WorkDir.create(rank)
     env = _rank_env(spec, gpus, joined, workdir)
