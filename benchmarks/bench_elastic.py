@@ -45,6 +45,7 @@ def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
                         f"{every} steps {every * step_ms:.0f} ms", every / (every + steps), "(reference)"))
     _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks)
     _lost_executor_row(rows, tmp)
+    _decommission_row(rows, tmp)
     rates = {"elastic": [], "plain": []}
     for _ in range(reps):  # alternating: an elastic fit (global batches, a stop check every step) vs a plain one
         for name, kw in (("elastic", {}), ("plain", {"minProc": None})):
@@ -102,15 +103,14 @@ def _lost_executor_row(rows, tmp, kill_after_steps=300):
 
     def read_stderr():
         for line in proc.stderr:
-            if line.startswith("sparkring: lost ranks"):
+            if line.startswith("sparkring: lost rank"):
                 noticed.append(time.time())
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     while proc.poll() is None and sum(1 for _ in open(stamps)) < kill_after_steps:
         time.sleep(0.05)
-    executors = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "CoarseGrainedExecutorBackend" in " ".join(p.cmdline())]
+    executors = [p for p in psutil.Process(proc.pid).children(recursive=True) if _is_executor(p)]
     killed = time.time()
     executors[-1].kill()
     proc.wait(timeout=600)
@@ -127,3 +127,35 @@ def _lost_executor_row(rows, tmp, kill_after_steps=300):
                     f"rest is waiting for the replacement executor and launching", f"{training:.1f} s",
                     "goal 30 s beyond detection", (training - detected) / 30, "<= 1.00x", higher_is_better=False,
                     goal_value=1.0))
+
+
+def _is_executor(process) -> bool:
+    import psutil
+
+    try:
+        return "CoarseGrainedExecutorBackend" in " ".join(process.cmdline())
+    except psutil.Error:  # gone meanwhile, or a zombie
+        return False
+
+
+def _decommission_row(rows, tmp):
+    """``decommission.py``: an elastic fit on a standalone cluster of three one-core workers, one
+    decommissioned (SIGPWR) at the first checkpoint inside epoch 1, beside the same fit
+    uninterrupted: the steps the two launches took together, less the uninterrupted fit's."""
+    scratch = os.path.join(tmp, "elastic_decommission")
+    os.makedirs(scratch, exist_ok=True)
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "decommission.py"), scratch],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the decommission run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, left = out["uninterrupted"], out["decommissioned"]
+    if left["num_proc"] != [3, 2, 2] or left["decommissions"] != 1 or left["restarts"] != 0:
+        raise RuntimeError(f"the decommissioned fit did not go on with 2 ranks once: {left}")
+    (first, second), [whole] = left["steps"], plain["steps"]
+    redone = first + second - whole
+    rows.append(Row("elastic", "steps redone after a decommission (SIGPWR to one of three standalone workers at the "
+                    "first checkpoint inside epoch 1, spark.decommission.enabled, checkpointEvery=10): the steps of "
+                    f"the launch of 3 ranks ({first}) and of 2 ({second}) less the uninterrupted fit's ({whole}); "
+                    "ratio: redone steps over checkpointEvery", f"{redone} steps", "goal 0 (a loss: at most 10)",
+                    redone / 10, "0.00x", higher_is_better=False, goal_value=0.0))

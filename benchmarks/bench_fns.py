@@ -575,6 +575,27 @@ class DiesOnceAt(torch.nn.Module):
         return self.net(x)
 
 
+class CountsSteps(torch.nn.Module):
+    """A 3-layer MLP whose training steps take at least ``seconds`` each; every rank process
+    appends one line per training step to ``<audit>/<its pid>.txt`` (the decommission benchmark
+    counts the steps each launch took)."""
+
+    def __init__(self, audit: str, seconds: float, d: int = 64, width: int = 64, classes: int = 10):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(d, width), torch.nn.ReLU(), torch.nn.Linear(width, classes))
+        self.audit, self.seconds = audit, seconds
+
+    def forward(self, x):
+        import os
+
+        if self.training:
+            with open(os.path.join(self.audit, f"{os.getpid()}.txt"), "a") as f:
+                f.write(f"{time.time()!r}\n")
+            time.sleep(self.seconds)
+        return self.net(x)
+
+
 def elastic_steps(stamps: str, steps: int = 4000):
     """Horovod-elastic training of a small MLP, one commit a step; rank 0 appends
     "<its pid> <time>" to ``stamps`` after each step (the lost-executor benchmark reads when
