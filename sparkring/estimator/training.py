@@ -431,9 +431,20 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
 
 
 def _process_started_us() -> float:
-    import psutil
+    """When this process began, in the timeline's clock. Not psutil's create_time: that adds
+    the process's age in clock ticks to the boot time, which Linux gives in whole seconds (up to
+    a second off); its age from /proc/uptime is good to a tick."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        age = uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks since boot
+        return (time.time() - age) * 1e6
+    except (OSError, ValueError, IndexError):
+        import psutil
 
-    return psutil.Process().create_time() * 1e6
+        return psutil.Process().create_time() * 1e6
 
 
 class _Trainer:
@@ -597,6 +608,7 @@ class _Trainer:
             scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
             with recorder.span("backward"):
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            clock.lap("compute")  # forward and backward; the update's wait for the exchange is comm
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 with recorder.span("optimizer step (after the gradient exchange)"):
                     skipped += self._update(epoch, i)

@@ -110,8 +110,11 @@ class ForkedWorker:
     child leads its own session, keeps only stdin/stdout/stderr, and dies with its parent."""
 
     def __init__(self, workdir: str, env: Dict[str, str]):
-        import cloudpickle  # noqa: F401 - warm imports the child reuses
+        # warm imports the child reuses; torch._dynamo: the first torch.optim optimizer a process
+        # builds imports it (about a second), here once per Python worker, not in every rank
+        import cloudpickle  # noqa: F401
         import torch  # noqa: F401
+        import torch._dynamo  # noqa: F401
 
         import sparkring.collective  # noqa: F401
 
