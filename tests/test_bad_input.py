@@ -170,6 +170,9 @@ CASES = [
     Case("fit-non-integral-labels", lambda c: _fit(c, df=H.classification_df(c.spark, n=96).selectExpr(
         "id", "features", "label + 0.5 AS label")), DataError, r"labelCol 'label' has \d+ non-integral value",
          before_any_job=False),
+    Case("fit-negative-labels", lambda c: _fit(c, df=H.classification_df(c.spark, n=96).selectExpr(
+        "id", "features", "IF(id % 7 = 3, -1.0, label) AS label")), DataError,
+         r"labelCol 'label' has negative value -1; class indices start at 0", before_any_job=False),
     Case("fit-labels-out-of-range", lambda c: _fit(c, df=H.classification_df(c.spark, n=96).selectExpr(
         "id", "features", "IF(id % 5 = 0, 7.0, label) AS label")), RankFailedError,
          r"label value 7 is out of range for a model with 3 outputs", before_any_job=False),

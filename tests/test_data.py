@@ -9,7 +9,7 @@ import torch
 from pyspark.ml.linalg import Vectors
 from pyspark.sql import functions as F
 
-from sparkring.data import DataError, Store, StoreError, prepare
+from sparkring.data import ColumnValues, DataError, Store, StoreError, prepare
 
 
 @pytest.fixture
@@ -113,6 +113,16 @@ def test_unusable_columns_are_rejected_naming_the_column(spark, store, rows, sch
     df = spark.createDataFrame(rows, schema)
     with pytest.raises(DataError, match=match):
         prepare(df, store, columns=df.columns)
+
+
+def test_prepare_records_the_smallest_value_and_non_integral_count_of_numeric_scalars(spark, store):
+    # what a class-index label is checked against, seen in prepare's own pass over the DataFrame
+    rows = [(0, 0.0, 2, "a"), (1, 1.5, -3, "b"), (2, -2.0, 7, "c"), (3, 3.0, 1, "d"), (4, 4.25, 0, "e")]
+    df = spark.createDataFrame(rows, "id long, y double, k int, s string").repartition(2)
+    ds = prepare(df.drop("s"), store, columns=["y", "k", "id"], validation=0.4, seed=1)
+    assert ds.values("y") == ColumnValues(minimum=-2.0, non_integral=2)  # 1.5 and 4.25, over both splits
+    assert ds.values("k") == ColumnValues(minimum=-3, non_integral=0)
+    assert ds.values("nope") is None
 
 
 def test_missing_columns_empty_frames_and_bad_validation_are_rejected(spark, store):

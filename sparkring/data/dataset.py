@@ -1,6 +1,7 @@
 """Dataset: a picklable handle to prepared Parquet, read as balanced per-rank torch batches."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -23,7 +24,20 @@ from .spec import FeatureSpec
 from .transform import transformed
 
 METADATA_FILE = "_sparkring_metadata.json"
-__all__ = ["Dataset", "METADATA_FILE", "as_torch", "plan_rows"]
+__all__ = ["Dataset", "ColumnValues", "METADATA_FILE", "as_torch", "plan_rows"]
+
+
+@dataclass(frozen=True)
+class ColumnValues:
+    """A numeric scalar column's smallest value (None: no non-null value) and how many of its
+    values are not whole numbers.
+
+    >>> ColumnValues(minimum=0.0, non_integral=0).non_integral
+    0
+    """
+
+    minimum: Optional[float]
+    non_integral: int
 
 
 class Dataset:
@@ -69,6 +83,16 @@ class Dataset:
         """Batches ``rank`` gets per epoch (the same on every rank when drop_last)."""
         _, count = plan_rows(self.num_rows(split), batch_size, rank, size, drop_last)
         return count // batch_size if drop_last else -(-count // batch_size)
+
+    def values(self, column: str) -> Optional[ColumnValues]:
+        """What prepare saw of a numeric scalar column's values (both splits); None for other
+        columns, or data prepared before prepare recorded it.
+
+        >>> ds.values("label")  # doctest: +SKIP
+        ColumnValues(minimum=0.0, non_integral=0)
+        """
+        seen = self.metadata.get("values", {}).get(column)
+        return None if seen is None else ColumnValues(minimum=seen["min"], non_integral=int(seen["non_integral"]))
 
     def exists(self) -> bool:
         return self.store.exists(f"{self.data_dir}/{METADATA_FILE}")

@@ -1,14 +1,17 @@
 """DataFrame -> Parquet in the Store: check and encode the columns a FeatureSpec names in
-one pass on the executors, then record the measured shapes and the spec in the metadata."""
+one pass on the executors, then record the measured shapes, the spec and what the numeric
+scalars hold (smallest value, non-integral count: the class-label check) in the metadata."""
 from __future__ import annotations
 
 import json
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import numpy as np
+
 from . import reuse as reuse_cache
 from .dataset import METADATA_FILE, Dataset
-from .spec import TENSOR, ColumnSpec, DataError, FeatureSpec, tensor_profile, to_stored
+from .spec import SCALAR, TENSOR, ColumnSpec, DataError, FeatureSpec, tensor_profile, to_stored
 from .store import Store
 from .unischema import petastorm_codecs
 
@@ -16,10 +19,33 @@ VAL_COLUMN = "__sparkring_val"
 TARGET_ROW_GROUP_BYTES = 8 * 1024 * 1024
 
 
+def _numeric_scalar(c: ColumnSpec) -> bool:
+    return c.kind == SCALAR and np.dtype(c.dtype).kind in "iuf"
+
+
+def _observe_values(stats: Dict[str, Any], name: str, arr) -> None:
+    """A numeric scalar column's smallest value and its count of non-integral values (what a
+    class-index label is checked against, without a pass of its own over the DataFrame)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if len(arr) == arr.null_count:
+        return
+    low = pc.min(arr).as_py()
+    old = stats[f"{name}__min"]
+    stats[f"{name}__min"] = low if old is None else min(old, low)
+    if pa.types.is_floating(arr.type):
+        stats[f"{name}__non_integral"] += int(pc.sum(pc.not_equal(arr, pc.floor(arr))).as_py() or 0)
+
+
 def _merge_stats(parts: List[Dict[str, Any]], columns: Sequence[ColumnSpec]) -> Dict[str, Any]:
     merged: Dict[str, Any] = {"__rows": sum(p["__rows"] for p in parts)}
     for c in columns:
         merged[f"{c.name}__nulls"] = sum(p[f"{c.name}__nulls"] for p in parts)
+        if _numeric_scalar(c):
+            lows = [p[f"{c.name}__min"] for p in parts if p[f"{c.name}__min"] is not None]
+            merged[f"{c.name}__min"] = min(lows) if lows else None
+            merged[f"{c.name}__non_integral"] = sum(p[f"{c.name}__non_integral"] for p in parts)
         if c.kind == TENSOR:
             dims = []
             for level in range(c.levels):
@@ -89,6 +115,8 @@ class _PartitionWriter:
         self.stats: Dict[str, Any] = {"__rows": 0}
         for c in columns:
             self.stats[f"{c.name}__nulls"] = 0
+            if _numeric_scalar(c):
+                self.stats.update({f"{c.name}__min": None, f"{c.name}__non_integral": 0})
             if c.kind == TENSOR:
                 self.stats.update({f"{c.name}__dims": [(None, None)] * c.levels, f"{c.name}__null_elems": 0})
         self.ok = True
@@ -103,6 +131,8 @@ class _PartitionWriter:
             if arr.null_count:
                 stats[f"{c.name}__nulls"] += arr.null_count
                 ok = False
+            if _numeric_scalar(c):
+                _observe_values(stats, c.name, arr)
             if c.kind != TENSOR:
                 continue
             dims, bad_rows = tensor_profile(arr, c.levels)
@@ -266,9 +296,8 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
         writer, "split string, path string, rows long, row_groups array<long>, stats string").collect()
     files = [r for r in rows if r["split"] != "stats"]
     try:
-        shapes = _measure(_merge_stats([json.loads(r["stats"]) for r in rows if r["split"] == "stats"],
-                                       spec.columns), spec.columns)
-        spec = spec.measured(shapes)
+        profile = _merge_stats([json.loads(r["stats"]) for r in rows if r["split"] == "stats"], spec.columns)
+        spec = spec.measured(_measure(profile, spec.columns))
     except DataError:
         store.delete(data_dir)
         raise
@@ -277,7 +306,10 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     for row in sorted(files, key=lambda r: r["path"]):
         splits[row["split"]].append({"path": row["path"].rsplit("/", 2)[-2] + "/" + row["path"].rsplit("/", 1)[-1],
                                      "rows": int(row["rows"]), "row_groups": [int(x) for x in row["row_groups"]]})
-    metadata = {"format": 2, "spec": spec.to_dict(), "splits": splits, "validation": validation, "seed": seed}
+    values = {c.name: {"min": profile[f"{c.name}__min"], "non_integral": profile[f"{c.name}__non_integral"]}
+              for c in spec.columns if _numeric_scalar(c)}
+    metadata = {"format": 2, "spec": spec.to_dict(), "splits": splits, "validation": validation, "seed": seed,
+                "values": values}
     if not any(f["rows"] for f in splits["train"]):
         store.delete(data_dir)
         raise DataError("every row went to validation: no training rows are left; lower validation=")

@@ -338,27 +338,20 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return EarlyStopping(monitor=monitor, patience=int(es["patience"]), mode=mode,
                              min_delta=float(es.get("min_delta", 0.0)))
 
-    def _check_labels(self, df) -> None:
-        """Class-index losses need integral, non-negative labels: one small job checks them all."""
-        from pyspark.sql import functions as F
-
-        checked = [(label, loss) for label, loss in zip(self.labelColumns(), self.lossList())
-                   if losses.label_kind(loss) == "class"]
-        if not checked:
-            return
-        aggs = []
-        for i, (label, _) in enumerate(checked):
-            col = F.col(f"`{label}`").cast("double")
-            aggs += [F.min(col).alias(f"lo{i}"),
-                     F.sum(F.when(col != F.floor(col), 1).otherwise(0)).alias(f"frac{i}")]
-        row = df.agg(*aggs).collect()[0]
-        for i, (label, loss) in enumerate(checked):
-            if row[f"frac{i}"]:
-                raise DataError(f"labelCol {label!r} has {row[f'frac{i}']} non-integral value(s), but loss "
+    def _check_labels(self, ds) -> None:
+        """Class-index losses need integral, non-negative labels: checked against what prepare saw
+        of them in its pass over the DataFrame (no pass of their own). A boolean label is always
+        a class index; an array label's values meet the loss on the ranks."""
+        for label, loss in zip(self.labelColumns(), self.lossList()):
+            values = ds.values(label) if losses.label_kind(loss) == "class" else None
+            if values is None:
+                continue
+            if values.non_integral:
+                raise DataError(f"labelCol {label!r} has {values.non_integral} non-integral value(s), but loss "
                                 f"{loss!r} needs class indices 0..C-1; index the labels "
                                 "(StringIndexer) or use a regression loss")
-            if row[f"lo{i}"] is not None and row[f"lo{i}"] < 0:
-                raise DataError(f"labelCol {label!r} has negative value {row[f'lo{i}']:g}; class indices "
+            if values.minimum is not None and values.minimum < 0:
+                raise DataError(f"labelCol {label!r} has negative value {values.minimum:g}; class indices "
                                 "start at 0")
 
     # -- fit --------------------------------------------------------------------------
@@ -368,13 +361,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
     def _fit_paused(self, dataset):
         checked = self._validate(dataset)
-        self._check_labels(dataset)
         # one run directory holds this fit's prepared data and its checkpoints
         run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
         ds = prepare(dataset, checked.store, spec=checked.spec, validation=self.getOrDefault("validation"),
                      seed=self.getOrDefault("seed"), run_id=run_id)
         self._prepared = ds
         try:
+            self._check_labels(ds)
             return self._fit_tracked(dataset, ds, checked, run_id)
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
