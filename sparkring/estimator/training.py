@@ -131,8 +131,9 @@ def _add_note(exc: BaseException, note: str) -> None:
 
 class _StepClock:
     """Where an epoch's seconds go on this rank: waiting for the next batch (data), forward,
-    backward and the optimizer (compute), waiting for the gradient exchange (comm: replicated
-    models; FSDP2's exchanges run inside forward and backward and count as compute), the rest."""
+    backward and the optimizer (compute), blocked in the gradient exchange (comm: replicated
+    models, in backward where the transport reduces as it starts and in synchronize; FSDP2's
+    exchanges run inside forward and backward and count as compute), the rest."""
 
     PARTS = ("data", "compute", "comm")
 
@@ -144,6 +145,11 @@ class _StepClock:
         now = time.monotonic()
         self.spent[part] += now - self.mark
         self.mark = now
+
+    def exchanged(self, seconds: float) -> None:
+        """``seconds`` of what was counted as compute were spent blocked in gradient exchanges."""
+        self.spent["compute"] -= seconds
+        self.spent["comm"] += seconds
 
     def timed(self, batches: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
         self.mark = time.monotonic()
@@ -539,6 +545,11 @@ class _Trainer:
         for g, lr in zip(self.opt.param_groups, self.base_lrs):
             g["lr"] = lr * factor
 
+    def _blocked_s(self) -> float:
+        """Seconds blocked in gradient exchanges so far (a sharded model's run inside its forward
+        and backward, and count as compute)."""
+        return 0.0 if self.sharded else self.opt.exchange_seconds
+
     def _update(self, epoch: int, i: int) -> int:
         """The optimizer step after backward_passes_per_step batches; 1 where a non-finite
         update was skipped."""
@@ -552,7 +563,6 @@ class _Trainer:
                 skipped = 1
         elif cfg.skip_non_finite:
             opt.synchronize()
-            self.clock.lap("comm")
             if _grads_finite(self.model):
                 with opt.skip_synchronize():
                     opt.step()
@@ -562,7 +572,6 @@ class _Trainer:
             opt.step()
         else:
             opt.synchronize()
-            self.clock.lap("comm")
             with opt.skip_synchronize():
                 opt.step()
         if i + 1 == self.steps:  # the state is whole now (gradients and optimizer moments): measured once an epoch
@@ -595,6 +604,7 @@ class _Trainer:
             if cfg.lr_scaling == "linear":
                 self._scale_lr(epoch, i)
             started = time.monotonic() if self.first_step_s is None else 0.0
+            blocked = self._blocked_s()
             with recorder.span("forward"):
                 loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
                 figures = step.figures(loss, heads, ys, head_losses)
@@ -608,11 +618,11 @@ class _Trainer:
             scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
             with recorder.span("backward"):
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-            clock.lap("compute")  # forward and backward; the update's wait for the exchange is comm
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 with recorder.span("optimizer step (after the gradient exchange)"):
                     skipped += self._update(epoch, i)
             clock.lap("compute")
+            clock.exchanged(self._blocked_s() - blocked)
             if recorder.on:
                 recorder.add(f"step {i}", step_began, recorder.now(), epoch=epoch)
             if self.first_step_s is None:  # compiling happens here: timed apart from the steps
@@ -727,7 +737,6 @@ class _Trainer:
         opt, scaler = self.opt, self.scaler
         assert scaler is not None
         opt.synchronize()
-        self.clock.lap("comm")
         scaler.unscale_(opt)
         before = scaler.get_scale()
         with opt.skip_synchronize():
