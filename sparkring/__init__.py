@@ -2,8 +2,7 @@
 
 >>> from sparkring import SparkRingEstimator, SparkRingModel, Store, run
 """
-from typing import Any
-
+from ._lazy import lazy_exports
 from .errors import (
     ChannelError,
     ConfigurationError,
@@ -38,15 +37,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'sparkring' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)

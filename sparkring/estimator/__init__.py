@@ -2,7 +2,7 @@
 
 >>> from sparkring.estimator import SparkRingEstimator, SparkRingModel
 """
-from typing import Any
+from .._lazy import lazy_exports
 
 __all__ = ["SparkRingEstimator", "SparkRingModel"]
 
@@ -11,15 +11,4 @@ __all__ = ["SparkRingEstimator", "SparkRingModel"]
 _LAZY = {"SparkRingEstimator": "sparkring.estimator.estimator", "SparkRingModel": "sparkring.estimator.model"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'sparkring.estimator' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals(), __all__)
