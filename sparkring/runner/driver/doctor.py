@@ -14,7 +14,7 @@ from typing import Dict, List, Optional
 
 from .. import _probe
 from ..versions import package_versions, skew
-from .session import JobTag, session_facts
+from .session import JobTag, session_facts, settled_slots
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,10 @@ def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0) 
     if spark is None:
         raise ValueError("no active Spark session: pass doctor(spark)")
     facts = session_facts(spark)
-    wanted = num_tasks or facts.slots or 1
+    slots = facts.slots
+    if not num_tasks and not facts.local and not facts.connect:
+        slots = settled_slots(spark) or slots  # one task per executor slot: wait for them all to register
+    wanted = num_tasks or slots or 1
     driver = package_versions()
     listener = _Listener(facts.driver_host)
     problems: List[Problem] = []

@@ -157,6 +157,24 @@ def wait_for_slots(spark, wanted: int, timeout: float) -> bool:
         time.sleep(0.5)
 
 
+def settled_slots(spark, quiet_s: float = 2.0, timeout: float = 30.0) -> Optional[int]:
+    """A classic cluster session's concurrent task slots once executors stop registering: the
+    count unchanged for ``quiet_s`` (at least one executor), or what there is after ``timeout``.
+    A session just started (the CLI's) has its executors still arriving."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    last, since = registered_slots(spark), time.monotonic()
+    while last is not None and time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = registered_slots(spark)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif last and time.monotonic() - since >= quiet_s:
+            break
+    return last
+
+
 def _conf_slots(spark, task_cpus: int) -> Optional[int]:
     """Slots of a cluster from its static configuration (Connect has no scheduler handle)."""
     instances, cores = _conf(spark, "spark.executor.instances"), _conf(spark, "spark.executor.cores")
