@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from . import _runtime, _torchrun, elastic, environment, timeline
+from . import _group_lifetime, _runtime, _torchrun, elastic, environment, timeline
 
 TRANSPORTS: Tuple[str, ...] = tuple(_runtime.BACKENDS)  # the one list of backends a ring can use
 
@@ -17,6 +17,7 @@ def before_user_code() -> None:
     >>> before_user_code()  # doctest: +SKIP
     """
     _torchrun.install()
+    _group_lifetime.install()
     if timeline.requested():  # run() with SPARKRING_TIMELINE / HOROVOD_TIMELINE: this rank records
         timeline.recorder.start(environment.RankEnv.from_env().rank)
         timeline.recorder.user_code_began = timeline.recorder.now()
@@ -54,8 +55,15 @@ def timeline_events() -> Optional[dict]:
 
 
 def after_user_code() -> None:
-    """Leave the ring for good: the rank's process is about to end.
+    """Leave the ring for good: the rank's process is about to end. A group the user's code
+    made and left open is destroyed too (torch warns about groups never destroyed, and NCCL
+    may hang at exit).
 
     >>> after_user_code()  # doctest: +SKIP
     """
+    import torch.distributed as dist
+
     _runtime.close()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _group_lifetime.release()

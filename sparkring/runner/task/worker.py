@@ -68,15 +68,6 @@ def _name_process() -> None:
         pass
 
 
-def _release_users_group() -> None:
-    """A group the user's code made and left open is closed with the rank (torch warns about
-    process groups never destroyed, and NCCL may hang at exit)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def main(path: str) -> None:
     workdir = WorkDir(path)
     _die_with_parent()
@@ -117,7 +108,6 @@ def main(path: str) -> None:
             cloudpickle.dump(result, f)
         os.replace(tmp, workdir.result)
         hosting.after_user_code()
-        _release_users_group()
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the driver
         exit_code = getattr(exc, "exit_code", None)
         tb = traceback.format_exc()
