@@ -55,6 +55,17 @@ def test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_
     assert [r["rank"] for r in run(rank_fns.whoami, num_proc=2)] == [0, 1]
 
 
+def test_a_function_whose_module_only_the_driver_has_fails_naming_the_module_and_the_fix(spark, tmp_path,
+                                                                                          monkeypatch):
+    (tmp_path / "only_on_the_driver.py").write_text("def train():\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    only_on_the_driver = importlib.import_module("only_on_the_driver")
+    with pytest.raises(RankFailedError) as info:
+        run(only_on_the_driver.train, num_proc=2, verbose=0)
+    assert "No module named 'only_on_the_driver'" in info.value.remote_traceback
+    assert "addPyFile" in info.value.remote_traceback and "--py-files" in info.value.remote_traceback
+
+
 def test_rank_exceeding_timeout_fails_the_run_naming_the_rank(spark):
     started = time.monotonic()
     with pytest.raises(RankTimeoutError, match=r"exceeded timeout=4s") as info:

@@ -68,6 +68,19 @@ def _name_process() -> None:
         pass
 
 
+def _load_payload(path: str):
+    import cloudpickle
+
+    try:
+        with open(path, "rb") as f:
+            return cloudpickle.load(f)
+    except ModuleNotFoundError as exc:  # cloudpickle pickles a module's functions by reference
+        raise ModuleNotFoundError(
+            f"{exc} on this executor: the function (or an argument) comes from module {exc.name!r}, which "
+            "the driver imports but the executors cannot; ship it (spark.sparkContext.addPyFile, "
+            "spark-submit --py-files) or install it on every executor", name=exc.name) from exc
+
+
 def main(path: str) -> None:
     workdir = WorkDir(path)
     _die_with_parent()
@@ -80,13 +93,12 @@ def main(path: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import cloudpickle
 
-    with open(workdir.payload, "rb") as f:
-        fn, args, kwargs = cloudpickle.load(f)
     from .. import channel
 
     if os.environ.get(environment.SECRET):
-        channel.take_secret()  # before any user code runs
+        channel.take_secret()  # before any user code runs (unpickling imports the user's modules)
     try:
+        fn, args, kwargs = _load_payload(workdir.payload)
         import torch
 
         import sparkring.collective  # noqa: F401 - loaded before the user's code: its first call only joins the ring
