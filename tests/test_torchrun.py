@@ -121,3 +121,5 @@ def test_a_ddp_model_dropped_right_after_destroy_process_group_never_hangs_the_r
     proc = subprocess.run([sys.executable, script, "200"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all returned" in proc.stdout
+    threads = int(proc.stdout.rsplit(":", 1)[1])  # each kept Gloo group holds 3 threads: 40 would be 120+
+    assert threads < 30, proc.stdout

@@ -10,8 +10,10 @@ freeing the last work and waits for the GIL to drop that context. Both wait for 
 (pytorch/pytorch#180700 describes the same race on autograd's device threads). Here about one
 DDP function in four hung its rank.
 
-Holding a reference to every destroyed group keeps the Reducer from being the last holder; the
-groups are let go in ``release()``, after the user's code, when Gloo's workers are idle.
+Holding a reference to every destroyed group keeps the Reducer from being the last holder. The
+groups are let go when the next group is made (``init_process_group``: code that makes and
+destroys groups in a loop does not pile up their threads) and in ``release()`` after the user's
+code; the last reference dropped from Python frees a group with the GIL released, so that is safe.
 """
 from __future__ import annotations
 
@@ -25,24 +27,29 @@ _installed = False
 
 
 def install() -> None:
-    """Wrap ``torch.distributed.destroy_process_group`` for this process (idempotent).
+    """Wrap ``destroy_process_group`` (keep the groups) and ``init_process_group`` (let them go) (idempotent).
 
     >>> install()  # doctest: +SKIP
     """
     global _installed
     if _installed:
         return
-    original = dist.destroy_process_group
-
-    @functools.wraps(original)
-    def destroy_process_group(group=None):
-        _retired.extend(_groups_destroyed_by(group))
-        return original(group)
-
-    dist.destroy_process_group = destroy_process_group
     import torch.distributed.distributed_c10d as c10d
 
-    c10d.destroy_process_group = destroy_process_group
+    destroy, init = dist.destroy_process_group, dist.init_process_group
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None):
+        _retired.extend(_groups_destroyed_by(group))
+        return destroy(group)
+
+    @functools.wraps(init)
+    def init_process_group(*args, **kwargs):
+        release()
+        return init(*args, **kwargs)
+
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+    dist.init_process_group = c10d.init_process_group = init_process_group
     _installed = True
 
 
