@@ -23,7 +23,7 @@ import sparkring.collective as sr
 log = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
-CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})(-step-\d{7})?\.dcp$")  # a step: inside the epoch (elastic fits)
+CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})(?:-step-(\d{7}))?\.dcp$")  # a step: inside the epoch (elastic fits)
 TRAINER_STATE = "trainer.pt"  # written by rank 0 once every rank's shards are: the checkpoint is complete
 
 

@@ -17,7 +17,7 @@ import torch
 
 import sparkring.collective as sr
 from sparkring.collective.elastic import LEAVE
-from sparkring.collective.timeline import recorder
+from sparkring.collective.timeline import process_started_us, recorder
 from sparkring.data import FeatureSpec
 from sparkring.data.reader import prefetched
 from sparkring.runner import report
@@ -30,7 +30,7 @@ from .sharding import Sharding
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})(-step-\d{7})?\.pt$")  # a step: inside the epoch (elastic fits)
+CHECKPOINT_RE = re.compile(r"^epoch-(\d{5})(?:-step-(\d{7}))?\.pt$")  # a step: inside the epoch (elastic fits)
 
 
 @dataclass(frozen=True)
@@ -253,13 +253,12 @@ def resume_point(store, run_id: str) -> str:
     >>> resume_point(store, "r1")  # epoch-00001-step-0000137.pt  # doctest: +SKIP
     'step 138 of epoch 2'
     """
-    names = checkpoint_names(store, run_id) + [
-        n for n in sharding.checkpoint_dirs(store, run_id)
+    found = [CHECKPOINT_RE.match(n) for n in checkpoint_names(store, run_id)] + [
+        sharding.CHECKPOINT_DIR_RE.match(n) for n in sharding.checkpoint_dirs(store, run_id)
         if store.exists(store.checkpoint_path(run_id, n, sharding.TRAINER_STATE))]
-    if not names:
+    if not found:
         return "the start"
-    newest = re.match(r"^epoch-(\d{5})(?:-step-(\d{7}))?", max(names))
-    assert newest is not None  # both name patterns start so
+    newest = max((m for m in found if m is not None), key=lambda m: m.string)  # the names sort by position
     epoch, step = int(newest.group(1)), newest.group(2)
     # the name holds the 0-based epoch and the 0-based step to go on at; the console counts from 1
     return f"step {int(step) + 1} of epoch {epoch + 1}" if step is not None else f"the start of epoch {epoch + 2}"
@@ -422,7 +421,7 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
         recorder.start(sr.rank())
         began, joined = recorder.joined_us
         recorder.add("start-up: join the ring (rendezvous, transports)", began, joined)
-        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", _process_started_us(), began)
+        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
     with recorder.span("start-up: model, optimizer, resume"):
         trainer = _Trainer(cfg)
     trainer.begin()
@@ -434,23 +433,6 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
     except _Paused:
         return trainer.pause()
     return trainer.finish()
-
-
-def _process_started_us() -> float:
-    """When this process began, in the timeline's clock. Not psutil's create_time: that adds
-    the process's age in clock ticks to the boot time, which Linux gives in whole seconds (up to
-    a second off); its age from /proc/uptime is good to a tick."""
-    try:
-        with open("/proc/self/stat") as f:
-            after_name = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        age = uptime - int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks since boot
-        return (time.time() - age) * 1e6
-    except (OSError, ValueError, IndexError):
-        import psutil
-
-        return psutil.Process().create_time() * 1e6
 
 
 class _Trainer:

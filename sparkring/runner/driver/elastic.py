@@ -162,9 +162,8 @@ def what_was_lost(exc: BaseException) -> str:
     if isinstance(exc, StageLostError) and exc.lost:
         return "lost " + ", ".join(f"rank {rank}" + (f" (executor {where})" if where else "")
                                    for rank, where in exc.lost.items())
-    remote = getattr(exc, "remote_traceback", None)
-    if isinstance(exc, RankFailedError) and remote and str(remote).strip():
-        last = [ln.strip() for ln in str(remote).strip().splitlines() if ln.strip()][-1]
+    if isinstance(exc, RankFailedError) and exc.remote_traceback.strip():
+        last = exc.remote_traceback.strip().splitlines()[-1].strip()
         where = f" (executor {exc.executor})" if exc.executor else ""
         return f"lost rank {exc.rank}{where}: {last}"[:240]
     return f"lost ranks ({(str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]})"
