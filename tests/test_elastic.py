@@ -99,13 +99,13 @@ def _launches(audit, sizes):
 class _AtCheckpoint:
     """Once the run's first checkpoint inside epoch 1 is written, does ``then`` to worker
     ``worker`` of the cluster (kill it, decommission it); with ``back``, starts it again once the
-    ranks that went on without it wrote a checkpoint."""
+    ranks that went on without it finished epoch 1 (its checkpoint)."""
 
     def __init__(self, cluster, then, worker, store_dir, run_id, back=False):
         self.cluster, self.then, self.worker, self.back = cluster, then, worker, back
         # a complete checkpoint: the file, or the sharded one's trainer state (written once every shard is)
-        self.at, self.back_at = [[f"{run_id}/**/epoch-00001-step-{step:07d}.pt",
-                                  f"{run_id}/**/epoch-00001-step-{step:07d}.dcp/trainer.pt"] for step in (4, 8)]
+        self.at, self.back_at = [[f"{run_id}/**/{name}.pt", f"{run_id}/**/{name}.dcp/trainer.pt"]
+                                 for name in ("epoch-00001-step-0000004", "epoch-00001")]
         self.store_dir, self.done = store_dir, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -139,8 +139,8 @@ def test_an_elastic_fit_shrinks_grows_back_and_leaves_a_decommissioned_worker_en
     inputs = ["features", "id"]  # the model can write down the row ids it trains on
     plain = _fit(df, store, numProc=3, minProc=2, runId="uninterrupted", model=E.Paced(seconds=0.05),
                  modelInputs=inputs)
-    # a sharded fit: worker 2 lost inside epoch 1 (3 -> 2 ranks; steps slow while 2 train, so that the
-    # worker is back in time), then back (2 -> 3)
+    # a sharded fit: worker 2 lost for good inside epoch 1 (3 -> 2 ranks finish it; steps slow while 2
+    # train, so that the worker is back in time), started again after that epoch (2 -> 3 in epoch 2)
     paced = E.Paced(seconds=0.05, below=3, seconds_below=1.0)
     with _AtCheckpoint(cluster, cluster.kill_worker, 2, tmp_path / "store", "lost", back=True):
         lost = _fit(df, store, numProc=3, minProc=2, runId="lost", model=paced, strategy="fsdp", modelInputs=inputs,
@@ -155,7 +155,7 @@ def test_an_elastic_fit_shrinks_grows_back_and_leaves_a_decommissioned_worker_en
     assert cluster.alive_workers() == 3
     assert lost.history[-1]["restarts"] == 1 and lost.history[-1]["grows"] == 1
     assert lost.history[1]["resumed_at_step"] in (4, 8, 12)  # at most checkpointEvery=4 steps redone
-    assert [h["num_proc"] for h in lost.history][-1] == 3
+    assert [h["num_proc"] for h in lost.history] == [3, 2, 3]
     _same_weights(plain, lost)  # at 3, 2 then 3 ranks, sharded: the replicated uninterrupted 3-rank weights
     # worker 1 decommissioned (SIGPWR) inside epoch 1: the ranks checkpoint at their next step, the fit goes
     # on with 2 at once, and no step is redone: across both launches every row trains once an epoch
