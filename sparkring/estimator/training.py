@@ -253,13 +253,15 @@ def resume_point(store, run_id: str) -> str:
     >>> resume_point(store, "r1")  # epoch-00001-step-0000137.pt  # doctest: +SKIP
     'step 138 of epoch 2'
     """
-    found = [CHECKPOINT_RE.match(n) for n in checkpoint_names(store, run_id)] + [
-        sharding.CHECKPOINT_DIR_RE.match(n) for n in sharding.checkpoint_dirs(store, run_id)
+    names = checkpoint_names(store, run_id) + [
+        n for n in sharding.checkpoint_dirs(store, run_id)
         if store.exists(store.checkpoint_path(run_id, n, sharding.TRAINER_STATE))]
-    if not found:
+    if not names:
         return "the start"
-    newest = max((m for m in found if m is not None), key=lambda m: m.string)  # the names sort by position
-    epoch, step = int(newest.group(1)), newest.group(2)
+    newest = max(names)  # the names sort by position
+    found = CHECKPOINT_RE.match(newest) or sharding.CHECKPOINT_DIR_RE.match(newest)
+    assert found is not None  # both listings keep only names their pattern matches
+    epoch, step = int(found.group(1)), found.group(2)
     # the name holds the 0-based epoch and the 0-based step to go on at; the console counts from 1
     return f"step {int(step) + 1} of epoch {epoch + 1}" if step is not None else f"the start of epoch {epoch + 2}"
 
