@@ -249,6 +249,8 @@ COMPAT_TESTS = {
                     "test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_the_others",
                     "test_cluster_gpus_come_from_task_resources_and_ranks_span_executors"],
     # Arrow/Parquet paths on pyarrow 14
+    "test_in_place": ["test_a_parquet_scan_is_read_in_place_without_a_job_giving_the_rows_prepare_writes",
+                      "test_ragged_arrays_the_footers_cannot_tell_are_refused_as_they_are_read"],
     "test_data": ["test_rows_decode_to_the_values_that_were_written",
                   "test_dense_and_sparse_vectors_and_numeric_arrays_become_fixed_shape_float_tensors",
                   "test_skewed_partitions_give_every_rank_the_same_number_of_full_batches[2]",

@@ -19,25 +19,30 @@ from .reader import (
     row_bytes,
     share,
     shuffled,
+    source_row_groups,
 )
 from .spec import FeatureSpec
 from .transform import transformed
 
 METADATA_FILE = "_sparkring_metadata.json"
+# metadata["layout"] of a Dataset over the DataFrame's own Parquet files (in_place.py): paths
+# are the files' local paths, columns keep the layout Spark wrote
+IN_PLACE = "in_place"
 __all__ = ["Dataset", "ColumnValues", "METADATA_FILE", "as_torch", "plan_rows"]
 
 
 @dataclass(frozen=True)
 class ColumnValues:
     """A numeric scalar column's smallest value (None: no non-null value) and how many of its
-    values are not whole numbers.
+    values are not whole numbers (None: not counted; data read in place is checked as ranks
+    read it).
 
     >>> ColumnValues(minimum=0.0, non_integral=0).non_integral
     0
     """
 
     minimum: Optional[float]
-    non_integral: int
+    non_integral: Optional[int]
 
 
 class Dataset:
@@ -92,7 +97,10 @@ class Dataset:
         ColumnValues(minimum=0.0, non_integral=0)
         """
         seen = self.metadata.get("values", {}).get(column)
-        return None if seen is None else ColumnValues(minimum=seen["min"], non_integral=int(seen["non_integral"]))
+        if seen is None:
+            return None
+        counted = seen["non_integral"]
+        return ColumnValues(minimum=seen["min"], non_integral=None if counted is None else int(counted))
 
     def exists(self) -> bool:
         return self.store.exists(f"{self.data_dir}/{METADATA_FILE}")
@@ -212,7 +220,16 @@ class Dataset:
             out = transformed(out, transform, 0)
         return (as_torch(b) for b in out)
 
+    @property
+    def in_place(self) -> bool:
+        """Whether this reads the DataFrame's own Parquet files (nothing was prepared)."""
+        return self.metadata.get("layout") == IN_PLACE
+
     def _row_groups(self, reader: str, split: str, cols: List[str]):
+        if self.in_place:
+            if reader != "arrow":
+                raise ValueError(f"reader={reader!r}: data read in place is read with reader='arrow'")
+            return source_row_groups(self._open, self.spec, cols, self.metadata.get("integral", ()))
         if reader == "arrow":
             return arrow_row_groups(self._open, self.spec, cols)
         counts = {f["path"]: len(f["row_groups"]) for f in self.metadata["splits"].get(split, [])}
@@ -228,6 +245,8 @@ class Dataset:
     def _open(self, path: str):
         import pyarrow.parquet as pq
 
+        if self.in_place:
+            return pq.ParquetFile(path, memory_map=True)
         full = f"{self.data_dir}/{path}"
         local = self.store.local_path(full)
         # local files are memory-mapped: decoding reads the page cache, no extra copy
@@ -252,7 +271,7 @@ class Dataset:
     def _window_rows(self, count: int, batch_size: int, units, cols) -> int:
         """Rows shuffled together: the rank's whole share when it is local and takes at most
         MEMORY_BYTES decoded, else 16 batches (at least one row group)."""
-        local = self.store.local_path(self.data_dir) is not None
+        local = self.in_place or self.store.local_path(self.data_dir) is not None
         if local and count * row_bytes(self.spec, cols) <= reader.MEMORY_BYTES:
             return count
         return max(16 * batch_size, max(u[2] for u in units))

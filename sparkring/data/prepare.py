@@ -11,6 +11,7 @@ import numpy as np
 
 from . import reuse as reuse_cache
 from .dataset import METADATA_FILE, Dataset
+from .in_place import read_in_place
 from .spec import SCALAR, TENSOR, ColumnSpec, DataError, FeatureSpec, tensor_profile, to_stored
 from .store import Store
 from .unischema import petastorm_codecs
@@ -253,7 +254,8 @@ def _check_validation(df, validation: Union[None, float, str]) -> Union[None, fl
 
 def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] = None,
             validation: Union[None, float, str] = None, seed: Optional[int] = None,
-            run_id: Optional[str] = None, reuse: bool = True, spec: Optional[FeatureSpec] = None) -> Dataset:
+            run_id: Optional[str] = None, reuse: bool = True, spec: Optional[FeatureSpec] = None,
+            in_place: bool = False, integral: Sequence[str] = ()) -> Dataset:
     """Write the columns of ``df`` that ``spec`` names (or just ``columns``) as Parquet in the
     store and return a small, picklable handle to read them back as torch tensors on any rank.
 
@@ -261,6 +263,9 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     boolean column marking validation rows. Preparing the same DataFrame (same logical
     plan) with the same arguments again in one session returns the files already written.
     The measured shapes and the spec go into the metadata (``ds.spec``).
+
+    With ``in_place`` and no ``validation``, a plain scan of local Parquet files is read where
+    it lies instead (:mod:`sparkring.data.in_place`; ``integral``: class-label columns).
 
     >>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"], validation=0.1, seed=0)  # doctest: +SKIP
     >>> ds.num_rows("train"), ds.shapes["features"]  # doctest: +SKIP
@@ -275,6 +280,10 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
         spec = FeatureSpec.build(df.schema, extra=list(dict.fromkeys(columns)),
                                  codecs=petastorm_codecs(df, store.storage_options))
     validation = _check_validation(df, validation)
+    if in_place and validation is None:
+        found = read_in_place(df, store, spec, run_id=run_id, seed=seed, integral=integral)
+        if found is not None:
+            return found
     key = _cache_key(df, store, spec, validation, seed) if reuse else None
     cached = reuse_cache.lookup(key)
     if cached is not None:

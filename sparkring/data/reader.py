@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .spec import FeatureSpec, to_numpy
+from .spec import TENSOR, DataError, FeatureSpec, to_numpy
 
 # What one reader (one rank) keeps decoded in memory: a split decoded for later epochs, and
 # the largest share shuffled as one window.
@@ -114,6 +114,56 @@ def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: S
         table = files[path].read_row_group(rg, columns=list(cols))
         return {c: to_numpy(table.column(c), spec.column(c)) for c in cols}
     return read
+
+
+def source_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
+                      integral: Sequence[str] = ()) -> RowGroupReader:
+    """The reader of Parquet a DataFrame scanned (read in place, not prepared): an ML vector's
+    ``values`` list or a numeric array becomes one row per array, checked to hold the same
+    number of elements on every row; a scalar is cast; the ``integral`` columns (class-index
+    labels) are checked to hold whole, non-negative numbers. DataError names the column."""
+    files: Dict[str, Any] = {}
+    leaves = [f"{c}.values" if spec.column(c).vector else c for c in cols]
+
+    def read(path: str, rg: int) -> Dict[str, np.ndarray]:
+        if path not in files:
+            files[path] = open_file(path)
+        table = files[path].read_row_group(rg, columns=leaves)
+        return {c: _source_column(table.column(c), spec.column(c), c in integral, path) for c in cols}
+    return read
+
+
+def _source_column(column, col, integral: bool, path: str) -> np.ndarray:
+    """One scanned column as rows: see source_row_groups."""
+    import pyarrow as pa
+
+    column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if column.null_count:
+        raise DataError(f"column {col.name!r} has {column.null_count} null value(s) in {path}: fill them "
+                        "(df.fillna / Imputer) or filter them out (df.dropna)")
+    if col.kind != TENSOR:
+        values = column.to_numpy(zero_copy_only=False)
+        if integral and values.dtype.kind == "f" and not np.array_equal(values, np.floor(values)):
+            bad = int(np.count_nonzero(values != np.floor(values)))
+            raise DataError(f"column {col.name!r} has {bad} non-integral value(s) in {path}, but the loss needs "
+                            "class indices 0..C-1; index the labels (StringIndexer) or use a regression loss")
+        if integral and len(values) and values.min() < 0:
+            raise DataError(f"column {col.name!r} has negative value {values.min():g} in {path}; class indices "
+                            "start at 0")
+        return values.astype(np.bool_ if col.dtype == "bool" else np.dtype(col.dtype), copy=False)
+    if pa.types.is_struct(column.type):
+        column = column.field("values")
+    width = col.width()
+    offsets = column.offsets.to_numpy()
+    if np.any(np.diff(offsets) != width):
+        lengths = np.diff(offsets)
+        raise DataError(f"column {col.name!r} holds arrays of different lengths ({lengths.min()} to "
+                        f"{lengths.max()}) in {path}; every row must have the same shape: pad or truncate them")
+    values = column.flatten()
+    if values.null_count:
+        raise DataError(f"column {col.name!r} has {values.null_count} null element(s) in {path}: fill or drop them")
+    return values.to_numpy(zero_copy_only=False).astype(np.dtype(col.dtype), copy=False).reshape(
+        len(column), *col.shape)
 
 
 def decoded_pieces(read_row_group: RowGroupReader, pieces: Sequence[Tuple[str, int, int, int]],

@@ -363,8 +363,11 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         checked = self._validate(dataset)
         # one run directory holds this fit's prepared data and its checkpoints
         run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
+        class_labels = [label for label, loss in zip(self.labelColumns(), self.lossList())
+                        if losses.label_kind(loss) == "class"]
         ds = prepare(dataset, checked.store, spec=checked.spec, validation=self.getOrDefault("validation"),
-                     seed=self.getOrDefault("seed"), run_id=run_id)
+                     seed=self.getOrDefault("seed"), run_id=run_id, integral=class_labels,
+                     in_place=self.getOrDefault("readInPlace") and self.getOrDefault("reader") == "arrow")
         self._prepared = ds
         try:
             self._check_labels(ds)
