@@ -207,3 +207,14 @@ def test_torch_distributor_runs_a_ddp_function_on_connect(spark_connect):
     assert isinstance(out, float)
     local = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(ddp_fns.spark_style_train, 0.1)
     assert out == local  # the same training, launched by a Connect stage or by local processes
+
+
+def test_a_parquet_scan_on_connect_is_prepared_as_the_plan_is_not_at_hand(spark_connect, tmp_path):
+    from sparkring.data import prepare
+
+    path = str(tmp_path / "scan")
+    spark_connect.range(40).select(F.col("id").cast("double").alias("label"), F.array(F.col("id").cast("float"))
+                                   .alias("x")).write.parquet(path)
+    ds = prepare(spark_connect.read.parquet(path), Store(str(tmp_path / "store")), columns=["x", "label"],
+                 in_place=True)
+    assert not ds.in_place and ds.num_rows() == 40 and ds.shapes["x"] == [1]

@@ -1,6 +1,7 @@
 """reader="petastorm": the same rows per rank and epoch as the default reader (compat
 environment, where petastorm imports); elsewhere a clear error naming what works."""
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -90,3 +91,19 @@ def test_fit_with_the_petastorm_reader_where_it_cannot_import_is_refused_before_
     with pytest.raises(ConfigurationError, match=r"reader='petastorm' but petastorm cannot be imported here"):
         _fit(spark, tmp_path, "petastorm", "refused")
     assert len(spark.sparkContext.statusTracker().getJobIdsForGroup(None)) == jobs
+
+
+@needs_petastorm
+def test_a_parquet_scan_fit_through_petastorm_reads_a_prepared_copy(spark, tmp_path):
+    import est_helpers as H
+
+    from sparkring import SparkRingEstimator
+
+    path = str(tmp_path / "scan")
+    H.classification_df(spark, n=96).write.parquet(path)
+    store = Store(str(tmp_path / "store"))
+    model = SparkRingEstimator(model=H.mlp(), optimizer=H.adam, loss="cross_entropy", batchSize=16, epochs=1,
+                               numProc=2, store=store, runId="scan", verbose=0, keepData=True,
+                               reader="petastorm").fit(spark.read.parquet(path))
+    assert "train" in os.listdir(store.data_path("scan"))  # petastorm reads what prepare wrote, not Spark's files
+    assert len(model.history) == 1
