@@ -63,6 +63,10 @@ def test_a_parquet_scan_is_read_in_place_without_a_job_giving_the_rows_prepare_w
         assert ours[c].dtype == theirs[c].dtype
         np.testing.assert_array_equal(ours[c], theirs[c])
     assert [in_place.num_batches(16, size) for size in (2, 3)] == [prepared.num_batches(16, size) for size in (2, 3)]
+    elastic = [b for r in range(2) for b in in_place.global_batches(30, rank=r, size=2, epoch=1)]  # an elastic fit's
+    ids = np.concatenate([b["id"].numpy() for b in elastic])
+    assert len(ids) == 300 and len(set(ids.tolist())) == 300 and set(ids.tolist()) <= set(range(301))
+    np.testing.assert_array_equal(np.concatenate([b["pair"].numpy() for b in elastic])[:, 0], ids.astype(np.float32))
     in_place.delete()
     assert len(os.listdir(os.path.dirname(scanned.inputFiles()[0].replace("file://", "")))) > 1  # the files stay
 
