@@ -1,5 +1,6 @@
 """A DataFrame that only scans Parquet files is read where the files lie: no prepare job, the
-same rows as prepare would write, and prepare (with its errors) for anything else."""
+same rows as prepare would write, validation rows drawn per row group, and prepare (with its
+errors) for anything else."""
 import os
 
 import est_helpers as H
@@ -29,8 +30,8 @@ def _write(spark, path, rows, names, partitions=3):
 
 @pytest.fixture
 def scanned(spark, tmp_path):
-    rows = [(i, Vectors.dense([i, i / 2, -i]), float(i % 3), [float(i), float(i + 1)]) for i in range(301)]
-    return _write(spark, str(tmp_path / "scanned"), rows, COLUMNS)
+    rows = [(i, Vectors.dense([i, i / 2, -i]), float(i % 3), [float(i), float(i + 1)], i % 5 == 0) for i in range(301)]
+    return _write(spark, str(tmp_path / "scanned"), rows, COLUMNS + ["held"])
 
 
 def _every_row(ds):
@@ -76,7 +77,7 @@ def test_a_selection_of_the_scanned_columns_is_read_in_place(spark, store, scann
     assert ds.in_place and ds.num_rows() == 301
 
 
-@pytest.mark.parametrize("change", ["filtered", "computed", "limited", "validation", "sparse", "not_asked"])
+@pytest.mark.parametrize("change", ["filtered", "computed", "limited", "validation_column", "sparse", "not_asked"])
 def test_anything_but_a_plain_scan_of_dense_columns_is_prepared(spark, store, scanned, tmp_path, change):
     df, validation, in_place = scanned, None, True
     if change == "filtered":
@@ -85,8 +86,8 @@ def test_anything_but_a_plain_scan_of_dense_columns_is_prepared(spark, store, sc
         df = scanned.withColumn("label", F.col("label") + 1)
     elif change == "limited":
         df = scanned.limit(50)
-    elif change == "validation":
-        validation = 0.2
+    elif change == "validation_column":
+        validation = "held"
     elif change == "sparse":
         rows = [(i, Vectors.sparse(3, [i % 3], [1.0]), 1.0, [0.0, 1.0]) for i in range(20)]
         df = _write(spark, str(tmp_path / "sparse"), rows, COLUMNS)
@@ -96,8 +97,29 @@ def test_anything_but_a_plain_scan_of_dense_columns_is_prepared(spark, store, sc
     assert not ds.in_place
     expected = {"filtered": 200, "limited": 50, "sparse": 20}.get(change, 301)
     assert ds.num_rows() + ds.num_rows("val") == expected
+    if change == "validation_column":
+        assert ds.num_rows("val") == 61
     if change == "sparse":
         np.testing.assert_array_equal(_every_row(ds)["features"].sum(axis=1), np.ones(20, dtype=np.float32))
+
+
+def test_a_validation_fraction_holds_out_rows_drawn_per_row_group_by_the_seed(spark, store, scanned):
+    def split_ids(seed):
+        ds = prepare(scanned, store, columns=COLUMNS, validation=0.25, seed=seed, in_place=True)
+        assert ds.in_place
+        ids = {}
+        for split in ("train", "val"):
+            batches = list(ds.batches(16, shuffle=False, drop_last=False, split=split))
+            ids[split] = np.concatenate([b["id"].numpy() for b in batches])
+            np.testing.assert_array_equal(np.concatenate([b["pair"].numpy() for b in batches])[:, 0],
+                                          ids[split].astype(np.float32))  # each row keeps its own values
+            assert len(ids[split]) == ds.num_rows(split)
+        return set(ids["train"].tolist()), set(ids["val"].tolist())
+
+    train, val = split_ids(7)
+    assert not train & val and train | val == set(range(301))
+    assert 40 < len(val) < 115  # a quarter of 301, drawn
+    assert split_ids(7) == (train, val) and split_ids(8)[1] != val
 
 
 def test_a_null_in_a_scanned_column_gets_prepares_error(spark, store, tmp_path):
@@ -134,7 +156,7 @@ def test_fit_on_a_parquet_scan_trains_on_the_files_in_place_and_predicts_as_well
     def fit(run_id, **kw):
         return SparkRingEstimator(model=H.mlp(), optimizer=H.adam, loss="cross_entropy", batchSize=16, epochs=4,
                                   numProc=2, seed=3, store=store, verbose=0, keepData=True, runId=run_id,
-                                  **kw).fit(df)
+                                  validation=0.2, **kw).fit(df)
 
     in_place, prepared = fit("in-place"), fit("prepared", readInPlace=False)
     assert os.listdir(store.data_path("in-place")) == ["_sparkring_metadata.json"]  # nothing copied
@@ -146,6 +168,7 @@ def test_fit_on_a_parquet_scan_trains_on_the_files_in_place_and_predicts_as_well
 
     assert accuracy(in_place) > 0.9 and abs(accuracy(in_place) - accuracy(prepared)) < 0.05
     assert in_place.history[-1]["loss"] < in_place.history[0]["loss"]
+    assert in_place.history[-1]["val_loss"] < in_place.history[0]["val_loss"]
 
 
 def test_fit_refuses_class_labels_read_in_place_that_are_not_class_indices(spark, store, tmp_path):

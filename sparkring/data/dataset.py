@@ -9,6 +9,7 @@ import numpy as np
 from . import reader, reuse
 from .petastorm_reader import check_reader, petastorm_row_groups
 from .reader import (
+    RowSelector,
     SplitMemory,
     arrow_row_groups,
     as_torch,
@@ -20,6 +21,7 @@ from .reader import (
     share,
     shuffled,
     source_row_groups,
+    validation_rows,
 )
 from .spec import FeatureSpec
 from .transform import transformed
@@ -225,11 +227,21 @@ class Dataset:
         """Whether this reads the DataFrame's own Parquet files (nothing was prepared)."""
         return self.metadata.get("layout") == IN_PLACE
 
+    def _split_rows(self, split: str) -> Optional[RowSelector]:
+        """Data read in place with a validation fraction: the split's rows of each row group."""
+        held_out = self.metadata.get("held_out")
+        if held_out is None:
+            return None
+        index = {path: i for i, path in enumerate(held_out["files"])}
+        seed, fraction, val = held_out["seed"], held_out["fraction"], split == "val"
+        return lambda path, rg, rows: validation_rows(seed, index[path], rg, rows, fraction) == val
+
     def _row_groups(self, reader: str, split: str, cols: List[str]):
         if self.in_place:
             if reader != "arrow":
                 raise ValueError(f"reader={reader!r}: data read in place is read with reader='arrow'")
-            return source_row_groups(self._open, self.spec, cols, self.metadata.get("integral", ()))
+            return source_row_groups(self._open, self.spec, cols, self.metadata.get("integral", ()),
+                                     self._split_rows(split))
         if reader == "arrow":
             return arrow_row_groups(self._open, self.spec, cols)
         counts = {f["path"]: len(f["row_groups"]) for f in self.metadata["splits"].get(split, [])}

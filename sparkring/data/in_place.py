@@ -7,7 +7,8 @@ through its plan (``inputFiles`` lists the files whatever filters or expressions
 pyarrow reads the footers. Anything this module does not recognise (a filter, a computed or
 renamed column, a sparse vector, nested arrays, missing statistics, a remote file system)
 makes it answer None, and ``prepare`` writes the columns as before; so the errors for bad
-data stay prepare's.
+data stay prepare's. A validation fraction holds out rows drawn per row group, seeded; a
+validation column is prepared.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from urllib.parse import unquote, urlparse
 
 from .dataset import IN_PLACE, METADATA_FILE, Dataset
-from .spec import SCALAR, TENSOR, ColumnSpec, FeatureSpec
+from .reader import validation_rows
+from .spec import SCALAR, TENSOR, ColumnSpec, DataError, FeatureSpec
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -129,15 +131,28 @@ def _file_facts(path: str, columns: Sequence[ColumnSpec]) -> Optional[_FileFacts
     return facts
 
 
+def _splits(files: Sequence[_FileFacts], validation: Optional[float], seed: int) -> Dict[str, List[Dict[str, Any]]]:
+    """Each file's rows per row group in the train and val splits (validation_rows draws them)."""
+    splits: Dict[str, List[Dict[str, Any]]] = {"train": [], "val": []}
+    for i, f in enumerate(files):
+        held = [int(validation_rows(seed, i, j, n, validation).sum()) if validation else 0
+                for j, n in enumerate(f.row_groups)]
+        for split, counts in (("train", [n - h for n, h in zip(f.row_groups, held)]), ("val", held)):
+            if split == "train" or validation:
+                splits[split].append({"path": f.path, "rows": sum(counts), "row_groups": counts})
+    return splits
+
+
 def _supported(col: ColumnSpec) -> bool:
     return "." not in col.name and (col.kind == SCALAR or (col.kind == TENSOR and col.levels == 1))
 
 
 def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = None, seed: Optional[int] = None,
-                  integral: Sequence[str] = ()) -> Optional[Dataset]:
+                  integral: Sequence[str] = (), validation: Optional[float] = None) -> Optional[Dataset]:
     """A Dataset reading ``df``'s own Parquet files, or None when ``df`` is not only a scan of
     local Parquet files whose footers vouch for every column ``spec`` names (see the module
-    docstring). ``integral`` columns (class-index labels) are checked on the ranks as they read.
+    docstring). ``integral`` columns (class-index labels) are checked on the ranks as they read;
+    a ``validation`` fraction holds out rows drawn per row group (``reader.validation_rows``).
 
     >>> ds = read_in_place(spark.read.parquet("/data/train"), Store("/tmp/runs"), spec)  # doctest: +SKIP
     >>> ds.num_rows("train")  # doctest: +SKIP
@@ -163,10 +178,13 @@ def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = N
             lows = [f.minimum[c.name] for f in found if c.name in f.minimum]
             values[c.name] = {"min": min(lows) if lows else None, "non_integral": None}
     files = sorted((f for f in found if sum(f.row_groups)), key=lambda f: f.path)
-    metadata = {"format": 2, "layout": IN_PLACE, "spec": spec.to_dict(), "validation": None, "seed": seed,
-                "splits": {"train": [{"path": f.path, "rows": sum(f.row_groups), "row_groups": f.row_groups}
-                                     for f in files], "val": []},
-                "values": values, "integral": [c for c in integral if spec.column(c).kind == SCALAR]}
+    metadata = {"format": 2, "layout": IN_PLACE, "spec": spec.to_dict(), "validation": validation, "seed": seed,
+                "splits": _splits(files, validation, seed or 0), "values": values,
+                "integral": [c for c in integral if spec.column(c).kind == SCALAR],
+                "held_out": None if validation is None else {"fraction": validation, "seed": seed or 0,
+                                                             "files": [f.path for f in files]}}
+    if not any(f["rows"] for f in metadata["splits"]["train"]):
+        raise DataError("every row went to validation: no training rows are left; lower validation=")
     store.check_writable()
     data_dir = store.data_path(run_id or uuid.uuid4().hex[:12])
     store.write_bytes(f"{data_dir}/{METADATA_FILE}", json.dumps(metadata, indent=1).encode())

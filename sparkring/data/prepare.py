@@ -264,7 +264,7 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     plan) with the same arguments again in one session returns the files already written.
     The measured shapes and the spec go into the metadata (``ds.spec``).
 
-    With ``in_place`` and no ``validation``, a plain scan of local Parquet files is read where
+    With ``in_place`` and no validation column, a plain scan of local Parquet files is read where
     it lies instead (:mod:`sparkring.data.in_place`; ``integral``: class-label columns).
 
     >>> ds = prepare(df, Store("/tmp/runs"), columns=["features", "label"], validation=0.1, seed=0)  # doctest: +SKIP
@@ -280,8 +280,8 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
         spec = FeatureSpec.build(df.schema, extra=list(dict.fromkeys(columns)),
                                  codecs=petastorm_codecs(df, store.storage_options))
     validation = _check_validation(df, validation)
-    if in_place and validation is None:
-        found = read_in_place(df, store, spec, run_id=run_id, seed=seed, integral=integral)
+    if in_place and not isinstance(validation, str):
+        found = read_in_place(df, store, spec, run_id=run_id, seed=seed, integral=integral, validation=validation)
         if found is not None:
             return found
     key = _cache_key(df, store, spec, validation, seed) if reuse else None

@@ -116,12 +116,23 @@ def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: S
     return read
 
 
+def validation_rows(seed: int, file_index: int, row_group: int, rows: int, fraction: float) -> np.ndarray:
+    """Which rows of a row group read in place are held out for validation: a draw seeded by
+    the row group's place, so the driver counts and every rank reads the same rows."""
+    return np.random.default_rng([seed, file_index, row_group, 4391]).random(rows) < fraction
+
+
+# Which of a row group's rows a split keeps: (path, row group, rows) -> boolean mask.
+RowSelector = Callable[[str, int, int], np.ndarray]
+
+
 def source_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
-                      integral: Sequence[str] = ()) -> RowGroupReader:
+                      integral: Sequence[str] = (), keep: Optional[RowSelector] = None) -> RowGroupReader:
     """The reader of Parquet a DataFrame scanned (read in place, not prepared): an ML vector's
     ``values`` list or a numeric array becomes one row per array, checked to hold the same
     number of elements on every row; a scalar is cast; the ``integral`` columns (class-index
-    labels) are checked to hold whole, non-negative numbers. DataError names the column."""
+    labels) are checked to hold whole, non-negative numbers; ``keep`` picks the split's rows.
+    DataError names the column."""
     files: Dict[str, Any] = {}
     leaves = [f"{c}.values" if spec.column(c).vector else c for c in cols]
 
@@ -129,7 +140,11 @@ def source_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: 
         if path not in files:
             files[path] = open_file(path)
         table = files[path].read_row_group(rg, columns=leaves)
-        return {c: _source_column(table.column(c), spec.column(c), c in integral, path) for c in cols}
+        arrays = {c: _source_column(table.column(c), spec.column(c), c in integral, path) for c in cols}
+        if keep is None:
+            return arrays
+        mask = keep(path, rg, table.num_rows)
+        return {c: a[mask] for c, a in arrays.items()}
     return read
 
 
