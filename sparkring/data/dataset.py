@@ -228,12 +228,13 @@ class Dataset:
         return self.metadata.get("layout") == IN_PLACE
 
     def _split_rows(self, split: str) -> Optional[RowSelector]:
-        """Data read in place with a validation fraction: the split's rows of each row group."""
-        held_out = self.metadata.get("held_out")
-        if held_out is None:
+        """Data read in place with a validation fraction: the split's rows of each row group
+        (every file is listed in the train split, in the order in_place drew them)."""
+        fraction = self.metadata.get("validation")
+        if fraction is None:
             return None
-        index = {path: i for i, path in enumerate(held_out["files"])}
-        seed, fraction, val = held_out["seed"], held_out["fraction"], split == "val"
+        index = {f["path"]: i for i, f in enumerate(self.metadata["splits"]["train"])}
+        seed, val = self.metadata["seed"] or 0, split == "val"
         return lambda path, rg, rows: validation_rows(seed, index[path], rg, rows, fraction) == val
 
     def _row_groups(self, reader: str, split: str, cols: List[str]):
@@ -257,10 +258,8 @@ class Dataset:
     def _open(self, path: str):
         import pyarrow.parquet as pq
 
-        if self.in_place:
-            return pq.ParquetFile(path, memory_map=True)
         full = f"{self.data_dir}/{path}"
-        local = self.store.local_path(full)
+        local = path if self.in_place else self.store.local_path(full)
         # local files are memory-mapped: decoding reads the page cache, no extra copy
         return (pq.ParquetFile(local, memory_map=True) if local is not None
                 else pq.ParquetFile(self.store.fs.open_input_file(full)))

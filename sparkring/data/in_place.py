@@ -122,9 +122,9 @@ def _file_facts(path: str, columns: Sequence[ColumnSpec]) -> Optional[_FileFacts
             if leaf is None or not _clean(leaf):
                 return None
             if col.kind == TENSOR:
-                if leaf.num_values % rows or facts.widths.get(col.name, leaf.num_values // rows) != leaf.num_values // rows:
+                width, ragged = divmod(leaf.num_values, rows)
+                if ragged or facts.widths.setdefault(col.name, width) != width:
                     return None  # ragged: prepare names the lengths
-                facts.widths[col.name] = leaf.num_values // rows
             elif leaf.statistics.has_min_max and not isinstance(leaf.statistics.min, bool):
                 low = float(leaf.statistics.min)
                 facts.minimum[col.name] = min(low, facts.minimum.get(col.name, low))
@@ -180,9 +180,7 @@ def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = N
     files = sorted((f for f in found if sum(f.row_groups)), key=lambda f: f.path)
     metadata = {"format": 2, "layout": IN_PLACE, "spec": spec.to_dict(), "validation": validation, "seed": seed,
                 "splits": _splits(files, validation, seed or 0), "values": values,
-                "integral": [c for c in integral if spec.column(c).kind == SCALAR],
-                "held_out": None if validation is None else {"fraction": validation, "seed": seed or 0,
-                                                             "files": [f.path for f in files]}}
+                "integral": [c for c in integral if spec.column(c).kind == SCALAR]}
     if not any(f["rows"] for f in metadata["splits"]["train"]):
         raise DataError("every row went to validation: no training rows are left; lower validation=")
     store.check_writable()

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import numpy as np
 
-from .spec import TENSOR, DataError, FeatureSpec, to_numpy
+from .spec import TENSOR, DataError, FeatureSpec, flat_values, to_numpy
 
 # What one reader (one rank) keeps decoded in memory: a split decoded for later epochs, and
 # the largest share shuffled as one window.
@@ -148,6 +148,16 @@ def source_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: 
     return read
 
 
+def _check_class_indices(values: np.ndarray, name: str, path: str) -> None:
+    """DataError naming the column and file unless ``values`` are whole, non-negative numbers."""
+    if values.dtype.kind == "f" and not np.array_equal(values, np.floor(values)):
+        bad = int(np.count_nonzero(values != np.floor(values)))
+        raise DataError(f"column {name!r} has {bad} non-integral value(s) in {path}, but the loss needs "
+                        "class indices 0..C-1; index the labels (StringIndexer) or use a regression loss")
+    if len(values) and values.min() < 0:
+        raise DataError(f"column {name!r} has negative value {values.min():g} in {path}; class indices start at 0")
+
+
 def _source_column(column, col, integral: bool, path: str) -> np.ndarray:
     """One scanned column as rows: see source_row_groups."""
     import pyarrow as pa
@@ -157,28 +167,20 @@ def _source_column(column, col, integral: bool, path: str) -> np.ndarray:
         raise DataError(f"column {col.name!r} has {column.null_count} null value(s) in {path}: fill them "
                         "(df.fillna / Imputer) or filter them out (df.dropna)")
     if col.kind != TENSOR:
-        values = column.to_numpy(zero_copy_only=False)
-        if integral and values.dtype.kind == "f" and not np.array_equal(values, np.floor(values)):
-            bad = int(np.count_nonzero(values != np.floor(values)))
-            raise DataError(f"column {col.name!r} has {bad} non-integral value(s) in {path}, but the loss needs "
-                            "class indices 0..C-1; index the labels (StringIndexer) or use a regression loss")
-        if integral and len(values) and values.min() < 0:
-            raise DataError(f"column {col.name!r} has negative value {values.min():g} in {path}; class indices "
-                            "start at 0")
-        return values.astype(np.bool_ if col.dtype == "bool" else np.dtype(col.dtype), copy=False)
+        values = to_numpy(column, col)
+        if integral:
+            _check_class_indices(column.to_numpy(zero_copy_only=False), col.name, path)
+        return values
     if pa.types.is_struct(column.type):
         column = column.field("values")
-    width = col.width()
-    offsets = column.offsets.to_numpy()
-    if np.any(np.diff(offsets) != width):
-        lengths = np.diff(offsets)
+    lengths = np.diff(column.offsets.to_numpy())
+    if np.any(lengths != col.width()):
         raise DataError(f"column {col.name!r} holds arrays of different lengths ({lengths.min()} to "
                         f"{lengths.max()}) in {path}; every row must have the same shape: pad or truncate them")
-    values = column.flatten()
-    if values.null_count:
-        raise DataError(f"column {col.name!r} has {values.null_count} null element(s) in {path}: fill or drop them")
-    return values.to_numpy(zero_copy_only=False).astype(np.dtype(col.dtype), copy=False).reshape(
-        len(column), *col.shape)
+    nulls = column.flatten().null_count
+    if nulls:
+        raise DataError(f"column {col.name!r} has {nulls} null element(s) in {path}: fill or drop them")
+    return flat_values(column, col).reshape(len(column), *col.shape)
 
 
 def decoded_pieces(read_row_group: RowGroupReader, pieces: Sequence[Tuple[str, int, int, int]],

@@ -338,12 +338,17 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return EarlyStopping(monitor=monitor, patience=int(es["patience"]), mode=mode,
                              min_delta=float(es.get("min_delta", 0.0)))
 
+    def _class_labels(self) -> List[Tuple[str, Any]]:
+        """(label column, loss) of each head whose loss takes class indices."""
+        return [(label, loss) for label, loss in zip(self.labelColumns(), self.lossList())
+                if losses.label_kind(loss) == "class"]
+
     def _check_labels(self, ds) -> None:
         """Class-index losses need integral, non-negative labels: checked against what prepare saw
         of them in its pass over the DataFrame (no pass of their own). A boolean label is always
         a class index; an array label's values meet the loss on the ranks."""
-        for label, loss in zip(self.labelColumns(), self.lossList()):
-            values = ds.values(label) if losses.label_kind(loss) == "class" else None
+        for label, loss in self._class_labels():
+            values = ds.values(label)
             if values is None:
                 continue
             if values.non_integral:
@@ -363,10 +368,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         checked = self._validate(dataset)
         # one run directory holds this fit's prepared data and its checkpoints
         run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
-        class_labels = [label for label, loss in zip(self.labelColumns(), self.lossList())
-                        if losses.label_kind(loss) == "class"]
         ds = prepare(dataset, checked.store, spec=checked.spec, validation=self.getOrDefault("validation"),
-                     seed=self.getOrDefault("seed"), run_id=run_id, integral=class_labels,
+                     seed=self.getOrDefault("seed"), run_id=run_id, integral=[label for label, _ in self._class_labels()],
                      in_place=self.getOrDefault("readInPlace") and self.getOrDefault("reader") == "arrow")
         self._prepared = ds
         try:
