@@ -27,6 +27,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def alive_workers(ui_port: int) -> int:
+    """The workers a standalone master's UI counts alive; 0 while the UI is not up (a starting UI
+    can answer /json/ with its HTML page before the JSON handler is attached)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as r:
+            return json.load(r).get("aliveworkers", 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         return s.connect_ex((host, port)) == 0
@@ -155,11 +165,7 @@ class StandaloneCluster:
             w.proc = None
 
     def alive_workers(self) -> int:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=2) as r:
-                return json.load(r).get("aliveworkers", 0)
-        except OSError:
-            return 0
+        return alive_workers(self.ui_port)
 
     def stop(self) -> None:
         for w in self.workers:

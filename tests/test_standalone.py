@@ -2,17 +2,15 @@
 installed pyspark) whose workers have no sparkring: the environment is shipped with
 ``make pack`` + ``--archives``; a worker whose Python has other versions is caught by run() and
 named by doctor; nothing is left running afterwards."""
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pyspark
 import pytest
-from standalone_cluster import SPARK_HOME, free_port, port_open, processes_under, wait_for
+from standalone_cluster import SPARK_HOME, alive_workers, free_port, port_open, processes_under, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the skewed worker's Python: a small venv layered over the packed one with another cloudpickle
@@ -38,14 +36,6 @@ def _clean_env(**extra):
     return env
 
 
-
-
-def _alive_workers(ui_port):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=2) as r:
-            return json.load(r).get("aliveworkers", 0)
-    except OSError:
-        return 0
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +84,7 @@ def cluster(packed, tmp_path_factory):
             start(["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--cores", "1", "--memory",
                    "1200m", "--webui-port", str(free_port()), "--work-dir", str(root / f"work{i}"),
                    f"spark://127.0.0.1:{port}"], f"worker{i}.log", SPARKRING_TEST_PYTHON=str(python))
-        wait_for(lambda: _alive_workers(ui) == 2, 90, "the workers did not register")
+        wait_for(lambda: alive_workers(ui) == 2, 90, "the workers did not register")
         yield {"master": f"spark://127.0.0.1:{port}", "root": root, "wrapper": str(wrapper), **packed}
     finally:
         for p in procs:
