@@ -34,7 +34,7 @@ test: java $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The compat environment runs the version-dependent tests, a cross-section and the fast layer
-# (tests/conftest.py COMPAT_TESTS); FULL=1 runs the whole suite there.
+# (marked @pytest.mark.compat at each test); FULL=1 runs the whole suite there.
 FULL ?=
 COMPAT_SELECT := $(if $(FULL),,-m "compat or not slow")
 test-compat: java $(STAMP_COMPAT)

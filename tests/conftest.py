@@ -231,58 +231,11 @@ SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark":
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
                    "test_examples", "test_sharding"}
 
-# What the compat environment (pyspark 3.5, pyarrow 14, numpy 1, petastorm) runs: `make test-compat`
-# runs these and the fast layer, `make test-compat FULL=1` everything. The version-dependent tests
-# (petastorm, persistence, spark-submit, Arrow/Parquet decoding, MLflow, Lightning) and one test of
-# every other module as a cross-section. A name matches a test and all its parameter cases; a name
-# with [id] one case.
-COMPAT_MODULES = {"test_petastorm", "test_petastorm_datasets", "test_unischema"}
-COMPAT_TESTS = {
-    # persistence and Pipelines on pyspark 3.5's ML readers/writers
-    "test_estimator": ["test_fit_trains_a_classifier_and_transform_adds_spark_ml_columns",
-                       "test_model_and_estimator_save_and_load_round_trip",
-                       "test_pipeline_with_assembler_and_scaler_fits_saves_and_loads",
-                       "test_transform_works_on_vector_columns_read_back_from_parquet",
-                       "test_fit_resumes_from_last_checkpoint_after_rank_failure",
-                       "test_spark_submit_digits_example_on_local_cluster"],
-    "test_runner": ["test_run_returns_results_ordered_by_rank_with_ranks_layout",
-                    "test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_the_others",
-                    "test_cluster_gpus_come_from_task_resources_and_ranks_span_executors"],
-    # Arrow/Parquet paths on pyarrow 14
-    "test_in_place": ["test_a_parquet_scan_is_read_in_place_without_a_job_giving_the_rows_prepare_writes",
-                      "test_ragged_arrays_the_footers_cannot_tell_are_refused_as_they_are_read"],
-    "test_data": ["test_rows_decode_to_the_values_that_were_written",
-                  "test_dense_and_sparse_vectors_and_numeric_arrays_become_fixed_shape_float_tensors",
-                  "test_skewed_partitions_give_every_rank_the_same_number_of_full_batches[2]",
-                  "test_shuffled_windows_yield_every_row_once_with_its_own_values[None-None]",
-                  "test_reader_keeps_a_split_in_memory_only_within_its_budget"],
-    "test_inputs": ["test_recommender_gets_int64_ids_and_float_dense_inputs_and_transform_feeds_it_the_same_way",
-                    "test_multi_input_model_saves_and_loads_with_its_feature_spec"],
-    "test_mlflow": ["test_fit_logs_params_epoch_metrics_loss_curve_and_a_torch_model_for_any_batch",
-                    "test_logged_model_scores_through_spark_udf_exactly_as_transform"],
-    "test_lightning": ["test_a_lightning_trainer_inside_run_trains_like_one_process_on_the_whole_batches",
-                       "test_estimator_trains_a_lightning_module_as_it_trains_the_same_plain_module"],
-    # one each: the rest of the surface still runs on Spark 3.5 (the examples and spark-submit through
-    # the digits spark-submit above; the console and the transports do not depend on Spark's version)
-    "test_bad_input": ["test_a_mistake_raises_its_own_error_naming_the_fix_and_leaves_nothing[fit-non-integral-labels]"],
-    "test_collective": ["test_two_ranks_with_half_batches_end_with_weights_of_one_process_on_whole_batches"],
-    "test_conformance": ["test_every_dtype_horovod_supports_matches_a_direct_computation[gloo-2]"],
-    "test_doctor": ["test_doctor_reports_a_healthy_session_as_ready"],
-    "test_horovod": ["test_horovod_collectives_keep_horovods_semantics_and_keywords"],
-    "test_mpi": ["test_mpi_ring_gives_the_same_results_as_gloo_for_every_collective"],
-    "test_shm": ["test_run_and_fit_use_shared_memory_unless_told_not_to"],
-    "test_soak": [],
-    "test_standalone": [],
-    "test_torchrun": ["test_torch_distributor_function_gives_the_weights_of_one_process_training"],
-}
-
-
-def _in_compat_set(item) -> bool:
-    module = item.module.__name__
-    if module in COMPAT_MODULES:
-        return True
-    return any(item.name.startswith(name) if "[" in name else item.name.split("[")[0] == name
-               for name in COMPAT_TESTS.get(module, ()))
+# What the compat environment (pyspark 3.5, pyarrow 14, numpy 1, petastorm) runs is marked at each
+# test, `@pytest.mark.compat` (a parameter case: `pytest.param(..., marks=pytest.mark.compat)`):
+# `make test-compat` runs those and the fast layer, `make test-compat FULL=1` everything. Marked: the
+# version-dependent tests (petastorm, persistence, spark-submit, Arrow/Parquet decoding, MLflow,
+# Lightning) and one test of most other modules as a cross-section.
 
 
 def pytest_collection_modifyitems(config, items):
@@ -304,8 +257,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if item.module.__name__ == "test_mpi" or "mpi" in item.name:
             item.add_marker(pytest.mark.mpi)
-        if _in_compat_set(item):
-            item.add_marker(pytest.mark.compat)
 
     def key(item):
         names = getattr(item, "fixturenames", ())

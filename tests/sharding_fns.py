@@ -3,7 +3,7 @@ import torch
 
 import sparkring.collective as sr
 from sparkring.collective.fsdp import SharedMemoryAllGather, SharedMemoryReduceScatter, use_shared_memory
-from sparkring.estimator.sharding import state_bytes
+from sparkring.trainer.measure import state_bytes
 
 
 def layer_stack(d=8, width=32, layers=3, classes=3):

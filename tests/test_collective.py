@@ -14,6 +14,7 @@ def _assert_state_close(a, b, atol):
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0)
 
 
+@pytest.mark.compat
 def test_two_ranks_with_half_batches_end_with_weights_of_one_process_on_whole_batches(spark):
     expected = rank_fns.train_reference(steps=4)
     results = run(rank_fns.train_distributed, kwargs={"steps": 4}, num_proc=2)

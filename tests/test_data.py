@@ -32,7 +32,7 @@ def _ids(ds, bs, size, **kw):
     return per_rank
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [pytest.param(2, marks=pytest.mark.compat), 3])
 def test_skewed_partitions_give_every_rank_the_same_number_of_full_batches(skewed_df, store, size):
     ds = prepare(skewed_df, store, columns=["id", "x"])
     bs = 32
@@ -46,6 +46,7 @@ def test_skewed_partitions_give_every_rank_the_same_number_of_full_batches(skewe
     assert ds.num_batches(bs, size) == expected
 
 
+@pytest.mark.compat
 def test_rows_decode_to_the_values_that_were_written(skewed_df, store):
     ds = prepare(skewed_df, store, columns=["id", "x"])
     for batch in ds.batches(50, rank=0, size=1, shuffle=True, seed=3):
@@ -83,6 +84,7 @@ def test_more_ranks_than_rows_and_a_single_row(spark, store):
     assert _ids(ds, 4, 3) == [[], [], []]  # drop_last: no full batch anywhere, all ranks agree
 
 
+@pytest.mark.compat
 def test_dense_and_sparse_vectors_and_numeric_arrays_become_fixed_shape_float_tensors(spark, store):
     df = spark.createDataFrame([
         (0, Vectors.dense([1.0, 2.0, 3.0]), [1, 2], 1.5),
@@ -214,6 +216,7 @@ def test_store_works_on_fsspec_urls_pyarrow_cannot_open():
     assert clone.read_bytes(path) == b"weights"
 
 
+@pytest.mark.compat
 def test_reader_keeps_a_split_in_memory_only_within_its_budget(skewed_df, store, monkeypatch):
     import sparkring.data.reader as reader_module
 
@@ -235,8 +238,8 @@ def test_reader_keeps_a_split_in_memory_only_within_its_budget(skewed_df, store,
     assert _ids(ds, 10, 1, shuffle=False, cache=False) == in_order
 
 
-@pytest.mark.parametrize("cache", [None, False])
-@pytest.mark.parametrize("window", [None, 64, 100])
+@pytest.mark.parametrize("window, cache", [pytest.param(None, None, marks=pytest.mark.compat), (64, None),
+                                           (100, None), (None, False), (64, False), (100, False)])
 def test_shuffled_windows_yield_every_row_once_with_its_own_values(skewed_df, store, window, cache):
     ds = prepare(skewed_df, store, columns=["id", "x"])
     batches = list(ds.batches(32, shuffle=True, seed=5, epoch=1, drop_last=False, shuffle_buffer=window,

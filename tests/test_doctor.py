@@ -7,6 +7,7 @@ import sparkring
 from sparkring.runner.driver import doctor as doctor_module
 
 
+@pytest.mark.compat
 def test_doctor_reports_a_healthy_session_as_ready(spark):
     report = sparkring.doctor(spark)
     assert report.ok, report

@@ -37,6 +37,7 @@ def store(tmp_path):
     return Store(str(tmp_path / "store"))
 
 
+@pytest.mark.compat
 def test_fit_trains_a_classifier_and_transform_adds_spark_ml_columns(spark, store):
     df = H.classification_df(spark)
     model = _estimator(store, metrics=["accuracy"], validation=0.2).fit(df)
@@ -128,6 +129,7 @@ def test_progress_reaches_the_driver_while_training_runs(spark, store, tmp_path,
     assert "epoch 1/3" not in capsys.readouterr().out
 
 
+@pytest.mark.compat
 def test_fit_resumes_from_last_checkpoint_after_rank_failure(spark_retry, store, tmp_path):
     df = H.classification_df(spark_retry)
     reference = _estimator(store, runId="reference", keepData=True).fit(df)
@@ -182,6 +184,7 @@ def test_fit_again_with_the_same_run_id_resumes_after_a_failed_fit(spark, store,
     _assert_same_weights(resumed, reference, atol=1e-5)
 
 
+@pytest.mark.compat
 def test_model_and_estimator_save_and_load_round_trip(spark, store, tmp_path):
     df = H.classification_df(spark)
     est = _estimator(store, epochs=2, metrics={"first": H.first_value})
@@ -198,6 +201,7 @@ def test_model_and_estimator_save_and_load_round_trip(spark, store, tmp_path):
     assert isinstance(est2.getOrDefault("model"), torch.nn.Module)
 
 
+@pytest.mark.compat
 def test_pipeline_with_assembler_and_scaler_fits_saves_and_loads(spark, store, tmp_path):
     df = H.regression_df(spark).withColumn("label", (__import__("pyspark.sql.functions", fromlist=["col"])
                                                      .col("y") > 0.5).cast("double"))
@@ -234,6 +238,7 @@ def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spa
     assert cv_model.bestModel.transform(df).count() == 240
 
 
+@pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("pyspark").__version__.startswith("3."),
                     reason="pyspark 4: tests/test_standalone.py submits it to a standalone cluster")
@@ -273,6 +278,7 @@ def test_steps_per_epoch_linear_lr_scaling_and_multi_output_regression(spark, st
     assert len(out.first().prediction) == 2
 
 
+@pytest.mark.compat
 def test_transform_works_on_vector_columns_read_back_from_parquet(spark, store, tmp_path):
     df = H.classification_df(spark, n=200)
     model = _estimator(store, epochs=1).fit(df)
@@ -296,14 +302,14 @@ def test_rank_zero_writes_tensorboard_scalars_to_the_run_logs(spark, store):
 
 def test_non_finite_loss_raises_training_error_keeping_the_last_good_checkpoint(spark, store):
     from sparkring import TrainingError
-    from sparkring.estimator.training import checkpoint_names
+    from sparkring.trainer.checkpoints import FILE, listing
 
     df = H.classification_df(spark)  # 480 rows: 15 steps of 16 per rank and epoch
     est = _estimator(store, model=H.NaNAt(rank=1, calls=[15 + 2]), runId="nan-run", epochs=3)
     with pytest.raises(TrainingError, match=r"non-finite loss nan at epoch 1, step 2 on rank 1") as info:
         est.fit(df)
     assert info.value.rank == 1
-    assert checkpoint_names(store, "nan-run") == ["epoch-00000.pt"]
+    assert [c.name for c in listing(store, "nan-run", FILE)] == ["epoch-00000.pt"]
     resumed = _estimator(store, model=H.NaNAt(rank=1, calls=[]), runId="nan-run", epochs=3).fit(df)
     assert [h["epoch"] for h in resumed.history] == [0, 1, 2]
 

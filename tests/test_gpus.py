@@ -14,10 +14,11 @@ from spawn import spawn_ranks
 
 from sparkring import ConfigurationError
 from sparkring.estimator.model import task_device
-from sparkring.estimator.training import _on_cpu, pinned
 from sparkring.processes import start_method
 from sparkring.runner import plan, to_bytes
 from sparkring.runner.gpus import cuda_names, device_ordinal, host_gpus
+from sparkring.trainer.batches import pinned
+from sparkring.trainer.checkpoints import on_cpu as _on_cpu
 
 plan_module = importlib.import_module("sparkring.runner.driver.plan")  # the package's `plan` is the function
 

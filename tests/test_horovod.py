@@ -33,6 +33,7 @@ def test_adasum_matches_a_direct_computation(size):
     assert not torch.allclose(expected, sum(vs)) and not torch.allclose(expected, sum(vs) / size)
 
 
+@pytest.mark.compat
 def test_horovod_collectives_keep_horovods_semantics_and_keywords(spark):
     r0, r1 = run(hvd_fns.horovod_surface, num_proc=2)
     assert r0["flags"] == (True, True, True, False, 0, 1)  # mpi4py installed, but this ring runs on gloo

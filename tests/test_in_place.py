@@ -51,6 +51,7 @@ def _jobs_during(spark, fn):
         sc.setLocalProperty("spark.jobGroup.id", None)
 
 
+@pytest.mark.compat
 def test_a_parquet_scan_is_read_in_place_without_a_job_giving_the_rows_prepare_writes(spark, store, scanned):
     in_place, jobs = _jobs_during(spark, lambda: prepare(scanned, store, columns=COLUMNS, in_place=True))
     prepared = prepare(scanned, store, columns=COLUMNS)
@@ -129,6 +130,7 @@ def test_a_null_in_a_scanned_column_gets_prepares_error(spark, store, tmp_path):
         prepare(df, store, columns=["features", "label"], in_place=True)
 
 
+@pytest.mark.compat
 def test_ragged_arrays_the_footers_cannot_tell_are_refused_as_they_are_read(spark, store, tmp_path):
     rows = [(0, [1.0]), (1, [1.0, 2.0, 3.0])]  # 4 values in 2 rows: the footer reads 2 per row
     df = _write(spark, str(tmp_path / "ragged"), rows, ["id", "pair"], partitions=1)

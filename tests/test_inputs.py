@@ -39,6 +39,7 @@ def _jobs(spark):
     return len(spark.sparkContext.statusTracker().getJobIdsForGroup(None))
 
 
+@pytest.mark.compat
 def test_recommender_gets_int64_ids_and_float_dense_inputs_and_transform_feeds_it_the_same_way(spark, store):
     df = H.ratings_df(spark)
     model = _recommender(store, epochs=6).fit(df)
@@ -178,6 +179,7 @@ def test_model_errors_name_rank_and_batch_on_the_driver(spark, store):
                      loss=["mse", "bce_with_logits"]).fit(df)
 
 
+@pytest.mark.compat
 def test_multi_input_model_saves_and_loads_with_its_feature_spec(spark, store, tmp_path):
     df = H.ratings_df(spark)
     model = _recommender(store, epochs=1).fit(df)

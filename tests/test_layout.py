@@ -91,6 +91,9 @@ def test_no_module_takes_part_in_an_import_circle_deferred_imports_included():
     ("sparkring.collective", "sparkring.data"), ("sparkring.data", "sparkring.runner"),
     ("sparkring.data", "sparkring.estimator"), ("sparkring.data", "sparkring.collective"),
     ("sparkring.runner", "sparkring.estimator"), ("sparkring.runner.task", "sparkring.runner.driver"),
+    ("sparkring.trainer", "sparkring.estimator"), ("sparkring.runner", "sparkring.trainer"),
+    ("sparkring.data", "sparkring.trainer"), ("sparkring.collective", "sparkring.trainer"),
+    ("sparkring.trainer", "sparkring.runner.driver"),
     ("sparkring.errors", "sparkring.runner"), ("sparkring.processes", "sparkring.collective"),
 ])
 def test_a_layer_never_imports_one_above_it(lower, upper):

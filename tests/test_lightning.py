@@ -11,6 +11,7 @@ from sparkring import ConfigurationError, RankFailedError, SparkRingEstimator, S
 pytest.importorskip("pytorch_lightning")
 
 
+@pytest.mark.compat
 def test_a_lightning_trainer_inside_run_trains_like_one_process_on_the_whole_batches(spark):
     expected = lightning_fns.reference()
     results = run(lightning_fns.train_with_trainer, num_proc=2)
@@ -37,6 +38,7 @@ def _regression_df(spark, n=256):
     return spark.createDataFrame(rows, ["id", "features", "label"]).repartition(2, "id")
 
 
+@pytest.mark.compat
 def test_estimator_trains_a_lightning_module_as_it_trains_the_same_plain_module(spark, tmp_path):
     import lightning_modules as M
 

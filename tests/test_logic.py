@@ -7,10 +7,10 @@ import torch
 
 from sparkring import ConfigurationError, SparkRingEstimator
 from sparkring.collective.compression import Compression
-from sparkring.estimator.losses import check_loss, compute_loss, label_kind, metric_fns
 from sparkring.runner import plan
 from sparkring.runner.task.process import describe_exit
 from sparkring.runner.versions import package_versions, skew
+from sparkring.trainer.losses import check_loss, compute_loss, label_kind, metric_fns
 
 
 def _session(master, **conf):

@@ -50,6 +50,7 @@ def _runs(experiment_id):
     return MlflowClient().search_runs([experiment_id])
 
 
+@pytest.mark.compat
 def test_fit_logs_params_epoch_metrics_loss_curve_and_a_torch_model_for_any_batch(spark, experiment, tmp_path):
     df = H.classification_df(spark)
     with mlflow.start_run() as run:
@@ -82,6 +83,7 @@ def test_fit_logs_params_epoch_metrics_loss_curve_and_a_torch_model_for_any_batc
     np.testing.assert_allclose(np.asarray(pyfunc.predict(x[:3].numpy())), logits[:3].numpy(), atol=1e-6)
 
 
+@pytest.mark.compat
 def test_logged_model_scores_through_spark_udf_exactly_as_transform(spark, experiment, tmp_path):
     df = H.classification_df(spark, n=240)
     model = _estimator(tmp_path, epochs=2, mlflowLogging="off").fit(df)

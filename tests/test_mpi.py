@@ -45,6 +45,7 @@ def _mpi_processes_left():
     return left
 
 
+@pytest.mark.compat
 def test_mpi_ring_gives_the_same_results_as_gloo_for_every_collective(spark):
     on_mpi = run(rank_fns.collectives_tour, num_proc=2, backend="mpi")
     on_gloo = run(rank_fns.collectives_tour, num_proc=2, backend="gloo")

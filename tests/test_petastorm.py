@@ -10,6 +10,8 @@ from pyspark.sql import functions as F
 from sparkring import ConfigurationError
 from sparkring.data import Store, prepare
 
+pytestmark = pytest.mark.compat  # version-dependent throughout (make test-compat)
+
 HAS_PETASTORM = importlib.util.find_spec("petastorm") is not None
 needs_petastorm = pytest.mark.skipif(not HAS_PETASTORM, reason="petastorm imports only beside pyarrow < 16 "
                                                                "(make test-compat)")

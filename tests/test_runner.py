@@ -21,6 +21,7 @@ from sparkring.runner.protocol import ConnectionClosed, Log
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.compat
 def test_run_returns_results_ordered_by_rank_with_ranks_layout(spark):
     results = run(rank_fns.whoami, num_proc=2)
     assert [r["rank"] for r in results] == [0, 1]
@@ -41,6 +42,7 @@ def test_fifty_megabyte_results_come_back_whole(spark):
         assert torch.equal(res["w"], torch.randn(50 * 1024 * 1024 // 4, generator=g))
 
 
+@pytest.mark.compat
 def test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_the_others(spark):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as info:
@@ -261,6 +263,7 @@ def test_cli_runs_a_script_on_every_rank_and_returns_its_exit_status(spark, caps
     assert "sparkring: rank" in capsys.readouterr().err
 
 
+@pytest.mark.compat
 def test_cluster_gpus_come_from_task_resources_and_ranks_span_executors(spark_cluster):
     results = run(rank_fns.whoami, num_proc=2)  # GPUs are scheduled in this session
     assert [r["rank"] for r in results] == [0, 1]

@@ -124,6 +124,7 @@ def test_a_small_dev_shm_is_refused_with_the_way_to_raise_it(monkeypatch):
     assert _shm.unusable_reason(local_size=2) == "SPARKRING_SHM=0"
 
 
+@pytest.mark.compat
 def test_run_and_fit_use_shared_memory_unless_told_not_to(spark):
     import est_helpers as H
 

@@ -53,6 +53,7 @@ def test_a_rank_raising_inside_ddp_is_named_with_its_traceback(spark):
     assert "bad batch on rank 1" in info.value.remote_traceback
 
 
+@pytest.mark.compat
 def test_torch_distributor_function_gives_the_weights_of_one_process_training(spark):
     # Spark's own TorchDistributor is compared in benchmarks/ (side by side on DDP functions), not
     # here: its torchrun ranks sometimes abort in gloo's teardown at exit ("terminate called

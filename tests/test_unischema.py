@@ -9,6 +9,8 @@ import pytest
 from sparkring.data import DataError
 from sparkring.data.unischema import UNISCHEMA_KEY, Codec, parse_unischema, read_unischema
 
+pytestmark = pytest.mark.compat  # version-dependent throughout (make test-compat)
+
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "petastorm_dataset")
 
 

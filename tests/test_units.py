@@ -10,8 +10,8 @@ from sparkring.data.spec import FeatureSpec, to_numpy
 from sparkring.data.store import check_run_id
 from sparkring.data.transform import apply
 from sparkring.errors import ConfigurationError, DataError
-from sparkring.estimator.training import non_finite_reason
 from sparkring.runner.failures import is_secondary
+from sparkring.trainer import non_finite_reason
 
 SCHEMA = T.StructType([
     T.StructField("user", T.IntegerType()), T.StructField("item", T.LongType()),

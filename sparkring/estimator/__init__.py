@@ -6,8 +6,8 @@ from .._lazy import lazy_exports
 
 __all__ = ["SparkRingEstimator", "SparkRingModel"]
 
-# Imported on first use: a rank process imports sparkring.estimator.training (its loop), which
-# must not pay for pyspark.ml (half a second) that only the driver's stages use.
+# Imported on first use: importing the package must not pay for pyspark.ml (half a second) before a
+# stage is used (the CLI, run() and the rank side, sparkring.trainer, never use one).
 _LAZY = {"SparkRingEstimator": "sparkring.estimator.estimator", "SparkRingModel": "sparkring.estimator.model"}
 
 

@@ -8,7 +8,7 @@ import threading
 from typing import Any, List, Optional
 
 from ..runner.driver.session import is_connect
-from .events import EpochDone, FitBegan, StepDone, TrainingEvent
+from ..trainer.events import EpochDone, FitBegan, StepDone, TrainingEvent
 
 # Spark's ConsoleProgressBar draws nothing within 500 ms of its finishAll() (which also
 # clears it): calling that more often than that holds it back.

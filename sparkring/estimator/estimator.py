@@ -30,18 +30,27 @@ from ..runner import (
     relaunch_until_done,
     to_bytes,
 )
-from . import losses, tracking
+from ..trainer import (
+    EarlyStopping,
+    RankResult,
+    Sharding,
+    TrainConfig,
+    is_factory,
+    losses,
+    non_finite_reason,
+    train_rank,
+)
+from ..trainer.checkpoints import resume_point
+from ..trainer.elastic import ElasticPlan, stop_request
+from ..trainer.events import TrainingEvent, from_payload
+from ..trainer.lightning import check_module as check_lightning_module
+from ..trainer.lightning import is_lightning_module
+from . import tracking
 from .console import Progress, SparkBarPause
-from .elastic import ElasticPlan, stop_request
-from .events import TrainingEvent, from_payload
-from .lightning_steps import check_module as check_lightning_module
-from .lightning_steps import is_lightning_module
 from .model import SparkRingModel
 from .params import OBJECT_PARAMS, PARAMS, SparkRingParams, check_values, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
-from .sharding import Sharding, is_factory
 from .tracking import FitTracker
-from .training import EarlyStopping, RankResult, TrainConfig, non_finite_reason, resume_point, train_rank
 
 
 def _compile_options(value: Any) -> Optional[Dict[str, Any]]:

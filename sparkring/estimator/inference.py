@@ -14,8 +14,8 @@ from ..data import FeatureSpec
 from ..data.reader import as_torch
 from ..data.spec import to_numpy
 from ..data.transform import apply as apply_transform
-from . import losses
-from .lightning_steps import inference_call
+from ..trainer import losses
+from ..trainer.lightning import inference_call
 
 
 @dataclass(frozen=True)

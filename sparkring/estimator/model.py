@@ -17,9 +17,9 @@ from pyspark.ml.util import MLReadable, MLWritable
 from ..data import DataError, FeatureSpec, petastorm_codecs
 from ..runner import to_bytes
 from ..runner.gpus import device_ordinal
-from . import losses
+from ..trainer import losses
+from ..trainer.lightning import inference_call
 from .inference import Predictor, output_fields, pandas_to_arrow
-from .lightning_steps import inference_call
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 

@@ -13,7 +13,7 @@ from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilit
 from ..data import READERS
 from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
-from .sharding import STRATEGIES
+from ..trainer.config import STRATEGIES
 from .tracking import MODES as MLFLOW_MODES
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ..runner import ConfigurationError
 from ..runner.versions import pinned
-from .events import EpochDone, TrainingEvent
+from ..trainer.events import EpochDone, TrainingEvent
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A LightningModule inside the estimator's training loop: batches as ``(inputs..., label)``,
+"""A LightningModule inside the trainer's loop: batches as ``(inputs..., label)``,
 its training/validation/predict steps, configure_optimizers' optimizer and LR schedulers, its
 epoch hooks, and what it records with ``self.log`` (averaged over the epoch and the ranks).
 
@@ -10,12 +10,14 @@ need ``self.trainer``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 import sparkring.collective as sr
+
+from .schedule import Schedule
+from .step import add_note
 
 
 def is_lightning_module(model: Any) -> bool:
@@ -45,31 +47,6 @@ def check_module(module: torch.nn.Module) -> Optional[str]:
         return (f"{type(module).__name__} sets automatic_optimization = False; manual optimization needs a "
                 "Trainer: train it with your own Trainer inside sparkring.run (sparkring.lightning)")
     return None
-
-
-@dataclass
-class Schedule:
-    """One LR scheduler as configure_optimizers described it."""
-
-    scheduler: Any
-    interval: str = "epoch"   # "epoch" | "step"
-    frequency: int = 1
-    monitor: Optional[str] = None
-
-    def step(self, logs: Optional[Dict[str, Any]] = None) -> None:
-        if self.monitor is not None or _is_plateau(self.scheduler):
-            monitor = self.monitor or "val_loss"
-            if logs is None or monitor not in logs:
-                raise ValueError(f"the LR scheduler {type(self.scheduler).__name__} monitors {monitor!r}, which this "
-                                 f"epoch does not log (it has {sorted(logs or {})}); set 'monitor' in "
-                                 "configure_optimizers to one of those")
-            self.scheduler.step(logs[monitor])
-        else:
-            self.scheduler.step()
-
-
-def _is_plateau(scheduler: Any) -> bool:
-    return isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def optimizers(module: torch.nn.Module) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
@@ -145,15 +122,14 @@ class LoggedValues:
 
 
 class LightningStep:
-    """The estimator's step for a LightningModule: the same interface as training._Step (the
-    loss of a batch and the figures to average), through training_step/validation_step.
+    """The estimator's step for a LightningModule: trainer.step's Step protocol (the loss of a
+    batch, the figures to average, the hooks around epochs), through its own steps and hooks.
 
     >>> step = LightningStep(labels=("label",), spec=spec, device=torch.device("cpu"), rank=0)  # doctest: +SKIP
     """
 
-    def __init__(self, labels, spec, device: torch.device, rank: int, add_note: Callable[[BaseException, str], None]):
+    def __init__(self, labels, spec, device: torch.device, rank: int):
         self.labels, self.spec, self.device, self.rank = labels, spec, device, rank
-        self.add_note = add_note
         self.output_shapes: Optional[List[List[int]]] = None  # transform measures predict_step's
         self.logged = {"train": LoggedValues(), "val": LoggedValues()}
         self.batch_index = 0
@@ -184,7 +160,7 @@ class LightningStep:
             else:
                 out = module.validation_step((*inputs, *ys), self.batch_index)
         except Exception as exc:
-            self.add_note(exc, f"sparkring: on rank {self.rank}, {where}")
+            add_note(exc, f"sparkring: on rank {self.rank}, {where}")
             raise
         self.batch_index += 1
         loss = out.get("loss") if isinstance(out, dict) else out
@@ -201,6 +177,33 @@ class LightningStep:
         with torch.no_grad():
             return torch.stack([total.detach().to(self.device, torch.float64).reshape(()) * n,
                                 torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+
+    def optimizer(self, module: torch.nn.Module, given: Any) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
+        return optimizers(module)  # configure_optimizers decides (the optimizer Param is not used)
+
+    def fit_began(self, module: torch.nn.Module) -> None:
+        self.attach(module)
+        module.on_fit_start()
+
+    def train_epoch_began(self, module: torch.nn.Module) -> None:
+        module.on_train_epoch_start()
+
+    def train_epoch_ended(self, module: torch.nn.Module) -> Dict[str, float]:
+        module.on_train_epoch_end()
+        return self.logged["train"].epoch_means()
+
+    def validation_began(self, module: torch.nn.Module) -> None:
+        module.on_validation_epoch_start()
+
+    def validation_ended(self, module: torch.nn.Module, totals: torch.Tensor) -> Dict[str, float]:
+        module.on_validation_epoch_end()
+        logged = self.logged["val"].epoch_means()
+        if totals[1] == 0 or not self.validation_returns_loss:
+            return logged  # validation_step logs its figures itself (self.log)
+        return {"val_loss": float(totals[0] / totals[1]), **logged}
+
+    def fit_ended(self, module: torch.nn.Module) -> None:
+        module.on_fit_end()
 
 
 def label_tensor(values: Any) -> torch.Tensor:

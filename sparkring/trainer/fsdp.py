@@ -1,4 +1,4 @@
-"""Sharded training (FSDP2) for fit(): the model built on every rank under the meta device,
+"""The sharded placement's mechanics (FSDP2) for fit(): the model built on every rank under the meta device,
 sharded by the wrap policy over the ring's DeviceMesh, each rank materializing only its own
 shards, checkpoints through torch.distributed.checkpoint (DCP, which reshards on load, so a
 run resumes at another numProc), and the full state gathered to rank 0 at the end.
@@ -12,44 +12,17 @@ from __future__ import annotations
 
 import io
 import logging
-import re
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 import sparkring.collective as sr
 
+from . import checkpoints
+from .checkpoints import SHARDED, TRAINER_STATE, CheckpointName
+from .config import Sharding, is_factory
+
 log = logging.getLogger(__name__)
-
-STRATEGIES = ("ddp", "fsdp", "hsdp")
-CHECKPOINT_DIR_RE = re.compile(r"^epoch-(\d{5})(?:-step-(\d{7}))?\.dcp$")  # a step: inside the epoch (elastic fits)
-TRAINER_STATE = "trainer.pt"  # written by rank 0 once every rank's shards are: the checkpoint is complete
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How fit() places the model: replicated (``ddp``) or sharded (``fsdp``, ``hsdp``).
-
-    >>> Sharding("fsdp", wrap=("TransformerEncoderLayer",)).sharded
-    True
-    """
-
-    strategy: str = "ddp"
-    wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see wrap_units)
-    init_fn: Optional[Callable[[torch.nn.Module], None]] = None
-    async_checkpoint: bool = False    # write sharded checkpoints while training goes on
-    cpu_offload: bool = False         # shards live in CPU memory between uses (FSDP2's CPUOffloadPolicy)
-    bf16_compute: bool = False        # precision="bf16-mixed": bfloat16 parameters in compute, float32 reduction
-
-    @property
-    def sharded(self) -> bool:
-        return self.strategy != "ddp"
-
-
-def is_factory(model: Any) -> bool:
-    """``model=`` is a zero-argument callable that builds the module (on every rank)."""
-    return callable(model) and not isinstance(model, torch.nn.Module)
 
 
 def wrap_units(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.Module]:
@@ -74,13 +47,9 @@ def device_mesh(strategy: str):
     return sr.device_mesh(hybrid=strategy == "hsdp")
 
 
-def build_model(model: Any, sharding: Sharding, device: torch.device, seed: int) -> torch.nn.Module:
-    """The rank's model: whole (ddp) or sharded with only its own shards materialized."""
-    if not sharding.sharded:
-        if is_factory(model):
-            torch.manual_seed(seed)
-            model = model()
-        return model.to(device)
+def build_sharded(model: Any, sharding: Sharding, device: torch.device, seed: int) -> torch.nn.Module:
+    """The rank's model sharded, with only its own shards materialized (a factory's built under
+    the meta device and initialized module by module; a module's values are every rank's)."""
     if is_factory(model):
         with torch.device("meta"):
             module = model()
@@ -166,48 +135,7 @@ def grads_finite(model: torch.nn.Module) -> bool:
     return sr.allreduce(torch.tensor([bad]), op=sr.Max).item() == 0.0
 
 
-def state_bytes(model: torch.nn.Module, opt: Optional[torch.optim.Optimizer]) -> Tuple[int, int]:
-    """Bytes this rank keeps between steps: (parameters + optimizer state, gradients), as the
-    sizes of the storages behind them, each counted once (DistributedOptimizer's gradients share
-    bucket buffers; a DTensor counts its local shard). Storages are what the allocator holds,
-    unlike RSS, which the interpreter, torch and the data also move. FSDP2's gathered copy of
-    the layer being computed is transient (freed after its forward and backward) and not counted.
-
-    >>> m = torch.nn.Linear(4, 2)
-    >>> state_bytes(m, None)
-    (40, 0)
-    >>> e = torch.nn.Embedding(10, 4, sparse=True)
-    >>> e(torch.tensor([1, 2])).sum().backward()
-    >>> state_bytes(e, None)  # the weight, and a sparse gradient of 2 rows and their indices
-    (160, 48)
-    """
-    seen: set = set()
-
-    def size(t: Optional[torch.Tensor]) -> int:
-        if t is None:
-            return 0
-        if t.layout == torch.sparse_coo:  # sparse embedding gradients: their values and indices
-            return size(t._values()) + size(t._indices())
-        t = t.to_local() if hasattr(t, "to_local") else t
-        storage = t.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-
-    kept = sum(size(p) for p in model.parameters())
-    if opt is not None:
-        kept += sum(size(v) for state in opt.state.values() for v in state.values()
-                    if torch.is_tensor(v) and v.dim() > 0)
-    grads = sum(size(p.grad) for p in model.parameters())
-    return kept, grads
-
-
 # -- checkpoints ------------------------------------------------------------------------------
-
-def checkpoint_dirs(store, run_id: str) -> List[str]:
-    return sorted(n for n in store.listdir(store.checkpoint_path(run_id)) if CHECKPOINT_DIR_RE.match(n))
-
 
 def _storage(store, path: str, writing: bool):
     import torch.distributed.checkpoint as dcp
@@ -243,7 +171,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         self.finish()
-        name = f"epoch-{epoch:05d}" + (f"-step-{step:07d}" if step is not None else "") + ".dcp"
+        name = CheckpointName(epoch, step, SHARDED).name
         path = self.store.checkpoint_path(self.run_id, name)
         if sr.rank() == 0:
             self.store.makedirs(path)
@@ -271,11 +199,10 @@ class Checkpointer:
             buf = io.BytesIO()
             torch.save(trainer_state, buf)
             self.store.write_bytes(f"{path}/{TRAINER_STATE}", buf.getvalue())
-            for old in checkpoint_dirs(self.store, self.run_id)[:-2]:
-                self.store.delete(self.store.checkpoint_path(self.run_id, old))
+            checkpoints.prune(self.store, self.run_id, SHARDED)
 
 
-def load_latest_checkpoint(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:
+def load_latest(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:
     """Load the newest complete sharded checkpoint into ``model`` and ``opt`` (resharded to this
     ring's size); the trainer's state it holds, or None where there is none."""
     import torch.distributed.checkpoint as dcp
@@ -288,12 +215,11 @@ def load_latest_checkpoint(store, run_id: str, model, opt) -> Optional[Dict[str,
 
     chosen = None
     if sr.rank() == 0:
-        for name in reversed(checkpoint_dirs(store, run_id)):
-            marker = store.checkpoint_path(run_id, name, TRAINER_STATE)
-            if store.exists(marker):
-                chosen = (name, store.read_bytes(marker))
+        for found in reversed(checkpoints.listing(store, run_id, SHARDED)):
+            if checkpoints.is_complete(store, run_id, found):
+                chosen = (found.name, store.read_bytes(store.checkpoint_path(run_id, found.name, TRAINER_STATE)))
                 break
-            log.warning("sharded checkpoint %s of run %s is incomplete; trying the one before", name, run_id)
+            log.warning("sharded checkpoint %s of run %s is incomplete; trying the one before", found.name, run_id)
     chosen = sr.broadcast_object(chosen, root_rank=0)
     if chosen is None:
         return None

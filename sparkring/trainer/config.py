@@ -1,0 +1,126 @@
+"""What one fit asks of its ranks, decided once on the driver: TrainConfig and the choices it holds."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from sparkring.data import FeatureSpec
+
+from .elastic import ElasticPlan
+
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+
+ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
+OptimizerOrFactory = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
+
+
+def is_factory(model: Any) -> bool:
+    """``model=`` is a zero-argument callable that builds the module (on every rank).
+
+    >>> is_factory(lambda: torch.nn.Linear(2, 1)), is_factory(torch.nn.Linear(2, 1))
+    (True, False)
+    """
+    return callable(model) and not isinstance(model, torch.nn.Module)
+
+
+@dataclass(frozen=True)
+class EarlyStopping:
+    """The earlyStopping Param, checked: stop once ``monitor`` has not improved by ``min_delta``
+    for ``patience`` epochs (``mode`` "min" or "max").
+
+    >>> EarlyStopping(monitor="val_loss", patience=2).mode
+    'min'
+    """
+
+    monitor: str
+    patience: int
+    mode: str = "min"
+    min_delta: float = 0.0
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How fit() places the model: replicated (``ddp``) or sharded (``fsdp``, ``hsdp``).
+
+    >>> Sharding("fsdp", wrap=("TransformerEncoderLayer",)).sharded
+    True
+    """
+
+    strategy: str = "ddp"
+    wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see fsdp.wrap_units)
+    init_fn: Optional[Callable[[torch.nn.Module], None]] = None
+    async_checkpoint: bool = False    # write sharded checkpoints while training goes on
+    cpu_offload: bool = False         # shards live in CPU memory between uses (FSDP2's CPUOffloadPolicy)
+    bf16_compute: bool = False        # precision="bf16-mixed": bfloat16 parameters in compute, float32 reduction
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy != "ddp"
+
+
+@dataclass
+class TrainConfig:
+    """Everything a rank needs to train, built once by the estimator from its Params.
+
+    >>> TrainConfig.__dataclass_fields__["precision"].default
+    '32'
+    """
+
+    model: ModelOrFactory
+    optimizer: OptimizerOrFactory
+    losses: List[Any]                 # a loss name (losses.NAMED) or a callable(output, label), per head
+    metrics: Dict[str, Callable]
+    dataset: Any                      # sparkring.data.Dataset (its batches() and global_batches())
+    store: Any                        # sparkring.data.Store
+    run_id: str
+    spec: FeatureSpec
+    loss_weights: List[float]
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    shuffle: bool
+    seed: int
+    backward_passes_per_step: int
+    compression: str
+    lr_scaling: str
+    warmup_epochs: float
+    train_steps: int                  # steps of each rank's epoch (a multiple of backward_passes_per_step)
+    val_steps: int                    # validation steps of each rank's epoch (0: no validation)
+    callbacks: List[Any] = field(default_factory=list)
+    early_stopping: Optional[EarlyStopping] = None
+    use_gpu: bool = False
+    has_validation: bool = False
+    transform_fn: Optional[Callable] = None
+    reader_workers: Optional[int] = None
+    reader: str = "arrow"             # data.READERS
+    multi_head: bool = False
+    skip_non_finite: bool = False
+    lightning: bool = False           # model is a LightningModule (trainer.lightning)
+    sharding: Sharding = field(default_factory=Sharding)
+    precision: str = "32"             # PRECISIONS
+    compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
+    elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
+    timeline: bool = False                    # record each rank's spans for the driver's Chrome trace
+
+    def log_names(self) -> List[str]:
+        """Names of the per-epoch figures after 'loss', in the order the step sums them."""
+        if not self.multi_head:
+            return list(self.metrics)
+        return [f"{label}_{name}" for label in self.spec.labels for name in ["loss"] + list(self.metrics)]
+
+
+def default_reader_workers(local_size: int) -> int:
+    """Decode processes per rank: the cores each rank has left after its training thread, 1 to 4.
+
+    >>> 1 <= default_reader_workers(local_size=2) <= 4
+    True
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // max(1, local_size) - 1))

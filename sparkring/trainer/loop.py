@@ -1,0 +1,380 @@
+"""One rank's fit (what SparkRingEstimator.fit runs on every rank through sparkring.run): the
+model placed, resumed and made alike, then epochs of steps, then rank 0's result. The loop says
+when; the placement (trainer.placement) and the step (trainer.step) say how."""
+from __future__ import annotations
+
+import io
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+import sparkring.collective as sr
+from sparkring.collective.elastic import LEAVE
+from sparkring.collective.timeline import process_started_us, recorder
+from sparkring.runner import report
+
+from .batches import pinned, run_batches
+from .config import TrainConfig, default_reader_workers
+from .elastic import stop_request
+from .events import EpochDone, FitBegan, StepDone, to_payload
+from .hooks import Callbacks, EarlyStopper, Tensorboard
+from .lightning import LightningStep
+from .measure import StepClock, state_bytes
+from .placement import TrainerState, placement_for
+from .step import PlainStep, Step
+
+log = logging.getLogger(__name__)
+
+NON_FINITE = "non-finite loss"
+
+
+def non_finite_reason(remote_traceback: str) -> Optional[str]:
+    """The reason line of a rank that stopped on a non-finite loss, or None for other failures.
+
+    >>> non_finite_reason("Traceback ...\\nFloatingPointError: non-finite loss nan at epoch 0, step 3 on rank 1")
+    'non-finite loss nan at epoch 0, step 3 on rank 1'
+    """
+    marker = f"FloatingPointError: {NON_FINITE}"
+    for line in reversed(remote_traceback.splitlines()):
+        if line.startswith(marker):
+            return line[len("FloatingPointError: "):]
+    return None
+
+
+@dataclass
+class RankResult:
+    """What rank 0 hands back to the driver: the trained weights (on the CPU), the per-epoch
+    figures, and the output shape of each head (transform's columns)."""
+
+    state_dict: Dict[str, Any]
+    history: List[Dict[str, Any]]
+    output_shapes: Any
+    timeline: Optional[List[List[Dict[str, Any]]]] = None  # every rank's Chrome-trace events
+    paused: bool = False  # stopped at a checkpoint when the driver asked (an elastic fit resizes): no weights
+
+
+class _Paused(Exception):
+    """Every rank stops at the checkpoint it just wrote: the driver launches again from it."""
+
+
+def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
+    """The training loop of one rank (what fit() runs on every rank); rank 0 returns the result.
+
+    >>> sparkring.run(train_rank, args=(cfg,), num_proc=2)[0].history  # doctest: +SKIP
+    [{'epoch': 0, 'loss': 0.52, ...}]
+    """
+    if cfg.timeline:
+        recorder.start(sr.rank())
+        began, joined = recorder.joined_us
+        recorder.add("start-up: join the ring (rendezvous, transports)", began, joined)
+        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
+    with recorder.span("start-up: model, optimizer, resume"):
+        trainer = Trainer(cfg)
+    trainer.begin()
+    try:
+        for epoch in range(trainer.start_epoch, cfg.epochs):
+            logs = trainer.train_epoch(epoch)
+            if trainer.end_epoch(epoch, logs):
+                break
+    except _Paused:
+        return trainer.pause()
+    return trainer.finish()
+
+
+def seed_epoch(seed: int, epoch: int, rank: int) -> None:
+    """Every epoch starts from RNG state derived from (seed, epoch, rank): a resumed run draws
+    exactly what the uninterrupted one drew."""
+    s = (seed * 1_000_003 + epoch * 7919 + rank) % (2 ** 31)
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
+
+
+class Trainer:
+    """One rank's fit: the model, optimizer and schedules resumed from the last checkpoint and
+    made the same on every rank, then epochs of steps, then rank 0's result."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.rank, self.size = sr.rank(), sr.size()
+        self.device = sr.rank_device(cfg.use_gpu)
+        self.placement = placement_for(cfg)
+        self.model = self.placement.build(cfg.model, self.device, cfg.seed)
+        self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank) if cfg.lightning
+                           else PlainStep(cfg, self.device, self.rank))
+        torch.manual_seed(cfg.seed)
+        opt, self.schedules = self.step.optimizer(self.model, cfg.optimizer)
+        self.history: List[Dict[str, Any]] = []
+        self.start_epoch, self.stopped = 0, False
+        self.stopper = EarlyStopper(cfg.early_stopping)
+        # a checkpoint inside an epoch: the step to go on at, and the epoch's figures until then (every rank's)
+        self.start_step, self.epoch_sums = 0, None
+        state = self.placement.resume(self.model, opt)
+        if state is not None:
+            self._restore(state)
+        self.base_lrs = [g["lr"] for g in opt.param_groups]
+        self.opt = self.placement.distribute(opt, self.model)
+        self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
+        # the compiled module runs the steps; the module itself keeps the weights that are saved
+        self.runs = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
+        self.first_step_s: Optional[float] = None
+        self.clock = StepClock()
+        self.state_sizes = (0, 0)  # (parameters + optimizer state, gradients) in bytes, at the epoch's last update
+        # float16 needs its loss scaled; bfloat16 has float32's range and does not
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "16-mixed" else None
+        self.workers = 0
+        if cfg.transform_fn is not None:
+            self.workers = (cfg.reader_workers if cfg.reader_workers is not None
+                            else default_reader_workers(sr.local_size()))
+        self.step.fit_began(self.model)
+        self.callbacks = Callbacks(cfg.callbacks if self.rank == 0 else [])
+        # what the driver asks of an elastic fit (elastic.GROW, LEAVE), agreed by every rank after each step
+        self.stop_request = stop_request(cfg.store, cfg.run_id) if cfg.elastic is not None else None
+        self.asked, self.next_look = 0, 0.0
+        self.board = Tensorboard(cfg) if self.rank == 0 else None
+
+    def begin(self) -> None:
+        if self.rank == 0:
+            report(to_payload(FitBegan(epochs=self.cfg.epochs, start_epoch=self.start_epoch, steps=self.steps)))
+            self.callbacks.call("on_train_begin", self.model)
+        if self.stopped:
+            self.start_epoch = self.cfg.epochs  # a resumed run that had already stopped early
+
+    def _scale_lr(self, epoch: int, i: int) -> None:
+        cfg = self.cfg
+        global_step = (epoch * self.steps + i) // cfg.backward_passes_per_step
+        warm = max(1.0, cfg.warmup_epochs * self.steps / cfg.backward_passes_per_step)
+        size = cfg.elastic.target_size if cfg.elastic is not None else self.size  # the global batch's ranks
+        factor = 1 + (size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else size
+        for g, lr in zip(self.opt.param_groups, self.base_lrs):
+            g["lr"] = lr * factor
+
+    def _update(self, epoch: int, i: int) -> int:
+        """The optimizer step after backward_passes_per_step batches; 1 where a non-finite
+        update was skipped."""
+        skipped = self.placement.update(self.opt, self.model, self.cfg.skip_non_finite, self.scaler)
+        if i + 1 == self.steps:  # the state is whole now (gradients and optimizer moments): measured once an epoch
+            self.state_sizes = state_bytes(self.model, self.opt)
+        self.opt.zero_grad()
+        updates = (epoch * self.steps + i + 1) // self.cfg.backward_passes_per_step
+        for schedule in self.schedules:
+            if schedule.interval == "step" and updates % schedule.frequency == 0:
+                schedule.step()
+        return skipped
+
+    def train_epoch(self, epoch: int) -> Dict[str, Any]:
+        """One epoch of steps; its figures over every rank (and validation's)."""
+        cfg, rank, step = self.cfg, self.rank, self.step
+        seed_epoch(cfg.seed, epoch, rank)
+        self.model.train()
+        step.train_epoch_began(self.model)
+        first, self.start_step = self.start_step, 0  # a run resumed inside this epoch goes on at its next step
+        sums = torch.zeros(step.width(), dtype=torch.float64, device=self.device)
+        if first and rank == 0 and self.epoch_sums:  # every rank's figures before the checkpoint, counted once
+            sums += torch.tensor(self.epoch_sums, dtype=torch.float64, device=self.device)
+        # an elastic fit's rank trains on its share of a global batch: weighted, the ranks' mean is the batch's
+        weight = cfg.elastic.gradient_weight(rank, self.size) if cfg.elastic is not None else 1.0
+        skipped = 0
+        last_report = 0.0
+        self.clock = clock = StepClock()
+        for i, batch in enumerate(clock.timed(self._batches(epoch, first)), start=first):
+            step_began = recorder.now() if recorder.on else 0.0
+            if cfg.lr_scaling == "linear":
+                self._scale_lr(epoch, i)
+            started = time.monotonic() if self.first_step_s is None else 0.0
+            blocked = self.placement.blocked_seconds(self.opt)
+            with recorder.span("forward"):
+                loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
+                figures = step.figures(loss, heads, ys, head_losses)
+            # the one host sync of a step: whether training may go on decides the step
+            finite = bool(torch.isfinite(figures[0]))
+            if not finite and not cfg.skip_non_finite:
+                raise FloatingPointError(f"{NON_FINITE} {float(figures[0] / figures[1]):g} at epoch {epoch}, "
+                                         f"step {i} on rank {rank}")
+            # every rank goes through backward (its gradients take part in the allreduce); with
+            # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
+            scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
+            with recorder.span("backward"):
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            if (i + 1) % cfg.backward_passes_per_step == 0:
+                with recorder.span("optimizer step (after the gradient exchange)"):
+                    skipped += self._update(epoch, i)
+            clock.lap("compute")
+            clock.exchanged(self.placement.blocked_seconds(self.opt) - blocked)
+            if recorder.on:
+                recorder.add(f"step {i}", step_began, recorder.now(), epoch=epoch)
+            if self.first_step_s is None:  # compiling happens here: timed apart from the steps
+                self.first_step_s = time.monotonic() - started
+            if finite:
+                sums += figures
+            self._ask_driver()
+            self._checkpoint_inside(epoch, i, sums)
+            if rank == 0 and time.monotonic() - last_report > 0.25:
+                last_report = time.monotonic()
+                report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=self.steps,
+                                           loss=float(sums[0] / sums[1]))))
+        logs = self._epoch_logs(epoch, sums, skipped)
+        if first:
+            logs["resumed_at_step"] = first  # this epoch went on from a checkpoint inside it
+        return logs
+
+    def _batches(self, epoch: int, first: int) -> Iterator[Dict[str, Any]]:
+        cfg = self.cfg
+        if cfg.elastic is None:
+            return run_batches(cfg, "train", cfg.batch_size, self.rank, self.size, epoch, self.steps, cfg.shuffle,
+                               True, self.workers, self.device)
+        batches = cfg.dataset.global_batches(cfg.elastic.global_batch, self.rank, self.size, seed=cfg.seed,
+                                             epoch=epoch, start_step=first, steps=self.steps - first,
+                                             shuffle=cfg.shuffle, transform=cfg.transform_fn)
+        return pinned(batches) if self.device.type == "cuda" else batches
+
+    def _ask_driver(self) -> None:
+        """After each step of an elastic fit: what the driver asks, the same on every rank (rank 0
+        reads the request at most twice a second; a one-integer broadcast carries it)."""
+        if self.stop_request is None:
+            return
+        seen = 0
+        if self.rank == 0 and time.monotonic() >= self.next_look:
+            self.next_look = time.monotonic() + 0.5
+            seen = self.stop_request.read()
+        agreed = int(sr.broadcast_(torch.tensor([seen], dtype=torch.int64), root_rank=0, name="sparkring.stop")[0])
+        self.asked = max(self.asked, agreed)
+
+    def _checkpoint_inside(self, epoch: int, i: int, sums: torch.Tensor) -> None:
+        """Every checkpointEvery steps, and at once when the driver asks to LEAVE (not at the
+        epoch's end, which has its own): the trainer with the position and every rank's figures
+        so far; then every rank stops if the driver asked it to."""
+        every = self.cfg.elastic.checkpoint_every if self.cfg.elastic is not None else None
+        due = bool(every) and (i + 1) % every == 0
+        if not (due or self.asked == LEAVE) or i + 1 >= self.steps:
+            return
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
+        with recorder.span("checkpoint (inside the epoch)", step=i + 1):
+            self.placement.save(self.model, self.opt, self.trainer_state(epoch, False, position=(i + 1, totals)))
+        if self.asked:
+            raise _Paused()
+
+    def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
+        cfg = self.cfg
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum)
+        logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
+        for j, name in enumerate(cfg.log_names()):
+            logs[name] = float(totals[2 + j] / totals[1])
+        if cfg.skip_non_finite or cfg.precision == "16-mixed":
+            logs["skipped_steps"] = skipped
+        if cfg.compile is not None and epoch == self.start_epoch:
+            logs["first_step_seconds"] = self.first_step_s
+        if cfg.elastic is not None:
+            logs.update(num_proc=self.size, restarts=cfg.elastic.restarts, grows=cfg.elastic.grows,
+                        decommissions=cfg.elastic.decommissions)
+        logs.update(self._time_split(float(totals[1])))
+        logs.update(self.step.train_epoch_ended(self.model))
+        if self.val_steps:
+            with recorder.span("validation"):
+                logs.update(self._validate(epoch))
+        for schedule in self.schedules:
+            if schedule.interval == "epoch" and (epoch + 1) % schedule.frequency == 0:
+                schedule.step(logs)
+        return logs
+
+    def _validate(self, epoch: int) -> Dict[str, float]:
+        """Validation's figures over every rank (each runs val_steps batches of its share)."""
+        cfg, step, model = self.cfg, self.step, self.runs
+        model.eval()
+        step.validation_began(model)
+        sums = torch.zeros(step.width(), dtype=torch.float64, device=step.device)
+        with torch.no_grad():
+            for i, batch in enumerate(run_batches(cfg, "val", cfg.val_batch_size, self.rank, self.size, epoch,
+                                                  self.val_steps, False, False, self.workers, step.device)):
+                sums += step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}"))
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum)
+        return step.validation_ended(model, totals)
+
+    def end_epoch(self, epoch: int, logs: Dict[str, Any]) -> bool:
+        """Rank 0's callbacks, history, early stopping; the checkpoint; whether every rank stops."""
+        stop = False
+        if self.rank == 0:
+            self.callbacks.call("on_epoch_end", epoch, logs, self.model)
+            stop = bool(logs.pop("stop_training", False))
+            self.history.append(dict(logs))
+            assert self.board is not None
+            self.board.epoch(epoch, logs)
+            stop = self.stopper.stop(logs) or stop
+        stop = bool(sr.broadcast_object(stop, root_rank=0))
+        with recorder.span("checkpoint"):
+            self.placement.save(self.model, self.opt, self.trainer_state(epoch, stop))
+        if self.rank == 0:
+            report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
+        if self.asked and not stop and epoch + 1 < self.cfg.epochs:
+            raise _Paused()
+        return stop
+
+    def _time_split(self, rows: float) -> Dict[str, float]:
+        """Seconds of the epoch's training steps by part, this rank's (rank 0 reports it) and the
+        slowest rank's; samples/s over every rank's rows; the training state of the rank that
+        keeps the most (one exchange for all of it)."""
+        mine = self.clock.seconds()
+        largest = sr.allreduce(torch.tensor(mine + list(self.state_sizes), dtype=torch.float64), op=sr.Max).tolist()
+        split = {}
+        for j, part in enumerate(("data", "compute", "comm", "other")):
+            split[f"time_{part}"] = mine[j]
+            split[f"time_{part}_slowest"] = largest[j]
+        split["samples_per_second"] = rows / mine[4] if mine[4] > 0 else 0.0
+        split["state_bytes"], split["grad_bytes"] = int(largest[5]), int(largest[6])
+        return split
+
+    def trainer_state(self, epoch: int, stopped: bool,
+                      position: Optional[Tuple[int, List[float]]] = None) -> TrainerState:
+        """The loop's part of a checkpoint (after ``epoch``, or inside it at ``position``: the
+        next step and every rank's figures so far)."""
+        # a snapshot: an asynchronous checkpoint is completed after later epochs have run
+        return {"epoch": epoch, "history": [dict(h) for h in self.history], "seed": self.cfg.seed, "stopped": stopped,
+                "early_stopping": (self.stopper.best, self.stopper.waited),
+                "schedulers": [s.scheduler.state_dict() for s in self.schedules],
+                "step": position[0] if position else None, "epoch_sums": position[1] if position else None}
+
+    def _restore(self, state: TrainerState) -> None:
+        self.history = list(state["history"])
+        self.start_epoch = int(state["epoch"]) + 1
+        if state.get("step") is not None:  # saved inside the epoch: go on at its next step
+            self.start_epoch, self.start_step = int(state["epoch"]), int(state["step"])
+            self.epoch_sums = list(state["epoch_sums"])
+        self.stopped = bool(state.get("stopped"))
+        self.stopper.best, self.stopper.waited = state.get("early_stopping", (None, 0))
+        for schedule, saved in zip(self.schedules, state.get("schedulers", [])):
+            schedule.scheduler.load_state_dict(saved)
+
+    def pause(self) -> Optional[RankResult]:
+        """Stop at the checkpoint just written (the driver launches more ranks from it)."""
+        self.placement.finish()
+        recorder.stop()
+        if self.board is not None:
+            self.board.close()
+        return RankResult(state_dict={}, history=self.history, output_shapes=None, paused=True) if self.rank == 0 \
+            else None
+
+    def finish(self) -> Optional[RankResult]:
+        self.step.fit_ended(self.model)
+        state = self.placement.gather(self.model)  # every rank takes part
+        timeline = sr.allgather_object(recorder.events()) if self.cfg.timeline else None  # every rank's spans
+        recorder.stop()
+        if self.rank != 0:
+            return None
+        assert state is not None
+        self.callbacks.call("on_train_end", self.history, self.model)
+        if self.board is not None:
+            self.board.close()
+        self.cfg.store.write_bytes(self.cfg.store.model_path(self.cfg.run_id, "state_dict.pt"), _to_bytes(state))
+        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes,
+                          timeline=timeline)
+
+
+def _to_bytes(state: Dict[str, Any]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()

@@ -1,0 +1,234 @@
+"""How the model lives on the ranks: one Placement per way (replicated, sharded), each owning the
+build, the optimizer's wrapping, the update, the finite check, the checkpoints and the gather of
+the fitted state, so that the loop never asks which one it has.
+
+torchtitan's components/checkpoint and Horovod's estimator/remote split are the models: the loop
+says when (an epoch ends, a step is due), the placement says how."""
+from __future__ import annotations
+
+import io
+import logging
+from typing import Any, Dict, Optional
+
+import torch
+
+import sparkring.collective as sr
+
+from . import checkpoints, fsdp
+from .checkpoints import FILE, CheckpointName, on_cpu
+from .config import ModelOrFactory, Sharding, TrainConfig, is_factory
+
+log = logging.getLogger(__name__)
+
+TrainerState = Dict[str, Any]  # the loop's part of a checkpoint (Trainer.trainer_state)
+
+
+class Placement:
+    """The seam between the loop and the way the model is placed. Every method is called on
+    every rank, in the same order (each may run collectives).
+
+    >>> placement_for(cfg).build(cfg.model, torch.device("cpu"), seed=0)  # doctest: +SKIP
+    """
+
+    sharded = False
+
+    def __init__(self, store: Any, run_id: str):
+        self.store, self.run_id = store, run_id
+
+    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+        """This rank's model (or its part of it), on ``device``."""
+        raise NotImplementedError
+
+    def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
+        """The optimizer the loop steps: ``opt`` wrapped for this placement's gradient exchange."""
+        raise NotImplementedError
+
+    def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
+        """Load the newest complete checkpoint into ``model`` and ``opt`` and make every rank's
+        alike; the loop's state it holds (the same on every rank), or None for a fresh start."""
+        raise NotImplementedError
+
+    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+               scaler: Optional[torch.amp.GradScaler]) -> int:
+        """The optimizer step after the gradients are in; 1 where a non-finite update was skipped."""
+        raise NotImplementedError
+
+    def blocked_seconds(self, opt: Any) -> float:
+        """Seconds blocked in gradient exchanges so far (counted apart from compute)."""
+        return 0.0
+
+    def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
+        """A checkpoint at the position ``state`` holds (its "epoch" and "step")."""
+        raise NotImplementedError
+
+    def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's state on rank 0's CPU (None on the other ranks)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Complete what is still being written (the fit ends or pauses here)."""
+
+
+def scaled_update(opt: Any, scaler: torch.amp.GradScaler) -> int:
+    """16-mixed: unscale the reduced gradients, step unless they overflowed; the reduced
+    gradients are the same on every rank, so is the decision. 1 where the step was skipped.
+
+    >>> scaled_update(distributed_optimizer, torch.amp.GradScaler("cpu"))  # doctest: +SKIP
+    0
+    """
+    opt.synchronize()
+    scaler.unscale_(opt)
+    before = scaler.get_scale()
+    with opt.skip_synchronize():
+        scaler.step(opt)
+    scaler.update()
+    return int(scaler.get_scale() < before)
+
+
+def grads_finite(model: torch.nn.Module) -> bool:
+    """Whether every gradient this rank holds is finite (one host sync for the whole model).
+
+    >>> m = torch.nn.Linear(2, 1); m(torch.ones(1, 2)).sum().backward(); grads_finite(m)
+    True
+    """
+    sums = []
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse:
+            g = g.coalesce().values()
+        sums.append(g.detach().float().abs().sum())
+    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
+
+
+class Replicated(Placement):
+    """Every rank holds the whole model; DistributedOptimizer allreduces the gradients in
+    buckets; rank 0 writes a checkpoint as one file and keeps the fitted state."""
+
+    def __init__(self, store: Any, run_id: str, compression: str = "none", backward_passes_per_step: int = 1):
+        super().__init__(store, run_id)
+        self.compression, self.backward_passes_per_step = compression, backward_passes_per_step
+
+    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+        if is_factory(model):
+            torch.manual_seed(seed)
+            model = model()
+        return model.to(device)
+
+    def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
+        return sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=getattr(sr.Compression, self.compression),
+                                       backward_passes_per_step=self.backward_passes_per_step)
+
+    def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
+        """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state."""
+        state = None
+        if sr.rank() == 0:
+            saved = self._load_latest()
+            if saved is not None:
+                model.load_state_dict(saved.pop("model"))
+                opt.load_state_dict(saved.pop("optimizer"))
+                state = saved
+        state = sr.broadcast_object(state, root_rank=0)
+        sr.broadcast_parameters(model.state_dict(), root_rank=0)
+        if state is not None:  # fresh optimizers are alike: making state to broadcast would count an extra Adam step
+            sr.broadcast_optimizer_state(opt, root_rank=0)
+        return state
+
+    def _load_latest(self) -> Optional[Dict[str, Any]]:
+        for found in reversed(checkpoints.listing(self.store, self.run_id, FILE)):
+            try:
+                data = self.store.read_bytes(self.store.checkpoint_path(self.run_id, found.name))
+                # tensors, numbers and strings only: no pickled code runs when a checkpoint loads
+                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - a damaged file: fall back to the one before
+                log.warning("checkpoint %s of run %s cannot be loaded (%s); trying the one before",
+                            found.name, self.run_id, exc)
+        return None
+
+    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+               scaler: Optional[torch.amp.GradScaler]) -> int:
+        if scaler is not None:
+            return scaled_update(opt, scaler)
+        opt.synchronize()
+        # the reduced gradients are the same on every rank: so is the decision to skip
+        if skip_non_finite and not grads_finite(model):
+            return 1
+        with opt.skip_synchronize():
+            opt.step()
+        return 0
+
+    def blocked_seconds(self, opt: Any) -> float:
+        return opt.exchange_seconds
+
+    def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
+        """Rank 0's file: the weights, the optimizer's state and the loop's, on the CPU."""
+        if sr.rank() != 0:
+            return
+        buf = io.BytesIO()
+        torch.save(on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict(), **state}), buf)
+        name = CheckpointName(state["epoch"], state["step"], FILE).name
+        self.store.write_bytes(self.store.checkpoint_path(self.run_id, name), buf.getvalue())
+        checkpoints.prune(self.store, self.run_id, FILE)
+
+    def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+        if sr.rank() != 0:
+            return None
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+class Sharded(Placement):
+    """FSDP2 (``fsdp``: over every rank; ``hsdp``: within each host, replicated across hosts):
+    each rank keeps its shards, writes them into a DCP checkpoint directory, and takes part in
+    gathering the whole state for rank 0 at the end (trainer.fsdp has the mechanics)."""
+
+    sharded = True
+
+    def __init__(self, store: Any, run_id: str, sharding: Sharding):
+        super().__init__(store, run_id)
+        self.sharding = sharding
+        self.checkpointer: Optional[fsdp.Checkpointer] = None
+
+    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+        module = fsdp.build_sharded(model, self.sharding, device, seed)
+        # an asynchronous checkpointer makes a process group of its own: every rank, after the mesh's
+        self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
+        return module
+
+    def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
+        return opt  # FSDP2 reduce-scatters the gradients itself
+
+    def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
+        return fsdp.load_latest(self.store, self.run_id, model, opt)
+
+    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+               scaler: Optional[torch.amp.GradScaler]) -> int:
+        if skip_non_finite and not fsdp.grads_finite(model):
+            return 1
+        opt.step()
+        return 0
+
+    def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
+        assert self.checkpointer is not None, "build() first"
+        self.checkpointer.save(state["epoch"], model, opt, state, step=state["step"])
+
+    def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+        self.finish()
+        state = fsdp.full_state_dict(model)
+        return state if sr.rank() == 0 else None
+
+    def finish(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.finish()
+
+
+def placement_for(cfg: TrainConfig) -> Placement:
+    """The placement the fit's strategy names.
+
+    >>> type(placement_for(cfg)).__name__  # strategy="fsdp"  # doctest: +SKIP
+    'Sharded'
+    """
+    if cfg.sharding.sharded:
+        return Sharded(cfg.store, cfg.run_id, cfg.sharding)
+    return Replicated(cfg.store, cfg.run_id, cfg.compression, cfg.backward_passes_per_step)
