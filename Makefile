@@ -49,12 +49,15 @@ gpu-check: java
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sparkring benchmarks examples tests conftest.py
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
-# README's Param reference, regenerated from sparkring/estimator/params.py's table (a test checks it)
+# docs/params.md regenerated from sparkring/estimator/params.py's table (a test checks it), then the
+# guides built as a site into build/site; --strict: a broken link or a page left out of the nav fails
 docs: $(STAMP)
-	$(PY) -c "import re, sparkring.estimator.params as p; t = open('README.md').read(); \
-	open('README.md', 'w').write(re.sub(r'(?s)<!-- params:begin -->.*<!-- params:end -->', \
+	$(PY) -c "import re, sparkring.estimator.params as p; t = open('docs/params.md').read(); \
+	open('docs/params.md', 'w').write(re.sub(r'(?s)<!-- params:begin -->.*<!-- params:end -->', \
 	lambda m: '<!-- params:begin -->\n' + p.reference_markdown() + '\n<!-- params:end -->', t))"
+	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
 demo: java $(STAMP)
 	SPARK_LOCAL_IP=127.0.0.1 $(PY) examples/digits.py

@@ -10,6 +10,7 @@ from .errors import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     MismatchError,
+    NonFiniteLossError,
     NotInitializedError,
     RankFailedError,
     RankTimeoutError,
@@ -22,7 +23,7 @@ from .errors import (
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "doctor", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
            "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError",
-           "StageLostError", "HostsUpdatedInterrupt"]
+           "StageLostError", "HostsUpdatedInterrupt", "NonFiniteLossError"]
 __version__ = "0.1.0"
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should

@@ -85,8 +85,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "doctor":
         return _doctor(args)
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
-    from sparkring.runner.driver.launch import ScriptMain, launch_elastic
+    from sparkring.runner.driver.launch import launch_elastic
     from sparkring.runner.driver.plan import CLI_NAMES, check_timeouts
+    from sparkring.runner.driver.script import ScriptMain
 
     try:  # mistakes in the command line fail before a Spark session starts
         check_timeouts(args.timeout, args.start_timeout, CLI_NAMES)

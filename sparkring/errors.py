@@ -36,12 +36,41 @@ class RankFailedError(SparkRingError):
     ...     print(e.rank, e.remote_traceback)  # doctest: +SKIP
     """
 
-    def __init__(self, rank: int, remote_traceback: str, exit_code=None, executor: Optional[str] = None):
+    def __init__(self, rank: int, remote_traceback: str, exit_code=None, executor: Optional[str] = None,
+                 exception_type: Optional[str] = None, message: Optional[str] = None):
         self.rank = rank
         self.remote_traceback = remote_traceback
         self.exit_code = exit_code
         self.executor = executor  # the Spark executor (host:port) that ran the rank, where known
+        self.exception_type = exception_type  # type_name() of what the rank raised, where it raised
+        self.message = message  # str() of what the rank raised
         super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+    def raised(self, cls: type) -> bool:
+        """Whether the rank raised ``cls`` (this exact type, named as type_name() names it).
+
+        >>> RankFailedError(1, "...", exception_type=type_name(NonFiniteLossError)).raised(NonFiniteLossError)
+        True
+        """
+        return self.exception_type == type_name(cls)
+
+
+def type_name(cls: type) -> str:
+    """How an exception's type travels from a rank to the driver: module and qualified name.
+
+    >>> type_name(ValueError)
+    'builtins.ValueError'
+    """
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class NonFiniteLossError(SparkRingError, FloatingPointError):
+    """Raised on a rank whose loss is not finite (onNonFinite='raise'); the driver turns it into a
+    TrainingError with this message, which names the epoch, step and rank.
+
+    >>> str(NonFiniteLossError("non-finite loss nan at epoch 1, step 2 on rank 1"))
+    'non-finite loss nan at epoch 1, step 2 on rank 1'
+    """
 
 
 class RankTimeoutError(SparkRingError, TimeoutError):
@@ -81,6 +110,8 @@ class TrainingError(RankFailedError):
         self.remote_traceback = remote_traceback
         self.exit_code = None
         self.executor = None
+        self.exception_type = type_name(NonFiniteLossError)
+        self.message = reason
         self.reason = reason
         SparkRingError.__init__(self, f"{reason}; the last good checkpoint is kept (fit again with the same "
                                       f"runId to resume, or set onNonFinite='skip_step')\n{remote_traceback}")

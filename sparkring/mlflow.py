@@ -19,14 +19,14 @@ import pandas as pd
 import torch
 
 from .estimator import SparkRingModel
-from .estimator.tracking import _requirements
+from .estimator.tracking import pip_requirements
 from .runner import to_bytes
 
 _PREDICTOR = "predictor.pkl"
 _SPARK_MODEL = "sparkring_model"
 
 
-class SparkRingPyfunc(mlflow.pyfunc.PythonModel):
+class SparkRingPyfunc(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined]  # mlflow.pyfunc exports it lazily
     """What ``mlflow.pyfunc.load_model`` runs: the model's inference recipe and weights on CPU.
 
     >>> pyfunc = mlflow.pyfunc.load_model(info.model_uri)  # doctest: +SKIP
@@ -60,7 +60,7 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
     if isinstance(model, PipelineModel):
         from mlflow import spark as mlflow_spark
 
-        return mlflow_spark.log_model(model, name, pip_requirements=_requirements(_PACKAGES + ["pyspark"]),
+        return mlflow_spark.log_model(model, name, pippip_requirements=pip_requirements(_PACKAGES + ["pyspark"]),
                                       **kwargs)
     if not isinstance(model, SparkRingModel):
         raise TypeError(f"log_model takes a SparkRingModel or a PipelineModel, got {type(model).__name__}")
@@ -84,7 +84,7 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
             kwargs["signature"] = infer_signature(example, predictor.predict_pandas(net, torch.device("cpu"), example))
         return mlflow.pyfunc.log_model(name=name, python_model=SparkRingPyfunc(),
                                        artifacts={"predictor": predictor_path, "spark_model": spark_dir},
-                                       input_example=example, pip_requirements=_requirements(_PACKAGES), **kwargs)
+                                       input_example=example, pippip_requirements=pip_requirements(_PACKAGES), **kwargs)
 
 
 def load_model(model_uri: str) -> Any:

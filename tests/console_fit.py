@@ -1,4 +1,4 @@
-"""A fit() as a user runs it from a script (tests/test_console.py runs it in a terminal and in a
+"""A fit() as a user runs it from a script (tests/estimator/test_console.py runs it in a terminal and in a
 pipe): Spark's own console progress bar on, as in the pyspark shell; then a slow Spark job to
 show Spark's bar is back after fit."""
 import os

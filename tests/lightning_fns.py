@@ -1,4 +1,4 @@
-"""A LightningModule trained by a user's own Trainer inside sparkring.run() (tests/test_lightning.py)."""
+"""A LightningModule trained by a user's own Trainer inside sparkring.run() (tests/trainer/test_lightning.py)."""
 import os
 
 import torch

@@ -94,7 +94,7 @@ def test_no_module_takes_part_in_an_import_circle_deferred_imports_included():
     ("sparkring.trainer", "sparkring.estimator"), ("sparkring.runner", "sparkring.trainer"),
     ("sparkring.data", "sparkring.trainer"), ("sparkring.collective", "sparkring.trainer"),
     ("sparkring.trainer", "sparkring.runner.driver"),
-    ("sparkring.errors", "sparkring.runner"), ("sparkring.processes", "sparkring.collective"),
+    ("sparkring.errors", "sparkring.runner"), ("sparkring.process_start", "sparkring.collective"),
 ])
 def test_a_layer_never_imports_one_above_it(lower, upper):
     wrong = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() if m == lower or m.startswith(lower + ".")
@@ -111,6 +111,32 @@ def test_no_package_imports_another_packages_private_modules():
                    if t.rsplit(".", 1)[-1].startswith("_") and not t.endswith("__")
                    and not (package_of(m) + ".").startswith(t.rsplit(".", 1)[0] + "."))
     assert wrong == []
+
+
+def _private_names_imported_across_packages() -> List[str]:
+    """``from a.b import _name`` where ``a.b`` is in another package than the importer (not its own or a parent)."""
+    def package_of(module: str) -> str:
+        return module if MODULES[module].name == "__init__.py" else module.rsplit(".", 1)[0]
+
+    wrong = []
+    for name, path in MODULES.items():
+        package = package_of(name)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base not in MODULES or (package + ".").startswith(package_of(base) + "."):
+                continue  # its own package's, or a parent package's (as with private modules)
+            wrong += [f"{name} imports {base}.{a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.endswith("__")]
+    return sorted(wrong)
+
+
+def test_no_package_imports_another_packages_private_names():
+    assert _private_names_imported_across_packages() == []
 
 
 def test_no_function_is_longer_than_a_screen():

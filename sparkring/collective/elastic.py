@@ -13,6 +13,7 @@ user's code sees it."""
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import io
 import math
@@ -30,7 +31,36 @@ from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from . import _runtime, environment, ops
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
-GROW, LEAVE = 1, 2  # StopRequest.read(): more ranks can train; an executor is leaving
+
+class StopAsk(enum.IntEnum):
+    """What the driver asks of the ranks through a StopRequest (an int on the wire and in the
+    one-integer broadcast that agrees it on every rank).
+
+    >>> StopAsk(2), max(StopAsk.NOTHING, StopAsk.GROW) == StopAsk.GROW
+    (<StopAsk.LEAVE: 2>, True)
+    """
+
+    NOTHING = 0
+    GROW = 1    # more ranks can train: stop at the next checkpoint or commit, the next launch has them
+    LEAVE = 2   # an executor is leaving: checkpoint now and stop, the next launch goes on without it
+
+
+GROW, LEAVE = StopAsk.GROW, StopAsk.LEAVE
+
+
+@dataclass(frozen=True)
+class Relaunches:
+    """What an elastic run did so far: launches after a loss, launches that brought the ranks
+    back to the target, launches after an executor was decommissioned (rank 0 logs them).
+
+    >>> Relaunches(restarts=1).restarts
+    1
+    """
+
+    restarts: int = 0
+    grows: int = 0
+    decommissions: int = 0
+
 _COMMIT_FILE = "commit.pt"
 _REQUEST_FILE = "stop-request"
 
@@ -56,20 +86,20 @@ class StopRequest:
 
         return fsspec.core.url_to_fs(self.url, **self.storage_options)
 
-    def make(self, what: int) -> None:
+    def make(self, what: StopAsk) -> None:
         fs, path = self._fs()
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         with fs.open(path, "wb") as f:
-            f.write(str(what).encode())
+            f.write(str(int(what)).encode())
 
-    def read(self) -> int:
-        """0 where nothing is asked, else GROW or LEAVE."""
+    def read(self) -> StopAsk:
+        """What the driver asks (NOTHING where no request is there)."""
         try:
             fs, path = self._fs()
             with fs.open(path, "rb") as f:
-                return int(f.read())
+                return StopAsk(int(f.read()))
         except (FileNotFoundError, OSError, ValueError):
-            return 0
+            return StopAsk.NOTHING
 
     def clear(self) -> None:
         fs, path = self._fs()
@@ -447,4 +477,5 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt",
-           "HorovodInternalError", "StopRequest", "Paused", "StopAtCommit", "GROW", "LEAVE"]
+           "HorovodInternalError", "StopRequest", "StopAsk", "Relaunches", "Paused", "StopAtCommit", "GROW",
+           "LEAVE"]

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
-from ..processes import START_VARIABLE
+from ..process_start import START_VARIABLE
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ SECRET = "SPARKRING_SECRET"            # the run's HMAC key, hex
 ATTEMPT = "SPARKRING_ATTEMPT"          # the stage attempt's key
 EVENT_FILE = "SPARKRING_EVENT_FILE"    # where reports go when the driver is out of reach
 PARENT_PID = "SPARKRING_PARENT_PID"    # the task process the worker dies with
-WORKER_START = START_VARIABLE          # fork | spawn (sparkring.processes decides)
+WORKER_START = START_VARIABLE          # fork | spawn (sparkring.process_start decides)
 SHM = "SPARKRING_SHM"                  # 0: allreduce between ranks of one host through gloo, not shared memory
 GPU = "SPARKRING_GPU"                  # the CUDA ordinal of this rank's GPU (in its CUDA_VISIBLE_DEVICES)
 HOST_ID = "SPARKRING_HOST_ID"          # the host an executor is on, where its address does not tell

@@ -216,7 +216,7 @@ class Dataset:
         order = (np.random.default_rng([seed, epoch, 104_729]).permutation(memory.total) if shuffle
                  else np.arange(memory.total))
         lo, hi = rank * global_batch // size, (rank + 1) * global_batch // size
-        out = ({c: np.take(a, np.sort(order[j * global_batch + lo:j * global_batch + hi]), axis=0)
+        out: Iterator[Dict[str, Any]] = ({c: np.take(a, np.sort(order[j * global_batch + lo:j * global_batch + hi]), axis=0)
                 for c, a in memory.arrays.items()} for j in range(start_step, last))
         if transform is not None:
             out = transformed(out, transform, 0)

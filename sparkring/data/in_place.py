@@ -87,7 +87,7 @@ def _tensor_leaf(col: ColumnSpec, chunks: Dict[str, Any]):
     if col.vector:
         kind = chunks.get(f"{col.name}.type")
         stats = kind.statistics if kind is not None else None
-        if not (_clean(kind) and stats.has_min_max and stats.min == stats.max == 1):
+        if not (_clean(kind) and stats is not None and stats.has_min_max and stats.min == stats.max == 1):
             return None  # null or sparse vectors: prepare densifies or reports them
         return chunks.get(f"{col.name}.values.list.element")
     leaves = [p for p in chunks if p.startswith(f"{col.name}.")]
@@ -164,28 +164,30 @@ def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = N
     if paths is None:
         return None
     with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
-        found = list(pool.map(lambda p: _file_facts(p, spec.columns), paths))
-    if any(f is None for f in found) or not any(sum(f.row_groups) for f in found):
+        facts = list(pool.map(lambda p: _file_facts(p, spec.columns), paths))
+    found = [f for f in facts if f is not None]
+    if len(found) < len(facts) or not any(sum(f.row_groups) for f in found):
         return None
     widths = {name: {f.widths[name] for f in found if name in f.widths} for name in
               [c.name for c in spec.columns if c.kind == TENSOR]}
     if any(len(w) != 1 for w in widths.values()):
         return None
     spec = spec.measured({name: [w.pop()] for name, w in widths.items()})
-    values = {}
+    values: Dict[str, Dict[str, Any]] = {}
     for c in spec.columns:
         if c.kind == SCALAR and c.dtype != "bool":
             lows = [f.minimum[c.name] for f in found if c.name in f.minimum]
             values[c.name] = {"min": min(lows) if lows else None, "non_integral": None}
     files = sorted((f for f in found if sum(f.row_groups)), key=lambda f: f.path)
-    metadata = {"format": 2, "layout": IN_PLACE, "spec": spec.to_dict(), "validation": validation, "seed": seed,
-                "splits": _splits(files, validation, seed or 0), "values": values,
-                "integral": [c for c in integral if spec.column(c).kind == SCALAR]}
-    if not any(f["rows"] for f in metadata["splits"]["train"]):
+    splits = _splits(files, validation, seed or 0)
+    if not any(f["rows"] for f in splits["train"]):
         raise DataError("every row went to validation: no training rows are left; lower validation=")
+    metadata = {"format": 2, "layout": IN_PLACE, "spec": spec.to_dict(), "validation": validation, "seed": seed,
+                "splits": splits, "values": values,
+                "integral": [c for c in integral if spec.column(c).kind == SCALAR]}
     store.check_writable()
     data_dir = store.data_path(run_id or uuid.uuid4().hex[:12])
     store.write_bytes(f"{data_dir}/{METADATA_FILE}", json.dumps(metadata, indent=1).encode())
     log.info("reading %d Parquet file(s) in place (%d rows): the DataFrame only scans them",
-             len(files), sum(sum(f.row_groups) for f in files))
+             len(files), sum(rows for f in files for rows in f.row_groups))
     return Dataset(store, data_dir, metadata)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union, cast
 
 import numpy as np
 
@@ -287,7 +287,7 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     key = _cache_key(df, store, spec, validation, seed) if reuse else None
     cached = reuse_cache.lookup(key)
     if cached is not None:
-        return cached
+        return cast(Dataset, cached)
     store.check_writable()
 
     run_id = run_id or uuid.uuid4().hex[:12]

@@ -101,7 +101,7 @@ def column_spec(field, codec: Optional[Codec] = None) -> ColumnSpec:
     if isinstance(dt, T.BinaryType):
         return ColumnSpec(field.name, BYTES, "object")
     if isinstance(dt, T.ArrayType):
-        levels, element = 0, dt
+        levels, element = 0, dt  # type: Tuple[int, Any]
         while isinstance(element, T.ArrayType):
             levels, element = levels + 1, element.elementType
         if isinstance(element, numeric + (T.DecimalType,)):
@@ -379,7 +379,7 @@ def tensor_profile(arr, levels: int) -> Tuple[List[Tuple[Optional[int], Optional
 
     dims = []
     current = arr
-    parents = None
+    parents: Any = None
     for _ in range(levels):
         lengths = pc.list_value_length(current)
         dims.append((pc.min(lengths).as_py(), pc.max(lengths).as_py()))

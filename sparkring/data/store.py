@@ -46,6 +46,12 @@ def open_filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None):
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
+def _remove_if_mine(path: str, owner: int) -> None:
+    """At exit: a temporary store goes with the process that made it (not with a forked child)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class Store:
     """A directory (local path or any URL pyarrow.fs or fsspec opens) holding runs:
     ``runs/<run_id>/{data,checkpoints,logs,model}``.
@@ -62,15 +68,14 @@ class Store:
         self._temporary = path_or_url is None
         if self._temporary:
             path_or_url = tempfile.mkdtemp(prefix="sparkring-store-")
-            owner = os.getpid()
-            atexit.register(lambda p=path_or_url: os.getpid() == owner and shutil.rmtree(p, ignore_errors=True))
+            atexit.register(_remove_if_mine, path_or_url, os.getpid())
         path_or_url = str(path_or_url)
         if "://" not in path_or_url:
             path_or_url = os.path.abspath(os.path.expanduser(path_or_url))
         self.url = path_or_url
         self.storage_options = dict(storage_options or {})
-        self._fs = None
-        self._root = None
+        self._fs: Optional[pafs.FileSystem] = None
+        self._root: Optional[str] = None
 
     # pickles as its URL: filesystems reconnect lazily on the ranks
     def __getstate__(self):
@@ -111,12 +116,13 @@ class Store:
                                      "serves (s3fs for s3://, gcsfs for gs://, adlfs for abfs://)") from exc
             else:
                 self._fs, self._root = pafs.LocalFileSystem(), self.url
-            self._root = self._root.rstrip("/") or "/"
+            self._root = (self._root or "").rstrip("/") or "/"
         return self._fs
 
     @property
     def root(self) -> str:
         self.fs  # noqa: B018 - resolves the root
+        assert self._root is not None
         return self._root
 
     def path(self, *parts: str) -> str:

@@ -5,7 +5,7 @@ torch's DataLoader would own the workers but wants a map- or iterable-style data
 splits itself; our reader already decides each rank's rows and order, so the pool only
 maps a function over batches: multiprocessing.Pool does that, with the remote traceback
 attached to the exception the training thread re-raises. Workers start as
-sparkring.processes decides (forked, or fresh where the rank holds a CUDA context; the
+sparkring.process_start decides (forked, or fresh where the rank holds a CUDA context; the
 function travels pickled by value either way, so it need not be importable) and die with the
 rank: forked ones inherit its sockets, and a worker outliving a failed rank would keep its
 peers' connections open.
@@ -21,7 +21,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, Mapping, Optional
 
 import cloudpickle
 
-from ..processes import log_if_spawning, start_method
+from ..process_start import log_if_spawning, start_method
 
 Batch = Dict[str, Any]
 _worker_fn: Optional[Callable[[Batch], Batch]] = None

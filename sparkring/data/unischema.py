@@ -78,7 +78,7 @@ class Codec:
         """Stored values (bytes) as one array of rows of ``shape``, or, where the shape is not
         fixed (the Unischema leaves a dimension free), an object array of arrays."""
         if self.shape and self.fixed:
-            out = np.empty((len(values),) + tuple(self.shape), dtype=np.dtype(self.dtype))  # type: ignore[arg-type]
+            out = np.empty((len(values),) + tuple(self.shape), dtype=np.dtype(self.dtype))  # type: ignore[arg-type, type-var]
             for i, value in enumerate(values):
                 if value is None:
                     raise DataError(f"column {column!r} has a null value in row {i}: fill or drop it")

@@ -160,7 +160,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def _head_kinds(self, spec: FeatureSpec) -> List[Tuple[str, int]]:
         """Per head: 'classification', or 'regression' with its output width."""
         loss_list = self.lossList()
-        shapes = self.outputShapes
+        shapes: Optional[List[List[int]]] = self.outputShapes
         if shapes is None and not all(isinstance(x, str) and x in losses.CLASSIFICATION for x in loss_list):
             example = spec.example_args()
             if example is None:
@@ -174,13 +174,14 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
             module.train(was_training)
             outs = list(out) if len(loss_list) > 1 else [out]
             shapes = [list(o.shape[1:]) for o in outs]
+        assert shapes is not None or all(isinstance(x, str) and x in losses.CLASSIFICATION for x in loss_list)
         kinds = []
         for i, loss in enumerate(loss_list):
             if isinstance(loss, str) and loss in losses.CLASSIFICATION:
                 kinds.append(("classification", 0))
             else:
                 width = 1
-                for d in shapes[i]:
+                for d in (shapes or [])[i]:
                     width *= d
                 kinds.append(("regression", width))
         return kinds

@@ -106,14 +106,16 @@ class ParamSpec:
     minimum: Optional[int] = None             # an int Param's least value (None also allowed if default is)
     is_object: bool = False                   # a Python object: persisted with cloudpickle, not JSON
     shared: bool = False                      # pyspark's own shared Param (HasSeed, HasProbabilityCol, ...)
+    field: Optional[str] = None               # the TrainConfig field it fills as it is (train_config())
 
 
 PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("model", "torch.nn.Module | Callable[[], Module]", None,
               "the torch.nn.Module (or LightningModule) to train, or a zero-argument factory every rank calls to build "
-              "it (under the meta device with a sharded strategy)", is_object=True),
+              "it (under the meta device with a sharded strategy)", is_object=True, field="model"),
     ParamSpec("optimizer", "Optimizer | Callable[[params], Optimizer]", None,
-              "a torch.optim.Optimizer over the model's parameters, or a factory params -> Optimizer", is_object=True),
+              "a torch.optim.Optimizer over the model's parameters, or a factory params -> Optimizer", is_object=True,
+              field="optimizer"),
     ParamSpec("loss", "str | Callable | list", None,
               "loss name (cross_entropy, nll, mse, l1, bce_with_logits, smooth_l1) or a callable(output, label) -> "
               "scalar; a list gives one per head", is_object=True),
@@ -138,22 +140,23 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "transformFn", _to_input_shapes),
     ParamSpec("transformFn", "Callable[[dict], dict] | None", None,
               "transformFn(batch: dict) -> dict run on every batch before the model (e.g. decode image bytes); "
-              "picklable", is_object=True),
+              "picklable", is_object=True, field="transform_fn"),
     ParamSpec("transformFnInference", "Callable[[dict], dict] | None", None,
               "the transformFn transform() uses (default: transformFn)", is_object=True),
     ParamSpec("readerWorkers", "int | None", None,
               "processes per rank that run transformFn ahead of the step (default: the cores per rank - 1, 1 to 4; "
-              "0 runs it inline)", _to_optional_int, minimum=0),
-    ParamSpec("batchSize", "int", 32, "rows per rank per training step", TypeConverters.toInt, minimum=1),
+              "0 runs it inline)", _to_optional_int, minimum=0, field="reader_workers"),
+    ParamSpec("batchSize", "int", 32, "rows per rank per training step", TypeConverters.toInt, minimum=1,
+              field="batch_size"),
     ParamSpec("valBatchSize", "int | None", None, "rows per validation batch (default: batchSize)", _to_optional_int,
               minimum=1),
-    ParamSpec("epochs", "int", 1, "passes over the training data", TypeConverters.toInt, minimum=1),
+    ParamSpec("epochs", "int", 1, "passes over the training data", TypeConverters.toInt, minimum=1, field="epochs"),
     ParamSpec("numProc", "int | None", None, "number of ranks (default: every task slot, or GPU)", _to_optional_int),
     ParamSpec("validation", "float | str | None", None, "fraction of rows held out, or a boolean column marking them",
               _to_validation),
-    ParamSpec("shuffle", "bool", True, "shuffle training rows every epoch", TypeConverters.toBoolean),
+    ParamSpec("shuffle", "bool", True, "shuffle training rows every epoch", TypeConverters.toBoolean, field="shuffle"),
     ParamSpec("seed", "int", 0, "seed of the shuffle, the validation split and the model's initial weights",
-              shared=True),
+              shared=True, field="seed"),
     ParamSpec("backend", "str", "auto", "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
               TypeConverters.toString, choices=BACKENDS),
     ParamSpec("useGpu", "bool | None", None, "train on GPUs (default: when Spark schedules GPUs)"),
@@ -173,21 +176,22 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("asyncCheckpoint", "bool", False, "with a sharded strategy, write each checkpoint while training goes "
               "on (completed at the next one, or at the end)", TypeConverters.toBoolean),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
-              TypeConverters.toInt, minimum=1),
+              TypeConverters.toInt, minimum=1, field="backward_passes_per_step"),
     ParamSpec("compile", "bool | dict", False, "torch.compile each rank's module (True, or a dict of torch.compile "
               "options, e.g. {'mode': 'max-autotune'}); the fitted model holds the module itself, not the compiled "
               "wrapper; the first (compiling) step's seconds go to the first epoch's first_step_seconds",
               _to_compile),
     ParamSpec("gradientCompression", "str", "none", "none | fp16 | bf16: how gradients travel in the allreduce",
-              TypeConverters.toString, choices=("none", "fp16", "bf16")),
+              TypeConverters.toString, choices=("none", "fp16", "bf16"), field="compression"),
     ParamSpec("precision", "str", "32", "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "
               "to bfloat16 or float16 on the rank's device; 16-mixed scales the loss (GradScaler) and skips a step "
               "whose reduced gradients overflow, on every rank alike; a sharded strategy keeps bfloat16 parameters "
               "for compute and reduces gradients in float32", TypeConverters.toString,
-              choices=("32", "bf16-mixed", "16-mixed")),
+              choices=("32", "bf16-mixed", "16-mixed"), field="precision"),
     ParamSpec("learningRateScaling", "str", "none", "none | linear (lr x numProc)", TypeConverters.toString,
-              choices=("none", "linear")),
-    ParamSpec("warmupEpochs", "float", 0.0, "epochs to ramp lr up to its scaled value", TypeConverters.toFloat),
+              choices=("none", "linear"), field="lr_scaling"),
+    ParamSpec("warmupEpochs", "float", 0.0, "epochs to ramp lr up to its scaled value", TypeConverters.toFloat,
+              field="warmup_epochs"),
     ParamSpec("trainStepsPerEpoch", "int | None", None, "steps per epoch (default: one pass)", _to_optional_int,
               minimum=1),
     ParamSpec("validationStepsPerEpoch", "int | None", None, "validation batches per epoch (default: all)",
@@ -201,7 +205,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
               TypeConverters.toString, choices=("raise", "skip_step")),
     ParamSpec("reader", "str", "arrow", "how ranks read the prepared data: 'arrow' (pyarrow) or 'petastorm' "
               "(petastorm's make_batch_reader: the same rows and batches; Spark 3.5 only)", TypeConverters.toString,
-              choices=READERS),
+              choices=READERS, field="reader"),
     ParamSpec("verbose", "int", 1, "0 silent, 1 progress bar and epoch lines, 2 also every rank's output",
               TypeConverters.toInt),
     ParamSpec("inferenceBatchSize", "int", 1024, "rows per forward pass in transform", TypeConverters.toInt,
@@ -296,8 +300,16 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
         super().__init__()
         self._setDefault(**{spec.name: spec.default for spec in PARAMS})
 
+    def paramValues(self) -> Dict[str, Any]:
+        """Every Param's value (set or default), read once, by name.
+
+        >>> SparkRingParams().paramValues()["batchSize"]
+        32
+        """
+        return {spec.name: self.getOrDefault(spec.name) for spec in PARAMS}
+
     def featureColumns(self) -> List[str]:
-        cols = self.getOrDefault(self.featuresCol)
+        cols = self.getOrDefault("featuresCol")
         return [cols] if isinstance(cols, str) else list(cols)
 
     def labelColumns(self) -> List[str]:
@@ -315,7 +327,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
         >>> est.lossList()  # doctest: +SKIP
         ['mse', 'bce_with_logits']
         """
-        loss = self.getOrDefault(self.loss)
+        loss = self.getOrDefault("loss")
         if isinstance(loss, (list, tuple)):
             return list(loss)
         return [loss] * len(self.labelColumns())

@@ -104,7 +104,7 @@ class FitTracker:
         if parent_run_id is not None:
             tracker = cls._grid_child(parent_run_id, grid_index)
         elif active_run_id() is not None:
-            tracker = cls(active_run_id(), started="")
+            tracker = cls(str(active_run_id()), started="")
         else:
             tracker = cls(mlflow.start_run().info.run_id, started="fluent")
         log.info("MLflow: logging this fit into run %s", tracker.run_id)
@@ -249,7 +249,8 @@ class FitTracker:
 
         net.eval()
         single = example is not None and len(example[0]) == 1 and not example[1]
-        kwargs: Dict[str, Any] = {"pip_requirements": _requirements(["torch", "cloudpickle"])}
+        example = example or ((), {})
+        kwargs: Dict[str, Any] = {"pip_requirements": pip_requirements(["torch", "cloudpickle"])}
         if single:
             x = example[0][0]
             with torch.no_grad():
@@ -294,7 +295,7 @@ class _run_active:
             mlflow.end_run()
 
 
-def _requirements(packages: Sequence[str]) -> List[str]:
+def pip_requirements(packages: Sequence[str]) -> List[str]:
     """Pinned requirements of the logged model (given, so MLflow does not load the model in a
     subprocess to infer them)."""
     return [pinned(name) for name in packages]

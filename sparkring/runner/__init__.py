@@ -4,14 +4,15 @@
 >>> run(lambda: 42, num_proc=2)  # doctest: +SKIP
 [42, 42]
 """
+from ..collective.elastic import Relaunches
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .channel import report
-from .driver.elastic import ElasticLaunch, Relaunches, relaunch_until_done
+from .driver.elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .driver.launch import launch, run
 from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
 from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
 
 __all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "to_bytes", "spark_major",
-           "check_timeouts", "ElasticLaunch", "Relaunches", "relaunch_until_done",
+           "check_timeouts", "ElasticLaunch", "ElasticPolicy", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -239,6 +239,7 @@ def report_raw(frame: Union[protocol.Event, protocol.Error]) -> bool:
     frame = dataclasses.replace(frame, rank=place.rank, attempt=place.attempt)
     with _worker_lock:
         if not address:
+            assert event_file  # one of the two is set (above)
             with open(event_file, "ab") as f:
                 f.write(protocol.dumps(frame) + b"\n")
             return True

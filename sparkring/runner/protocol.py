@@ -1,6 +1,7 @@
-"""What the runner's parts say to each other, as types: the channel frames between a rank's
-worker, its barrier task, task 0's relay and the driver, and the rendezvous record every task
-shares in the barrier's allGather. One encode/decode for each: a frame is a JSON object whose
+"""What the runner's parts say to each other, as types: what the driver gives every task
+(``TaskSpec``), the channel frames between a rank's worker, its barrier task, task 0's relay and
+the driver, the rendezvous record every task shares in the barrier's allGather, and the stage's
+output records (``OutputRecord``). One encode/decode for each: a frame is a JSON object whose
 ``t`` names its type on the wire, and nowhere else.
 
 A frame that arrives over the channel, from the stage's output records or embedded in a
@@ -106,6 +107,8 @@ class Error:
     traceback: str
     exit_code: Optional[int] = None
     secondary: bool = False
+    exception_type: Optional[str] = None  # errors.type_name() of what the rank's code raised (kind EXCEPTION)
+    message: Optional[str] = None  # its str()
 
 
 @dataclass(frozen=True)
@@ -250,3 +253,81 @@ class Rendezvous:
     @classmethod
     def from_json(cls, text: str) -> "Rendezvous":
         return cls(**json.loads(text))
+
+
+@dataclass
+class TaskSpec:
+    """What every task of a run gets in its closure (the plan's part the tasks need)."""
+
+    payload: bytes
+    driver_host: str
+    driver_port: int
+    secret: bytes
+    num_proc: int
+    backend: str
+    use_gpu: bool
+    driver_gpus: List[str]
+    driver_gpu_script: Optional[str]
+    start_timeout: float
+    timeout: Optional[float]
+    attempts: int
+    stream: bool
+    connect_timeout: float = 5.0
+    env: Dict[str, str] = field(default_factory=dict)
+    task_cpus: int = 1
+    chunk_bytes: int = 8 * 1024 * 1024
+    backend_from_auto: bool = False  # nccl chosen by backend="auto": gloo where ranks share a GPU
+    driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
+
+
+RESULT, MESSAGE = "result", "message"  # OutputRecord.kind
+# The output records' columns, in Spark's DDL types; the Arrow schema is derived from it.
+_RECORD_COLUMNS = (("rank", "int"), ("kind", "string"), ("part", "int"), ("parts", "int"), ("data", "binary"))
+RECORD_SCHEMA = ", ".join(f"{name} {kind}" for name, kind in _RECORD_COLUMNS)
+
+
+@dataclass(frozen=True)
+class OutputRecord:
+    """One output record of the barrier stage: kind RESULT, a chunk (``part`` of ``parts``) of
+    the rank's pickled result; kind MESSAGE, one frame (``dumps``) the driver handles as if it
+    came live.
+
+    >>> record = OutputRecord.message(1, Done(rank=1, attempt=0))
+    >>> OutputRecord.from_row(record.to_row()) == record, record.frame()
+    (True, Done(rank=1, attempt=0))
+    """
+
+    rank: int
+    kind: str
+    part: int
+    parts: int
+    data: bytes
+
+    @classmethod
+    def message(cls, rank: int, frame: Frame) -> "OutputRecord":
+        return cls(rank, MESSAGE, 0, 1, dumps(frame))
+
+    @classmethod
+    def result_chunks(cls, rank: int, result: bytes, chunk: int) -> List["OutputRecord"]:
+        total = max(1, -(-len(result) // chunk))
+        return [cls(rank, RESULT, i, total, result[i * chunk:(i + 1) * chunk]) for i in range(total)]
+
+    def frame(self) -> Frame:
+        return loads(self.data)
+
+    def to_row(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name, _ in _RECORD_COLUMNS}
+
+    @classmethod
+    def from_row(cls, row: Any) -> "OutputRecord":
+        """From a collected Spark Row (or a dict with the same keys)."""
+        return cls(int(row["rank"]), str(row["kind"]), int(row["part"]), int(row["parts"]), bytes(row["data"]))
+
+    def to_arrow(self):
+        """This record as a one-row pyarrow RecordBatch of RECORD_SCHEMA's columns."""
+        import pyarrow as pa
+
+        types = {"int": pa.int32(), "string": pa.string(), "binary": pa.binary()}
+        schema = pa.schema([(name, types[kind]) for name, kind in _RECORD_COLUMNS])
+        return pa.RecordBatch.from_arrays([pa.array([getattr(self, name)], types[kind])
+                                           for name, kind in _RECORD_COLUMNS], schema=schema)

@@ -3,6 +3,6 @@
 >>> from sparkring.trainer import TrainConfig, train_rank
 """
 from .config import EarlyStopping, Sharding, TrainConfig, is_factory
-from .loop import RankResult, non_finite_reason, train_rank
+from .loop import RankResult, train_rank
 
-__all__ = ["EarlyStopping", "RankResult", "Sharding", "TrainConfig", "is_factory", "non_finite_reason", "train_rank"]
+__all__ = ["EarlyStopping", "RankResult", "Sharding", "TrainConfig", "is_factory", "train_rank"]

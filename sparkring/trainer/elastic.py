@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..collective.elastic import StopRequest
+from ..collective.elastic import Relaunches, StopRequest
 
 
 @dataclass(frozen=True)
@@ -24,9 +24,7 @@ class ElasticPlan:
     target_size: int
     min_size: int
     checkpoint_every: Optional[int] = None
-    restarts: int = 0  # launches after a loss so far
-    grows: int = 0  # launches that brought the ranks back to target_size so far
-    decommissions: int = 0  # launches after ranks stopped for a decommissioned executor so far
+    relaunches: Relaunches = Relaunches()  # what the run did so far (rank 0 logs it)
 
     def share(self, rank: int, size: int) -> int:
         """Rows of each global batch that ``rank`` of ``size`` ranks trains on."""

@@ -124,7 +124,8 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     """The whole model's state on rank 0's CPU (every rank calls it; the others get {})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
 def grads_finite(model: torch.nn.Module) -> bool:
@@ -143,7 +144,7 @@ def _storage(store, path: str, writing: bool):
     local = store.local_path(path)
     if local is not None:
         return dcp.FileSystemWriter(local) if writing else dcp.FileSystemReader(local)
-    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     url = store.url.rstrip("/") + "/" + path[len(store.root):].lstrip("/") if path.startswith(store.root) else path
     return FsspecWriter(url) if writing else FsspecReader(url)
@@ -224,7 +225,7 @@ def load_latest(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:
     if chosen is None:
         return None
     name, trainer_bytes = chosen
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state: Dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, storage_reader=_storage(store, store.checkpoint_path(run_id, name), writing=False))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])

@@ -19,6 +19,9 @@ import sparkring.collective as sr
 from .schedule import Schedule
 from .step import add_note
 
+# A LightningModule, not imported (Lightning stays optional): its hooks are looked up by name
+LightningModule = Any
+
 
 def is_lightning_module(model: Any) -> bool:
     """Whether ``model`` is a LightningModule (pytorch_lightning or lightning.pytorch), without
@@ -27,7 +30,7 @@ def is_lightning_module(model: Any) -> bool:
                for cls in type(model).__mro__)
 
 
-def overrides(module: torch.nn.Module, hook: str) -> bool:
+def overrides(module: LightningModule, hook: str) -> bool:
     """Whether the user's class defines ``hook`` (LightningModule's own is a placeholder)."""
     for cls in type(module).__mro__:
         if cls.__name__ == "LightningModule":
@@ -37,7 +40,7 @@ def overrides(module: torch.nn.Module, hook: str) -> bool:
     return False
 
 
-def check_module(module: torch.nn.Module) -> Optional[str]:
+def check_module(module: LightningModule) -> Optional[str]:
     """What keeps this LightningModule from training in the estimator, or None."""
     if not overrides(module, "training_step"):
         return f"{type(module).__name__} defines no training_step: the estimator trains through it"
@@ -49,7 +52,7 @@ def check_module(module: torch.nn.Module) -> Optional[str]:
     return None
 
 
-def optimizers(module: torch.nn.Module) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
+def optimizers(module: LightningModule) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
     """configure_optimizers() in each of the forms Lightning accepts that have one optimizer:
     an optimizer; a list/tuple of one; ``([opt], [sched...])``; a dict with ``optimizer`` and
     ``lr_scheduler`` (a scheduler or a dict with scheduler, interval, frequency, monitor)."""
@@ -129,18 +132,19 @@ class LightningStep:
     """
 
     def __init__(self, labels, spec, device: torch.device, rank: int):
-        self.labels, self.spec, self.device, self.rank = labels, spec, device, rank
+        self.labels, self.spec, self.rank = labels, spec, rank
+        self.device: torch.device = device
         self.output_shapes: Optional[List[List[int]]] = None  # transform measures predict_step's
         self.logged = {"train": LoggedValues(), "val": LoggedValues()}
         self.batch_index = 0
         self.validation_returns_loss = False
 
-    def attach(self, module: torch.nn.Module) -> None:
+    def attach(self, module: LightningModule) -> None:
         """Route the module's self.log/self.log_dict here (on this rank's copy only)."""
         module.log = lambda *a, **k: self._current(module).log(*a, **k)
         module.log_dict = lambda *a, **k: self._current(module).log_dict(*a, **k)
 
-    def _current(self, module: torch.nn.Module) -> LoggedValues:
+    def _current(self, module: LightningModule) -> LoggedValues:
         return self.logged["train" if module.training else "val"]
 
     def width(self) -> int:
@@ -163,7 +167,7 @@ class LightningStep:
             add_note(exc, f"sparkring: on rank {self.rank}, {where}")
             raise
         self.batch_index += 1
-        loss = out.get("loss") if isinstance(out, dict) else out
+        loss: Any = out.get("loss") if isinstance(out, dict) else out
         if module.training and not isinstance(loss, torch.Tensor):
             raise ValueError(f"training_step returned {type(out).__name__}; return the loss tensor (or a dict with "
                              "'loss'): the estimator does not skip batches")
@@ -178,31 +182,31 @@ class LightningStep:
             return torch.stack([total.detach().to(self.device, torch.float64).reshape(()) * n,
                                 torch.tensor(float(n), dtype=torch.float64, device=self.device)])
 
-    def optimizer(self, module: torch.nn.Module, given: Any) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
+    def optimizer(self, module: LightningModule, given: Any) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
         return optimizers(module)  # configure_optimizers decides (the optimizer Param is not used)
 
-    def fit_began(self, module: torch.nn.Module) -> None:
+    def fit_began(self, module: LightningModule) -> None:
         self.attach(module)
         module.on_fit_start()
 
-    def train_epoch_began(self, module: torch.nn.Module) -> None:
+    def train_epoch_began(self, module: LightningModule) -> None:
         module.on_train_epoch_start()
 
-    def train_epoch_ended(self, module: torch.nn.Module) -> Dict[str, float]:
+    def train_epoch_ended(self, module: LightningModule) -> Dict[str, float]:
         module.on_train_epoch_end()
         return self.logged["train"].epoch_means()
 
-    def validation_began(self, module: torch.nn.Module) -> None:
+    def validation_began(self, module: LightningModule) -> None:
         module.on_validation_epoch_start()
 
-    def validation_ended(self, module: torch.nn.Module, totals: torch.Tensor) -> Dict[str, float]:
+    def validation_ended(self, module: LightningModule, totals: torch.Tensor) -> Dict[str, float]:
         module.on_validation_epoch_end()
         logged = self.logged["val"].epoch_means()
         if totals[1] == 0 or not self.validation_returns_loss:
             return logged  # validation_step logs its figures itself (self.log)
         return {"val_loss": float(totals[0] / totals[1]), **logged}
 
-    def fit_ended(self, module: torch.nn.Module) -> None:
+    def fit_ended(self, module: LightningModule) -> None:
         module.on_fit_end()
 
 
@@ -215,7 +219,7 @@ def label_tensor(values: Any) -> torch.Tensor:
     return y.long() if y.dtype != torch.bool else y.float()
 
 
-def inference_call(module: torch.nn.Module) -> Callable[..., Any]:
+def inference_call(module: LightningModule) -> Callable[..., Any]:
     """What transform() calls: predict_step(batch, batch_idx) where the module defines one
     (batch: the input, or a tuple of inputs), else forward()."""
     if not (is_lightning_module(module) and overrides(module, "predict_step")):

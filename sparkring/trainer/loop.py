@@ -3,6 +3,7 @@ model placed, resumed and made alike, then epochs of steps, then rank 0's result
 when; the placement (trainer.placement) and the step (trainer.step) say how."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import random
@@ -16,6 +17,7 @@ import torch
 import sparkring.collective as sr
 from sparkring.collective.elastic import LEAVE
 from sparkring.collective.timeline import process_started_us, recorder
+from sparkring.errors import NonFiniteLossError
 from sparkring.runner import report
 
 from .batches import pinned, run_batches
@@ -29,22 +31,6 @@ from .placement import TrainerState, placement_for
 from .step import PlainStep, Step
 
 log = logging.getLogger(__name__)
-
-NON_FINITE = "non-finite loss"
-
-
-def non_finite_reason(remote_traceback: str) -> Optional[str]:
-    """The reason line of a rank that stopped on a non-finite loss, or None for other failures.
-
-    >>> non_finite_reason("Traceback ...\\nFloatingPointError: non-finite loss nan at epoch 0, step 3 on rank 1")
-    'non-finite loss nan at epoch 0, step 3 on rank 1'
-    """
-    marker = f"FloatingPointError: {NON_FINITE}"
-    for line in reversed(remote_traceback.splitlines()):
-        if line.startswith(marker):
-            return line[len("FloatingPointError: "):]
-    return None
-
 
 @dataclass
 class RankResult:
@@ -113,7 +99,7 @@ class Trainer:
         self.start_epoch, self.stopped = 0, False
         self.stopper = EarlyStopper(cfg.early_stopping)
         # a checkpoint inside an epoch: the step to go on at, and the epoch's figures until then (every rank's)
-        self.start_step, self.epoch_sums = 0, None
+        self.start_step, self.epoch_sums = 0, None  # type: Tuple[int, Optional[List[float]]]
         state = self.placement.resume(self.model, opt)
         if state is not None:
             self._restore(state)
@@ -121,7 +107,7 @@ class Trainer:
         self.opt = self.placement.distribute(opt, self.model)
         self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
         # the compiled module runs the steps; the module itself keeps the weights that are saved
-        self.runs = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
+        self.runs: Any = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
         self.first_step_s: Optional[float] = None
         self.clock = StepClock()
         self.state_sizes = (0, 0)  # (parameters + optimizer state, gradients) in bytes, at the epoch's last update
@@ -194,7 +180,7 @@ class Trainer:
             # the one host sync of a step: whether training may go on decides the step
             finite = bool(torch.isfinite(figures[0]))
             if not finite and not cfg.skip_non_finite:
-                raise FloatingPointError(f"{NON_FINITE} {float(figures[0] / figures[1]):g} at epoch {epoch}, "
+                raise NonFiniteLossError(f"non-finite loss {float(figures[0] / figures[1]):g} at epoch {epoch}, "
                                          f"step {i} on rank {rank}")
             # every rank goes through backward (its gradients take part in the allreduce); with
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
@@ -250,7 +236,7 @@ class Trainer:
         epoch's end, which has its own): the trainer with the position and every rank's figures
         so far; then every rank stops if the driver asked it to."""
         every = self.cfg.elastic.checkpoint_every if self.cfg.elastic is not None else None
-        due = bool(every) and (i + 1) % every == 0
+        due = every is not None and every > 0 and (i + 1) % every == 0
         if not (due or self.asked == LEAVE) or i + 1 >= self.steps:
             return
         totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
@@ -270,8 +256,7 @@ class Trainer:
         if cfg.compile is not None and epoch == self.start_epoch:
             logs["first_step_seconds"] = self.first_step_s
         if cfg.elastic is not None:
-            logs.update(num_proc=self.size, restarts=cfg.elastic.restarts, grows=cfg.elastic.grows,
-                        decommissions=cfg.elastic.decommissions)
+            logs.update(num_proc=self.size, **dataclasses.asdict(cfg.elastic.relaunches))
         logs.update(self._time_split(float(totals[1])))
         logs.update(self.step.train_epoch_ended(self.model))
         if self.val_steps:

@@ -108,7 +108,7 @@ def metric_fns(metrics) -> Dict[str, Callable]:
         items = [(None, metrics)]
     else:
         items = [(None, m) for m in metrics]
-    out = {}
+    out: Dict[str, Callable] = {}
     for name, fn in items:
         if isinstance(fn, str):
             if fn != "accuracy":

@@ -113,7 +113,8 @@ class Replicated(Placement):
     def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
         if is_factory(model):
             torch.manual_seed(seed)
-            model = model()
+            return model().to(device)  # type: ignore[operator]
+        assert isinstance(model, torch.nn.Module)
         return model.to(device)
 
     def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:

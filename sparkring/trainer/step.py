@@ -24,32 +24,32 @@ class Step(Protocol):
     def width(self) -> int:
         """How many figures figures() returns (total loss, rows, then the logged names)."""
 
-    def __call__(self, model: Any, batch: Dict[str, Any], where: str) -> Outcome:
+    def __call__(self, model: Any, batch: Dict[str, Any], where: str, /) -> Outcome:
         """Forward one batch: (total loss, each head's output, each head's label, each head's loss)."""
 
     def figures(self, total: torch.Tensor, heads: List[torch.Tensor], ys: List[torch.Tensor],
                 head_losses: List[torch.Tensor]) -> torch.Tensor:
         """Per-batch sums over rows, float64 on the device."""
 
-    def optimizer(self, model: torch.nn.Module, given: Any) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
+    def optimizer(self, model: torch.nn.Module, given: Any, /) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
         """The optimizer over ``model``'s parameters (from the optimizer Param ``given``) and its LR schedules."""
 
-    def fit_began(self, model: torch.nn.Module) -> None:
+    def fit_began(self, model: torch.nn.Module, /) -> None:
         """The model is placed, resumed and alike on every rank."""
 
-    def train_epoch_began(self, model: torch.nn.Module) -> None:
+    def train_epoch_began(self, model: torch.nn.Module, /) -> None:
         """An epoch's training steps start."""
 
-    def train_epoch_ended(self, model: torch.nn.Module) -> Dict[str, float]:
+    def train_epoch_ended(self, model: torch.nn.Module, /) -> Dict[str, float]:
         """An epoch's training steps ended: figures of the step's own to log (every rank calls it)."""
 
-    def validation_began(self, model: torch.nn.Module) -> None:
+    def validation_began(self, model: torch.nn.Module, /) -> None:
         """Validation starts (the model is in eval mode)."""
 
-    def validation_ended(self, model: torch.nn.Module, totals: torch.Tensor) -> Dict[str, float]:
+    def validation_ended(self, model: torch.nn.Module, totals: torch.Tensor, /) -> Dict[str, float]:
         """Validation's logged figures from ``totals``, figures() summed over every batch and rank."""
 
-    def fit_ended(self, model: torch.nn.Module) -> None:
+    def fit_ended(self, model: torch.nn.Module, /) -> None:
         """The last epoch ended (before the fitted state is gathered)."""
 
 

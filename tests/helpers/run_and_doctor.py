@@ -1,4 +1,4 @@
-"""One application on the shipped environment (tests/test_standalone.py): run() where every rank
+"""One application on the shipped environment (tests/integration/test_standalone.py): run() where every rank
 says where its sparkring comes from, then doctor(), then the script named by the arguments (with
 the rest of them) in the same session; submitted with spark-submit --archives (each application
 unpacks the archive on every executor again)."""

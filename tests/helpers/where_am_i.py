@@ -1,4 +1,4 @@
-"""A rank says where its sparkring comes from (tests/test_standalone.py)."""
+"""A rank says where its sparkring comes from (tests/integration/test_standalone.py)."""
 import sparkring
 import sparkring.collective as sr
 

@@ -14,11 +14,12 @@ from ...collective import environment
 from ...errors import ConfigurationError, RankFailedError, RankTimeoutError
 from ..gpus import VISIBLE
 from ..pickling import to_bytes
-from ..task.process import free_ports
+from ..task.network import free_ports
 from ..task.rank import RankProcess, first_to_fail, supervise
 from ..task.workdir import WorkDir
-from .launch import ScriptMain, active_spark, run
+from .launch import active_spark, run
 from .plan import local_backend
+from .script import ScriptMain
 
 
 class TorchDistributor:
@@ -109,7 +110,8 @@ def run_local(fn: Callable[..., Any], args, kwargs, num_proc: int, use_gpu: bool
                                    f"where their threads were:\n{stacks}", [r.rank for r in late])
         if any(r.failed() for r in ranks):
             first = first_to_fail(ranks)
-            raise RankFailedError(first.rank, first.failure(), first.returncode)
+            raised, message = first.raised()
+            raise RankFailedError(first.rank, first.failure(), first.returncode, exception_type=raised, message=message)
         return [cloudpickle.loads(r.result()) for r in ranks]
     finally:
         for r in ranks:

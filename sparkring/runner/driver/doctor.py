@@ -10,7 +10,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .. import _probe
 from ..versions import package_versions, skew
@@ -116,7 +116,7 @@ def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float) -> 
     """The barrier stage, with the probe pickled by value; cancelled after ``timeout`` s."""
     from pyspark import cloudpickle as spark_cloudpickle
 
-    rows: Dict[str, object] = {}
+    rows: Dict[str, Any] = {}
     tag = JobTag(spark, f"sparkring-doctor-{uuid.uuid4().hex[:8]}", f"sparkring doctor: {num_tasks} tasks")
 
     def stage():
@@ -140,8 +140,8 @@ def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float) -> 
     finally:
         spark_cloudpickle.unregister_pickle_by_value(_probe)
     if "error" in rows:
-        raise rows["error"]  # type: ignore[misc]
-    return [_probe.TaskFacts.from_json(text) for text in rows["facts"]]  # type: ignore[union-attr]
+        raise rows["error"]
+    return [_probe.TaskFacts.from_json(text) for text in rows["facts"]]
 
 
 def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0) -> DoctorReport:

@@ -2,34 +2,23 @@
 ranks are lost, launch again from the last checkpoint or commit with the slots the cluster
 offers (at least min_proc); while fewer ranks than wanted run, watch for the slots to come back
 and for executors being decommissioned, and ask the ranks to stop (``StopRequest``) so the next
-launch has the ranks there are."""
+launch has the ranks there are.
+
+The loop asks an ``ElasticPolicy`` (Ray Train v2's scaling and failure policies are the model)
+what each launch's end means, and gets a decision back: done, or ``Relaunch``."""
 from __future__ import annotations
 
 import logging
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
-from ...collective.elastic import GROW, LEAVE, StopRequest
+from ...collective.elastic import Relaunches, StopAsk, StopRequest
 from ...errors import RankFailedError, RankTimeoutError, StageLostError
 from .plan import LaunchPlan
 from .session import decommissioning_executors, registered_slots, wait_for_slots
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Relaunches:
-    """What an elastic run did so far: launches after a loss, launches that brought the ranks
-    back to the target, launches after an executor was decommissioned.
-
-    >>> Relaunches(restarts=1).restarts
-    1
-    """
-
-    restarts: int = 0
-    grows: int = 0
-    decommissions: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,7 +50,7 @@ class _ClusterWatcher:
         self.every = every
         # executors decommissioned before this launch run none of its ranks (the scheduler offers them no task)
         self.leaving_before = set(decommissioning_executors(spark) or ())
-        self.asked = 0
+        self.asked = StopAsk.NOTHING
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._watch, name="sparkring-cluster-watcher", daemon=True)
         self.thread.start()
@@ -70,69 +59,125 @@ class _ClusterWatcher:
         while not self.done.wait(self.every):
             leaving = sorted(set(decommissioning_executors(self.spark) or ()) - self.leaving_before)
             if leaving:
-                self.asked = LEAVE
-                self.request.make(LEAVE)
+                self.asked = StopAsk.LEAVE
+                self.request.make(StopAsk.LEAVE)
                 self.say(f"executor {', '.join(leaving)} is decommissioning: the ranks checkpoint and stop, "
                          "and go on without it")
                 return
             slots = registered_slots(self.spark)
             if self.running < self.wanted and slots is not None and slots >= self.wanted:
-                self.asked = GROW
-                self.request.make(GROW)
+                self.asked = StopAsk.GROW
+                self.request.make(StopAsk.GROW)
                 self.say(f"{slots} task slots again: the ranks stop at their next checkpoint and go on "
                          f"with {self.wanted}")
                 return
 
-    def stop(self) -> int:
-        """What the watcher asked of the ranks (0, GROW or LEAVE)."""
+    def stop(self) -> StopAsk:
+        """What the watcher asked of the ranks."""
         self.done.set()
         self.thread.join()
         return self.asked
 
 
-def relaunch_until_done(spark, launch_plan: LaunchPlan, how: ElasticLaunch,
-                        launch_once: Callable[[LaunchPlan, Relaunches], List[Any]],
-                        replan: Callable[[int], LaunchPlan], say: Callable[[str], None], request: StopRequest,
-                        paused: Callable[[List[Any]], bool],
-                        final: Callable[[BaseException], bool] = lambda exc: False,
-                        resume_point: Callable[[], str] = lambda: "the last checkpoint") -> List[Any]:
-    """Launch; when ranks are lost (a rank failed or did not start, an executor was lost), launch
-    again with ``min(target, the slots the cluster offers within start_timeout)`` ranks, at most
-    ``max_restarts`` times; fewer slots than ``min_size``: RankTimeoutError. A failure ``final``
-    says another launch cannot mend is raised at once. Ranks the driver asked to stop end
-    ``paused``: the run goes on with more ranks (the slots came back), or at once with the slots
-    left (an executor decommissioned). ``resume_point`` says where the next launch starts (the
-    console line: "lost rank 2 (executor 10.0.0.7:41113): going on with 2 of 3 ranks from step
-    138 of epoch 2").
+@dataclass(frozen=True)
+class Relaunch:
+    """A decision: launch again, because of ``cause``, with these counts; ``wait`` for the slots
+    (after a loss) or not (after a decommission: that executor is not coming back)."""
 
-    >>> relaunch_until_done(spark, plan, ElasticLaunch(3, 2, 3, 120), launch_once, replan, print,
-    ...                     request, paused=lambda results: False)  # doctest: +SKIP
+    cause: str
+    counts: Relaunches
+    wait: bool = True
+    note: str = ""  # what the console line adds, e.g. " (restart 1 of at most 3)"
+    lost: Optional[BaseException] = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """A decision: the launch's results are the run's."""
+
+    results: List[Any]
+
+
+class ElasticPolicy:
+    """What an elastic run does after each launch. A caller (run()'s elastic mode, an elastic
+    fit) says how to launch, replan and tell its paused results; the decisions are made here.
+
+    >>> relaunch_until_done(spark, plan, MyPolicy(ElasticLaunch(3, 2, 3, 120)), request)  # doctest: +SKIP
     """
-    counts = Relaunches()
+
+    def __init__(self, how: ElasticLaunch):
+        self.how = how
+
+    def launch(self, launch_plan: LaunchPlan, counts: Relaunches) -> List[Any]:
+        """One launch with ``launch_plan``'s ranks (``counts``: what the run did so far)."""
+        raise NotImplementedError
+
+    def replan(self, size: int) -> LaunchPlan:
+        """The plan of the next launch, with ``size`` ranks."""
+        raise NotImplementedError
+
+    def is_paused(self, results: List[Any]) -> bool:
+        """The ranks stopped because the driver asked them to (the run goes on)."""
+        raise NotImplementedError
+
+    def is_final(self, exc: BaseException) -> bool:
+        """A failure another launch cannot mend (raised at once)."""
+        return False
+
+    def resume_point(self) -> str:
+        """Where the next launch starts, in the console's words."""
+        return "the last checkpoint"
+
+    def say(self, message: str) -> None:
+        """Tell the user what the run does now."""
+        log.info("%s", message)
+
+    def after_results(self, results: List[Any], asked: StopAsk, counts: Relaunches) -> Union[Done, Relaunch]:
+        if not self.is_paused(results):
+            return Done(results)
+        if asked == StopAsk.LEAVE:
+            return Relaunch("an executor left", replace(counts, decommissions=counts.decommissions + 1), wait=False)
+        return Relaunch("the slots are back", replace(counts, grows=counts.grows + 1))
+
+    def after_failure(self, exc: BaseException, counts: Relaunches) -> Relaunch:
+        """Launch again after a loss, or raise ``exc`` (out of restarts, or final)."""
+        if counts.restarts >= self.how.max_restarts or self.is_final(exc):
+            raise exc
+        counts = replace(counts, restarts=counts.restarts + 1)
+        return Relaunch(what_was_lost(exc), counts, note=f" (restart {counts.restarts} of at most "
+                        f"{self.how.max_restarts})", lost=exc)
+
+
+def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, request: StopRequest) -> List[Any]:
+    """Launch; when ranks are lost (a rank failed or did not start, an executor was lost), launch
+    again with ``min(target, the slots the cluster offers within start_timeout)`` ranks, as the
+    policy decides; fewer slots than ``min_size``: RankTimeoutError. Ranks the driver asked to
+    stop end paused: the run goes on with more ranks (the slots came back), or at once with the
+    slots left (an executor decommissioned). The console line says where the next launch starts
+    ("lost rank 2 (executor 10.0.0.7:41113): going on with 2 of 3 ranks from step 138 of epoch 2").
+
+    >>> relaunch_until_done(spark, plan, policy, request)  # doctest: +SKIP
+    """
+    counts, how = Relaunches(), policy.how
     try:
         while True:
             if request.read():
                 request.clear()  # an earlier run's, or the launch that ended on it
-            watcher = _ClusterWatcher(spark, launch_plan.num_proc, how.target_size, request, say)
-            lost: Optional[BaseException] = None
+            watcher = _ClusterWatcher(spark, launch_plan.num_proc, how.target_size, request, policy.say)
+            decision: Union[Done, Relaunch]
             try:
-                results = launch_once(launch_plan, counts)
-                asked = watcher.stop()
-                if not paused(results):
-                    return results
-                left = asked == LEAVE
-                counts = replace(counts, decommissions=counts.decommissions + left, grows=counts.grows + (not left))
-                cause, counted = ("an executor left" if left else "the slots are back"), ""
+                results = policy.launch(launch_plan, counts)
+                decision = policy.after_results(results, watcher.stop(), counts)
             except (RankFailedError, RankTimeoutError, StageLostError) as exc:
                 watcher.stop()
-                if counts.restarts >= how.max_restarts or final(exc):
-                    raise
-                counts = replace(counts, restarts=counts.restarts + 1)
-                cause, lost, left = what_was_lost(exc), exc, False
-                counted = f" (restart {counts.restarts} of at most {how.max_restarts})"
-            launch_plan = replan(_size_for_next_launch(spark, how, cause, lost, wait=not left))
-            say(f"{cause}: going on with {launch_plan.num_proc} of {how.target_size} ranks from {resume_point()}"
-                f"{counted}")
+                decision = policy.after_failure(exc, counts)
+            if isinstance(decision, Done):
+                return decision.results
+            counts = decision.counts
+            size = _size_for_next_launch(spark, how, decision.cause, decision.lost, wait=decision.wait)
+            launch_plan = policy.replan(size)
+            policy.say(f"{decision.cause}: going on with {launch_plan.num_proc} of {how.target_size} ranks from "
+                       f"{policy.resume_point()}{decision.note}")
     finally:
         if request.read():
             request.clear()

@@ -210,9 +210,10 @@ def session_facts(spark) -> SessionFacts:
     cores = _local_cores(master)
     cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
     if cores is not None:
-        slots: Optional[int] = cores // task_cpus
+        local_slots = cores // task_cpus
+        slots: Optional[int] = local_slots
         known_gpus = len(driver_gpus) if not connect else int(driver_gpu_amount)
-        gpu_slots: Optional[int] = min(slots, int(known_gpus // (task_gpus or 1)))
+        gpu_slots: Optional[int] = min(local_slots, int(known_gpus // (task_gpus or 1)))
     elif cluster:
         executors, per_exec = int(cluster.group(1)), int(cluster.group(2))
         slots = executors * (per_exec // task_cpus)

@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ...collective import environment
@@ -28,48 +28,29 @@ from ..gpus import (
     discover_gpus,
     host_gpus,
 )
-from ..protocol import Abort, Cause, Detached, Done, Error, Event, Frame, Hello, Log, Rendezvous, Stacks, Started
-from ..versions import package_versions, skew, skew_message
-from .process import (
-    free_ports,
-    interface_of,
-    mpi_network_env,
-    mpi_shm_segments,
-    remove_orphan_segments,
-    resolve,
+from ..protocol import (
+    Abort,
+    Cause,
+    Detached,
+    Done,
+    Error,
+    Event,
+    Frame,
+    Hello,
+    Log,
+    OutputRecord,
+    Rendezvous,
+    Stacks,
+    Started,
+    TaskSpec,
 )
+from ..versions import package_versions, skew, skew_message
+from .mpi import mpi_network_env, mpi_shm_segments, remove_orphan_segments
+from .network import free_ports, interface_of, resolve
 from .rank import RankProcess, supervise
 from .workdir import WorkDir
 
-# One output record of the barrier stage. kind "result": a chunk of rank's pickled result;
-# kind "message": one frame (protocol.dumps) the driver handles as if it came live.
-RECORD_SCHEMA = "rank int, kind string, part int, parts int, data binary"
 MAX_LOG_LINES = 5000
-
-
-@dataclass
-class TaskSpec:
-    """What every task of a run gets in its closure (the plan's part the tasks need)."""
-
-    payload: bytes
-    driver_host: str
-    driver_port: int
-    secret: bytes
-    num_proc: int
-    backend: str
-    use_gpu: bool
-    driver_gpus: List[str]
-    driver_gpu_script: Optional[str]
-    start_timeout: float
-    timeout: Optional[float]
-    attempts: int
-    stream: bool
-    connect_timeout: float = 5.0
-    env: Dict[str, str] = field(default_factory=dict)
-    task_cpus: int = 1
-    chunk_bytes: int = 8 * 1024 * 1024
-    backend_from_auto: bool = False  # nccl chosen by backend="auto": gloo where ranks share a GPU
-    driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
 
 
 class _Outbox:
@@ -256,13 +237,11 @@ def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workd
     return env
 
 
-def _records(rank: int, outbox: _Outbox, result: Optional[bytes], chunk: int) -> Iterator[tuple]:
+def _records(rank: int, outbox: _Outbox, result: Optional[bytes], chunk: int) -> Iterator[OutputRecord]:
     for frame in outbox.drain():
-        yield (rank, "message", 0, 1, protocol.dumps(frame))
+        yield OutputRecord.message(rank, frame)
     if result is not None:
-        total = max(1, -(-len(result) // chunk))
-        for i in range(total):
-            yield (rank, "result", i, total, result[i * chunk:(i + 1) * chunk])
+        yield from OutputRecord.result_chunks(rank, result, chunk)
 
 
 @dataclass
@@ -437,8 +416,9 @@ class _Supervisor:
             raise RuntimeError(f"rank {rank} was stopped: {self.aborted['reason']}")
         if (not self.aborted or self.died_first.is_set()) and worker.failed():
             tb = worker.failure()
+            raised, message = worker.raised()
             return Error(rank=rank, attempt=attempt, kind=protocol.EXIT, exit_code=worker.returncode, traceback=tb,
-                         secondary=is_secondary(tb))
+                         secondary=is_secondary(tb), exception_type=raised, message=message)
         return None
 
     def report(self, error: Error) -> None:
@@ -451,8 +431,8 @@ class _Supervisor:
             raise RuntimeError(f"rank {error.rank} failed {protocol.embed_error(reported)}:\n{reported.traceback}")
 
 
-def run_task(spec: TaskSpec) -> Iterator[tuple]:
-    """Run one rank; yields ``(rank, kind, part, parts, data)`` records (RECORD_SCHEMA)."""
+def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
+    """Run one rank; yields the stage's output records."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
@@ -507,15 +487,9 @@ def stage_function(spec: TaskSpec):
     """The function ``mapInArrow(..., barrier=True)`` runs: one task, one rank."""
 
     def task(batches):
-        import pyarrow as pa
-
         for _ in batches:  # the input is spark.range: nothing to read
             pass
-        schema = pa.schema([("rank", pa.int32()), ("kind", pa.string()), ("part", pa.int32()),
-                            ("parts", pa.int32()), ("data", pa.binary())])
-        for rank, kind, part, parts, data in run_task(spec):
-            yield pa.RecordBatch.from_arrays(
-                [pa.array([rank], pa.int32()), pa.array([kind]), pa.array([part], pa.int32()),
-                 pa.array([parts], pa.int32()), pa.array([data], pa.binary())], schema=schema)
+        for record in run_task(spec):
+            yield record.to_arrow()
 
     return task

@@ -1,57 +1,23 @@
 """A rank's worker process as its task sees it: start it (forked with torch preloaded, or
-under mpiexec), dump its Python stacks, kill it with everything it started."""
+under mpiexec), dump its Python stacks, kill it with everything it started (its process tree)."""
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Dict, Optional, Tuple
 
 from ...collective import environment
-from ...processes import log_if_spawning, start_method
+from ...process_start import log_if_spawning, start_method
 from .._probe import find_mpiexec
 from .workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "sparkring.runner.task.worker"
-
-
-def resolve(host: str) -> str:
-    try:
-        return socket.gethostbyname(host)
-    except OSError:
-        return host
-
-
-def interface_of(ip: str) -> Optional[str]:
-    """Name of the network interface that holds ``ip`` (gloo/nccl bind to it)."""
-    try:
-        import psutil
-
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.address == ip for a in addrs):
-                return name
-    except Exception:  # noqa: BLE001 - best effort; the library default applies
-        pass
-    return None
-
-
-def free_ports(ip: str, count: int = 1) -> List[int]:
-    """``count`` distinct ports free on ``ip`` (held open together while they are chosen)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    socks = [socket.socket(family) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind((ip, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def kill_tree(proc) -> None:
@@ -210,14 +176,6 @@ def release_inherited(inherited: Dict[int, Tuple[int, int]], null: int) -> None:
             pass
 
 
-def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
-    """Keep MPI's own listeners on the task's interface (loopback in local mode)."""
-    env = {"MPIR_CVAR_CH3_INTERFACE_HOSTNAME": ip}
-    if iface:
-        env.update({"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface})
-    return env
-
-
 def describe_exit(code: Optional[int]) -> str:
     """How a worker process ended, in words; a SIGKILL names its usual cause.
 
@@ -242,67 +200,8 @@ def describe_exit(code: Optional[int]) -> str:
     return text
 
 
-SHM_DIR = "/dev/shm"
-MPI_SHM_PREFIX = "mpich_shm_"
-
-
-def mpi_shm_segments() -> Set[str]:
-    """Names of MPICH's shared-memory segments in /dev/shm now."""
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(MPI_SHM_PREFIX)}
-    except OSError:
-        return set()
-
-
-def remove_orphan_segments(before: Set[str], older_than_s: Optional[float] = None) -> int:
-    """Unlink the MPICH segments made since ``before`` (or, with ``older_than_s``, any that
-    old) that no process maps any more.
-
-    Ranks end with os._exit (and killed ranks never finalize), so MPICH cannot unlink its
-    segments; executors that live for weeks would fill /dev/shm. A segment still mapped by a
-    live process (another run's rank on this host) is left alone; MPICH maps a segment as it
-    creates it, so an unmapped one that is a minute old belongs to nobody.
-    """
-    new = mpi_shm_segments() - before
-    if older_than_s is not None:
-        now = time.time()
-        new = {n for n in new if _age(n, now) >= older_than_s}
-    if not new:
-        return 0
-    in_use: Set[str] = set()
-    marker = f"{SHM_DIR}/{MPI_SHM_PREFIX}"
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    at = line.find(marker)
-                    if at >= 0:
-                        in_use.add(line[at + len(SHM_DIR) + 1:].split()[0])
-        except OSError:
-            continue
-    removed = 0
-    for name in new - in_use:
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-            removed += 1
-        except OSError:
-            pass
-    if removed:
-        log.debug("removed %d MPI shared-memory segment(s) the ranks left in %s", removed, SHM_DIR)
-    return removed
-
-
-def _age(name: str, now: float) -> float:
-    try:
-        return now - os.stat(os.path.join(SHM_DIR, name)).st_mtime
-    except OSError:
-        return 0.0
-
-
 def start_worker(workdir: str, env: Dict[str, str]):
-    """Fork or spawn a fresh interpreter (:func:`sparkring.processes.start_method`); MPI ranks always start
+    """Fork or spawn a fresh interpreter (:func:`sparkring.process_start.start_method`); MPI ranks always start
     fresh under ``mpiexec -n 1``, which MPI_Init needs."""
     command = [sys.executable, "-m", WORKER_MODULE, workdir]
     place = environment.RankEnv.from_env(env)

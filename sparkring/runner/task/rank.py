@@ -4,12 +4,13 @@ and how it ended, read back."""
 from __future__ import annotations
 
 import collections
+import json
 import os
 import shutil
 import signal
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .. import protocol
 from .process import describe_exit, dump_stacks, kill_tree, start_worker
@@ -80,6 +81,16 @@ class RankProcess:
         except OSError:
             return (f"rank {self.rank}'s worker process {describe_exit(self.proc.returncode)}; last output:\n"
                     + "\n".join(self.tail))
+
+    def raised(self) -> Tuple[Optional[str], Optional[str]]:
+        """What its code raised: (errors.type_name(), message), or (None, None) where it did not
+        get to say (it died, or ended before raising)."""
+        try:
+            with open(self.workdir.raised) as f:
+                found = json.load(f)
+            return found.get("type"), found.get("message")
+        except (OSError, ValueError):
+            return None, None
 
     def failed_at(self) -> float:
         """When it wrote its traceback (inf: it did not)."""

@@ -36,6 +36,10 @@ class WorkDir:
         return self._file("error.txt")
 
     @property
+    def raised(self) -> str:  # what a failed rank's code raised, as JSON: its type_name() and message
+        return self._file("raised.json")
+
+    @property
     def events(self) -> str:  # reports of a rank that cannot reach the driver (protocol lines)
         return self._file("events.jsonl")
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -10,6 +11,7 @@ import time
 import traceback
 
 from ...collective import environment
+from ...errors import type_name
 from .workdir import WorkDir
 
 
@@ -47,14 +49,15 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _report_error(tb: str, exit_code=None) -> None:
+def _report_error(tb: str, exc: BaseException, exit_code=None) -> None:
     from .. import channel, protocol
 
     try:
         from ..failures import is_secondary
 
         channel.report_raw(protocol.Error(rank=0, attempt=0, kind=protocol.EXCEPTION, traceback=tb,
-                                          exit_code=exit_code, secondary=is_secondary(tb)))
+                                          exit_code=exit_code, secondary=is_secondary(tb),
+                                          exception_type=type_name(type(exc)), message=str(exc)))
     except Exception:  # noqa: BLE001 - the task still reports from error.txt
         pass
 
@@ -123,9 +126,11 @@ def main(path: str) -> None:
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the driver
         exit_code = getattr(exc, "exit_code", None)
         tb = traceback.format_exc()
+        with open(workdir.raised, "w") as f:  # before error.txt, which says the rank failed
+            json.dump({"type": type_name(type(exc)), "message": str(exc)}, f)
         with open(workdir.error, "w") as f:
             f.write(tb)
-        _report_error(tb, exit_code)
+        _report_error(tb, exc, exit_code)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(exit_code if isinstance(exit_code, int) and 0 < exit_code < 256 else 1)

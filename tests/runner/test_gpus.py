@@ -14,7 +14,7 @@ from spawn import spawn_ranks
 
 from sparkring import ConfigurationError
 from sparkring.estimator.model import task_device
-from sparkring.processes import start_method
+from sparkring.process_start import start_method
 from sparkring.runner import plan, to_bytes
 from sparkring.runner.gpus import cuda_names, device_ordinal, host_gpus
 from sparkring.trainer.batches import pinned

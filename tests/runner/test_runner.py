@@ -13,12 +13,11 @@ import pytest
 import rank_fns
 import torch
 from leftovers import ctrl_c_when_ranks_run, wait_no_workers
+from paths import ROOT, TESTS
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
 from sparkring.runner.protocol import ConnectionClosed, Log
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.compat
@@ -251,7 +250,7 @@ def _cli_env():
 
 def test_cli_runs_a_script_on_every_rank_and_returns_its_exit_status(spark, capsys):
     # in-process, on the session at hand (what the CLI does under spark-submit); real command
-    # lines run in test_spark_submit_runs_the_cli_entry_point and tests/test_standalone.py
+    # lines run in test_spark_submit_runs_the_cli_entry_point and tests/integration/test_standalone.py
     from sparkring.__main__ import main
 
     script = os.path.join(ROOT, "examples", "hello_ring.py")
@@ -395,7 +394,7 @@ spark.stop()
 @pytest.mark.slow  # a Spark session in a subprocess
 def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slots_named(tmp_path):
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", LOST_FOR_GOOD, str(tmp_path / "lost")], capture_output=True,
                           text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -417,7 +416,7 @@ def test_ranks_exit_when_the_driver_process_dies(tmp_path):
         "import rank_fns\n"
         "from sparkring import run\n"
         "run(rank_fns.hang_on_rank, args=(0,), num_proc=2, verbose=0)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
     driver = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:

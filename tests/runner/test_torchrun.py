@@ -7,11 +7,11 @@ import time
 import ddp_fns
 import pytest
 import torch
+from paths import HELPERS, ROOT
 
 from sparkring import RankFailedError, TorchDistributor, run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DDP_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "ddp_fifteen_lines.py")
+DDP_SCRIPT = os.path.join(HELPERS, "ddp_fifteen_lines.py")
 
 
 def _assert_state_equal(a, b, atol=1e-6):
@@ -118,7 +118,7 @@ def test_distributed_sampler_unused_parameters_and_a_rank_zero_checkpoint_work(s
 def test_a_ddp_model_dropped_right_after_destroy_process_group_never_hangs_the_rank():
     # torch 2.13's Gloo teardown race (sparkring/collective/_group_lifetime.py): unguarded, this
     # shape hung within 60 attempts in every try; each attempt takes ~15 ms
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "ddp_drop_after_destroy.py")
+    script = os.path.join(HELPERS, "ddp_drop_after_destroy.py")
     proc = subprocess.run([sys.executable, script, "200"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "all returned" in proc.stdout

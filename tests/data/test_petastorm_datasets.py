@@ -8,6 +8,7 @@ import est_helpers as H
 import numpy as np
 import pytest
 import torch
+from paths import DATA
 
 from sparkring import SparkRingEstimator
 from sparkring.data import Store, petastorm_codecs, prepare
@@ -15,7 +16,6 @@ from sparkring.data.unischema import Codec
 
 pytestmark = pytest.mark.compat  # version-dependent throughout (make test-compat)
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 FIXTURE = os.path.join(DATA, "petastorm_dataset")  # written by petastorm 0.12.1: data/make_petastorm_dataset.py
 CAN_WRITE = all(importlib.util.find_spec(m) is not None for m in ("petastorm", "cv2"))
 

@@ -7,12 +7,11 @@ import sys
 import hvd_fns
 import pytest
 import torch
+from paths import ROOT
 from spawn import spawn_ranks
 
 from sparkring import run
 from sparkring.collective._adasum import adasum_pair
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _spawn_ranks(fn_name, size, **kwargs):

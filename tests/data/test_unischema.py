@@ -5,13 +5,14 @@ import pickle
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from paths import DATA
 
 from sparkring.data import DataError
 from sparkring.data.unischema import UNISCHEMA_KEY, Codec, parse_unischema, read_unischema
 
 pytestmark = pytest.mark.compat  # version-dependent throughout (make test-compat)
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "petastorm_dataset")
+FIXTURE = os.path.join(DATA, "petastorm_dataset")
 
 
 def test_the_unischema_petastorm_wrote_gives_each_codec_field_its_dtype_and_shape():

@@ -17,12 +17,12 @@ import rank_fns
 import sharding_fns as S
 import torch
 from leftovers import footprint, settled_footprint
+from paths import ROOT
 
 from sparkring import ConfigurationError, DataError, RankFailedError, SparkRingEstimator, Store, StoreError, run
 from sparkring.__main__ import main as cli_main
 from sparkring.data import prepare
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LOCK = threading.Lock()
 
 

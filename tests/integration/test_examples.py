@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import ROOT
 
 
 @pytest.mark.parametrize("script,args,goal", [

@@ -10,13 +10,13 @@ import psutil
 import pytest
 import rank_fns
 import torch
+from paths import ROOT
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions as F
 
 from sparkring import RankFailedError, RankTimeoutError, SparkRingEstimator, Store, run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.connect
 
 

@@ -12,11 +12,10 @@ import time
 import psutil
 import pytest
 import torch
+from paths import ROOT
 
 import sparkring.collective as hvd
 from sparkring.collective import elastic, hosting
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _add_one_per_epoch(state):

@@ -1,5 +1,4 @@
-"""The pure parts, without Spark or processes: the feature spec, run ids, failure reading, the
-transform contract, the sparse exchange's packing. The fast layer (`pytest -m "not slow"`)."""
+"""The feature spec (columns to tensors), run ids, the transform contract (fast layer)."""
 import numpy as np
 import pytest
 import torch
@@ -10,8 +9,6 @@ from sparkring.data.spec import FeatureSpec, to_numpy
 from sparkring.data.store import check_run_id
 from sparkring.data.transform import apply
 from sparkring.errors import ConfigurationError, DataError
-from sparkring.runner.failures import is_secondary
-from sparkring.trainer import non_finite_reason
 
 SCHEMA = T.StructType([
     T.StructField("user", T.IntegerType()), T.StructField("item", T.LongType()),
@@ -77,48 +74,8 @@ def test_run_ids_must_be_plain_names():
             check_run_id(bad)
 
 
-def test_failures_are_read_for_their_cause():
-    assert non_finite_reason("Traceback...\nFloatingPointError: non-finite loss nan at epoch 1, step 2 on rank 1\n"
-                             "sparkring: on rank 1") == "non-finite loss nan at epoch 1, step 2 on rank 1"
-    assert non_finite_reason("ValueError: other") is None
-    assert is_secondary("RuntimeError: [gloo] Connection closed by peer")
-    assert not is_secondary("RuntimeError: cannot decode this image")
-
-
 def test_transform_results_replace_entries_and_must_be_dicts():
     out = apply(lambda b: {"x": b["x"] * 2, "new": 1}, {"x": np.ones(2), "y": np.zeros(2)})
     assert out["x"].tolist() == [2.0, 2.0] and out["y"].tolist() == [0.0, 0.0] and out["new"] == 1
     with pytest.raises(TypeError, match="transformFn returned list, not a dict"):
         apply(lambda b: [b], {"x": np.ones(1)})
-
-
-def test_host_layout_groups_ranks_by_host_with_the_first_rank_of_each_leading():
-    from sparkring.collective._shm import HostLayout
-
-    layouts = HostLayout.of(["b", "a", "b", "a", "c"])
-    assert [lay.local_ranks for lay in layouts] == [[0, 2], [1, 3], [0, 2], [1, 3], [4]]
-    assert layouts[0].leaders == [0, 1, 4]
-
-
-def test_a_killed_process_counts_as_gone_before_its_parent_reaps_it():
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    from sparkring.collective._shm import _process_start
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        assert _process_start(child.pid) is not None and _process_start(os.getpid()) is not None
-        os.kill(child.pid, signal.SIGKILL)
-        for _ in range(100):  # a zombie until wait() below
-            if _process_start(child.pid) is None:
-                break
-            __import__("time").sleep(0.05)
-        assert _process_start(child.pid) is None
-        assert open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    finally:
-        child.kill()
-        child.wait()
-    assert _process_start(child.pid) is None

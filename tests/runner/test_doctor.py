@@ -62,7 +62,7 @@ def test_doctor_says_when_the_cluster_cannot_run_the_barrier_stage(spark):
 
 def test_doctor_command_line_prints_the_report_and_exits_by_its_verdict(spark, capsys):
     # in-process on the session at hand (as under spark-submit); the command as a process runs
-    # against a standalone cluster in tests/test_standalone.py
+    # against a standalone cluster in tests/integration/test_standalone.py
     from sparkring.__main__ import main
 
     assert main(["doctor"]) == 0

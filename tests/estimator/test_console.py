@@ -13,8 +13,8 @@ import termios
 import time
 
 import pytest
+from paths import TESTS
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SCRIPT = os.path.join(TESTS, "console_fit.py")
 pytestmark = pytest.mark.slow

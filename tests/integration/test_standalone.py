@@ -10,9 +10,9 @@ import time
 
 import pyspark
 import pytest
+from paths import ROOT
 from standalone_cluster import SPARK_HOME, alive_workers, free_port, port_open, processes_under, wait_for
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the skewed worker's Python: a small venv layered over the packed one with another cloudpickle
 # (torch's other releases are multi-GB CUDA wheels here; cloudpickle is compared the same way)
 SKEWED_CLOUDPICKLE = "3.0.0"

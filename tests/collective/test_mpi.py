@@ -9,11 +9,10 @@ import psutil
 import pytest
 import rank_fns
 import torch
+from paths import ROOT
 
 import sparkring.collective as sr
 from sparkring import RankFailedError, run
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _assert_same(a, b, path="result"):
@@ -182,7 +181,7 @@ def test_process_sets_work_on_mpi_as_on_gloo(spark):
 
 
 def test_mpi_runs_leave_dev_shm_as_they_found_it(spark):
-    from sparkring.runner.task.process import mpi_shm_segments
+    from sparkring.runner.task.mpi import mpi_shm_segments
 
     before = mpi_shm_segments()
     assert len(run(rank_fns.whoami, num_proc=2, backend="mpi")) == 2

@@ -9,14 +9,13 @@ import est_helpers as H
 import pytest
 import torch
 from leftovers import ctrl_c_when_ranks_run, wait_no_workers
+from paths import ROOT
 from pyspark.ml import Pipeline, PipelineModel
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
 
 from sparkring import RankFailedError, SparkRingEstimator, SparkRingModel, Store
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _estimator(store, **kw):
@@ -241,7 +240,7 @@ def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spa
 @pytest.mark.compat
 @pytest.mark.slow
 @pytest.mark.skipif(not __import__("pyspark").__version__.startswith("3."),
-                    reason="pyspark 4: tests/test_standalone.py submits it to a standalone cluster")
+                    reason="pyspark 4: tests/integration/test_standalone.py submits it to a standalone cluster")
 def test_spark_submit_digits_example_on_local_cluster():
     import pyspark
 

@@ -1,0 +1,305 @@
+"""The checks fit() makes before any Spark job, and what they decide (FitDecisions): the model,
+optimizer, losses and Params, the DataFrame's columns, what a sharded or elastic fit can run."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
+from ..data.store import check_run_id
+from ..runner import ESTIMATOR_NAMES, ConfigurationError, LaunchPlan, check_picklable, check_timeouts, plan
+from ..trainer import EarlyStopping, losses
+from ..trainer.elastic import ElasticPlan
+from ..trainer.lightning import check_module as lightning_problem
+from ..trainer.lightning import is_lightning_module
+from . import tracking
+from .params import OBJECT_PARAMS, PARAMS, check_values
+
+
+@dataclass(frozen=True)
+class FitDecisions:
+    """What the checks before any Spark job decided, for fit() to go on with."""
+
+    metrics: Dict[str, Any]
+    early_stopping: Optional[EarlyStopping]
+    plan: LaunchPlan
+    store: Store
+    spec: FeatureSpec
+    lightning: bool  # the model is a LightningModule (decided once, from the model's shape)
+
+
+def decide(est, df) -> FitDecisions:
+    """Every check that needs no Spark job, with the facts fit() goes on with (the model factory
+    runs here once, under the meta device).
+
+    >>> decide(estimator, df).lightning  # doctest: +SKIP
+    False
+    """
+    shape = model_shape(est)
+    lightning, metrics = check_training(est, shape)
+    spec = check_columns(est, df)
+    validation = est.getOrDefault("validation")
+    es = early_stopping(est, validation is not None, metrics, lightning)
+    launch_plan = plan_launch(est, df.sparkSession, est.getOrDefault("numProc"))
+    check_sharding(est, launch_plan, lightning, shape)
+    check_elastic(est, launch_plan, lightning)
+    if est.getOrDefault("runId") is not None:
+        check_run_id(est.getOrDefault("runId"))
+    store = est.getOrDefault("store") or Store()
+    if not isinstance(store, Store):
+        store = Store(str(store))
+    if store.is_temporary and not launch_plan.facts.single_host:
+        raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
+                                 "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
+    store.check_writable()
+    return FitDecisions(metrics=metrics, early_stopping=es, plan=launch_plan, store=store, spec=spec,
+                        lightning=lightning)
+
+
+def model_shape(est) -> torch.nn.Module:
+    """The model Param as a module: itself, or what its factory builds under the meta device
+    (no memory, no RNG), which every check before the Spark job looks at."""
+    model = est.getOrDefault("model")
+    if isinstance(model, torch.nn.Module):
+        return model
+    if not callable(model):
+        raise ConfigurationError(f"model must be a torch.nn.Module or a zero-argument factory returning one, got "
+                                 f"{type(model).__name__}: pass model=<your nn.Module> or model=lambda: MyNet()")
+    try:
+        with torch.device("meta"):
+            built = model()
+    except Exception as exc:  # noqa: BLE001 - the user's factory: say how to fix it
+        raise ConfigurationError(
+            f"the model factory fails under torch.device('meta') ({type(exc).__name__}: {exc}); build only the "
+            "modules in it and initialize their values in initFn=lambda module: ..., which runs at full size "
+            "after sharding") from exc
+    if not isinstance(built, torch.nn.Module):
+        raise ConfigurationError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+    return built
+
+
+def plan_launch(est, spark, num_proc: Optional[int]) -> LaunchPlan:
+    """The launch the estimator's Params ask for on this session (refused where it cannot run)."""
+    return plan(spark, num_proc=num_proc, use_gpu=est.getOrDefault("useGpu"), backend=est.getOrDefault("backend"),
+                stream=est.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
+                shared_memory=est.getOrDefault("sharedMemory"), registration_wait=est.getOrDefault("startTimeout"))
+
+
+def elastic_plan(est, num_proc: int) -> Optional[ElasticPlan]:
+    """The elastic plan where minProc or checkpointEvery asks for one (None: a plain fit)."""
+    min_proc, every = est.getOrDefault("minProc"), est.getOrDefault("checkpointEvery")
+    if min_proc is None and every is None:
+        return None
+    return ElasticPlan(global_batch=est.getOrDefault("batchSize") * num_proc, target_size=num_proc,
+                       min_size=num_proc if min_proc is None else min_proc, checkpoint_every=every)
+
+
+def check_elastic(est, launch_plan: LaunchPlan, lightning: bool) -> None:
+    """What an elastic fit cannot run, refused before any Spark job."""
+    min_proc = est.getOrDefault("minProc")
+    if min_proc is not None and min_proc > launch_plan.num_proc:
+        raise ConfigurationError(f"minProc={min_proc} is more than numProc={launch_plan.num_proc}: the fit starts "
+                                 "with numProc ranks and may go on with as few as minProc; lower minProc")
+    if elastic_plan(est, launch_plan.num_proc) is None:
+        return
+    what = "minProc" if min_proc is not None else "checkpointEvery"
+    if lightning:
+        raise ConfigurationError(f"{what} (an elastic fit) does not train a LightningModule yet; drop {what}")
+    if est.getOrDefault("backwardPassesPerStep") != 1:
+        raise ConfigurationError(f"{what} (an elastic fit) steps on every global batch: drop "
+                                 "backwardPassesPerStep (or raise batchSize instead)")
+
+
+def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.nn.Module) -> None:
+    """What a sharded strategy cannot run, refused before any Spark job."""
+    strategy = est.getOrDefault("strategy")
+    if strategy == "ddp":
+        for sharded_only in ("cpuOffload", "asyncCheckpoint"):
+            if est.getOrDefault(sharded_only):
+                raise ConfigurationError(f"{sharded_only}=True applies to a sharded model: set strategy='fsdp' "
+                                         f"(or 'hsdp'), or drop {sharded_only}")
+        return
+    if launch_plan.backend == "mpi":
+        raise ConfigurationError(f"strategy={strategy!r} needs torch.distributed collectives (DTensor, FSDP2): "
+                                 "use backend='gloo' or 'nccl', or strategy='ddp' with backend='mpi'")
+    if strategy == "hsdp" and launch_plan.facts.single_host:
+        raise ConfigurationError("strategy='hsdp' shards within a host and replicates across hosts, but every "
+                                 "rank runs on one host: there it is strategy='fsdp'")
+    if lightning:
+        raise ConfigurationError(f"strategy={strategy!r} does not train a LightningModule yet: use strategy='ddp'")
+    if isinstance(est.getOrDefault("optimizer"), torch.optim.Optimizer):
+        raise ConfigurationError(f"strategy={strategy!r} builds the optimizer over each rank's shards: pass "
+                                 "optimizer= as a factory, e.g. optimizer=lambda params: torch.optim.Adam(params)")
+    sparse = [name for name, m in shape.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise ConfigurationError(f"strategy={strategy!r} shards parameters, which sparse gradients cannot be: "
+                                 f"module(s) {sparse} use sparse=True; drop it or use strategy='ddp'")
+    if est.getOrDefault("precision") == "16-mixed":
+        raise ConfigurationError(f"precision='16-mixed' scales the loss for replicated gradients; with "
+                                 f"strategy={strategy!r} use precision='bf16-mixed' (FSDP2 computes in bfloat16 "
+                                 "and reduces in float32)")
+    if est.getOrDefault("gradientCompression") != "none":
+        raise ConfigurationError(f"gradientCompression applies to strategy='ddp'; with {strategy!r} FSDP2 "
+                                 "reduce-scatters gradients in their own dtype")
+
+
+def check_training(est, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:
+    """The model, optimizer, losses, metrics and Param values; (is a LightningModule, metrics)."""
+    lightning = is_lightning_module(model)
+    if lightning:
+        check_lightning_module(est, model)
+    else:
+        opt = est.getOrDefault("optimizer")
+        if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
+            raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
+                                     "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
+    check_timeouts(est.getOrDefault("timeout"), None, ESTIMATOR_NAMES)
+    # what ships to the ranks, checked here so that a lock or an open file in the model
+    # is named before the data is written
+    check_picklable({name: est.getOrDefault(name) for name in OBJECT_PARAMS
+                     if est.isDefined(name) and est.getOrDefault(name) is not None})
+    labels = est.labelColumns()
+    loss_list = est.lossList()
+    if not lightning and any(loss is None for loss in loss_list):
+        raise ConfigurationError("loss is not set: pass loss='cross_entropy' (or mse, nll, l1, "
+                                 "bce_with_logits, smooth_l1) or a callable(output, label)")
+    if len(loss_list) != len(labels):
+        raise ConfigurationError(f"loss has {len(loss_list)} entries but labelCol names {len(labels)} labels "
+                                 f"({labels}): give one loss per label")
+    if len(set(labels)) != len(labels):
+        raise ConfigurationError(f"labelCol names a column twice: {labels}")
+    weights = est.getOrDefault("lossWeights")
+    if weights is not None and len(weights) != len(labels):
+        raise ConfigurationError(f"lossWeights has {len(weights)} entries but labelCol names {len(labels)} "
+                                 "labels: give one weight per label")
+    if len(est.predictionColumns()) != len(labels):
+        raise ConfigurationError(f"predictionCol names {len(est.predictionColumns())} columns but labelCol "
+                                 f"names {len(labels)} labels: give one prediction column per label")
+    try:
+        for loss in loss_list if not lightning else []:
+            losses.check_loss(loss)
+        metrics = losses.metric_fns(est.getOrDefault("metrics"))
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+    check_values({spec.name: est.getOrDefault(spec.name) for spec in PARAMS})
+    for name in ("transformFn", "transformFnInference"):
+        fn = est.getOrDefault(name)
+        if fn is not None and not callable(fn):
+            raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
+    check_reader(est.getOrDefault("reader"))
+    tracking.check_mode(est.getOrDefault("mlflowLogging"))
+    return lightning, metrics
+
+
+def check_columns(est, df) -> FeatureSpec:
+    """The columns the Params name exist and have usable types; the FeatureSpec they make."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    labels, loss_list = est.labelColumns(), est.lossList()
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    transform_fn = est.getOrDefault("transformFn")
+    if est.getOrDefault("modelInputs") is None and transform_fn is None:
+        for c in est.featureColumns():
+            if c not in fields:
+                raise ConfigurationError(f"featuresCol {c!r} is not a column of the DataFrame; it has "
+                                         f"{df.columns}. Set featuresCol= (a vector column or a list of columns)")
+            dt = fields[c]
+            ok = isinstance(dt, (VectorUDT, T.NumericType)) or (
+                isinstance(dt, T.ArrayType) and isinstance(dt.elementType, (T.NumericType, T.ArrayType)))
+            if not ok:
+                raise ConfigurationError(f"featuresCol {c!r} has type {dt.simpleString()}; features must be a "
+                                         "vector, a numeric array or numeric columns (use VectorAssembler)")
+    for label in labels:
+        if label not in fields:
+            raise ConfigurationError(f"labelCol {label!r} is not a column of the DataFrame; it has "
+                                     f"{df.columns}")
+        if not isinstance(fields[label], (T.NumericType, T.BooleanType, VectorUDT, T.ArrayType)):
+            raise ConfigurationError(f"labelCol {label!r} has type {fields[label].simpleString()}; it must be "
+                                     "numeric (index string labels with StringIndexer)")
+    weight = est.getOrDefault("sampleWeightCol") if est.isDefined("sampleWeightCol") else None
+    if weight is not None:
+        if weight not in fields or not isinstance(fields[weight], T.NumericType):
+            raise ConfigurationError(f"sampleWeightCol {weight!r} must be a numeric column of the DataFrame")
+        if not all(isinstance(loss, str) for loss in loss_list):
+            raise ConfigurationError("sampleWeightCol needs a named loss (a callable loss returns a scalar, "
+                                     "so rows cannot be weighted)")
+    try:
+        spec = FeatureSpec.build(df.schema, inputs=est.getOrDefault("modelInputs"),
+                                 features=est.featureColumns(), labels=labels, weight=weight,
+                                 shapes=est.getOrDefault("inputShapes"), transform=transform_fn is not None,
+                                 codecs=petastorm_codecs(df))
+    except DataError as exc:
+        raise ConfigurationError(str(exc)) from None
+    validation = est.getOrDefault("validation")
+    if isinstance(validation, str):
+        if validation not in fields or not isinstance(fields[validation], T.BooleanType):
+            raise ConfigurationError(f"validation={validation!r} must name a boolean column of the DataFrame")
+    elif validation is not None and not 0 < validation < 1:
+        raise ConfigurationError(f"validation={validation}: give a fraction strictly between 0 and 1 "
+                                 "or the name of a boolean column")
+    return spec
+
+
+def check_lightning_module(est, module: torch.nn.Module) -> None:
+    """A LightningModule decides its optimizer, loss and metrics itself: the Params that would
+    decide them too are refused rather than silently ignored."""
+    problem = lightning_problem(module)
+    if problem is not None:
+        raise ConfigurationError(problem)
+    given = [name for name in ("optimizer", "loss", "metrics", "lossWeights")
+             if est.isSet(name) and est.getOrDefault(name) is not None]
+    if given:
+        raise ConfigurationError(f"model is a LightningModule, which decides {', '.join(given)} itself "
+                                 "(configure_optimizers: optimizer and LR schedulers; training_step: the loss; "
+                                 "est.log: metrics): drop " + ", ".join(f"{name}=" for name in given))
+
+
+def early_stopping(est, has_val: bool, metrics, lightning: bool = False) -> Optional[EarlyStopping]:
+    es = est.getOrDefault("earlyStopping")
+    if es is None:
+        return None
+    if isinstance(es, int):
+        es = {"patience": es}
+    if not isinstance(es, dict) or "patience" not in es:
+        raise ConfigurationError("earlyStopping must be a patience (int) or a dict with 'patience' "
+                                 "(and optional 'monitor', 'mode', 'min_delta')")
+    monitor = es.get("monitor", "val_loss" if has_val else "loss")
+    known = ["loss"] + list(metrics)
+    if len(est.labelColumns()) > 1:
+        known += [f"{label}_{name}" for label in est.labelColumns() for name in ["loss"] + list(metrics)]
+    known += [f"val_{k}" for k in known] if has_val else []
+    # a LightningModule's figures are what it logs: checked when the first epoch ends
+    if monitor not in known and not lightning:
+        raise ConfigurationError(f"earlyStopping monitors {monitor!r}, which no epoch reports; use one of {known}")
+    mode = es.get("mode", "max" if "acc" in monitor else "min")
+    if mode not in ("min", "max"):
+        raise ConfigurationError(f"earlyStopping mode={mode!r}: use 'min' or 'max'")
+    return EarlyStopping(monitor=monitor, patience=int(es["patience"]), mode=mode,
+                         min_delta=float(es.get("min_delta", 0.0)))
+
+
+def class_labels(est) -> List[Tuple[str, Any]]:
+    """(label column, loss) of each head whose loss takes class indices."""
+    return [(label, loss) for label, loss in zip(est.labelColumns(), est.lossList())
+            if losses.label_kind(loss) == "class"]
+
+
+def check_labels(est, ds) -> None:
+    """Class-index losses need integral, non-negative labels: checked against what prepare saw
+    of them in its pass over the DataFrame (no pass of their own). A boolean label is always
+    a class index; an array label's values meet the loss on the ranks."""
+    for label, loss in class_labels(est):
+        values = ds.values(label)
+        if values is None:
+            continue
+        if values.non_integral:
+            raise DataError(f"labelCol {label!r} has {values.non_integral} non-integral value(s), but loss "
+                            f"{loss!r} needs class indices 0..C-1; index the labels "
+                            "(StringIndexer) or use a regression loss")
+        if values.minimum is not None and values.minimum < 0:
+            raise DataError(f"labelCol {label!r} has negative value {values.minimum:g}; class indices "
+                            "start at 0")

@@ -1,0 +1,140 @@
+"""One fit's launch: its TrainConfig built from the Param table and what the driver decided, the
+steps of each rank's epoch, and the launch itself (relaunched by an elastic policy where minProc or
+checkpointEvery ask for one), with a non-finite loss turned into TrainingError."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ..collective.elastic import Relaunches
+from ..errors import NonFiniteLossError, RankFailedError, TrainingError
+from ..runner import ConfigurationError, ElasticLaunch, ElasticPolicy, LaunchPlan, launch, relaunch_until_done
+from ..trainer import RankResult, Sharding, TrainConfig, train_rank
+from ..trainer.checkpoints import resume_point
+from ..trainer.elastic import stop_request
+from .checks import FitDecisions, elastic_plan, plan_launch
+from .params import PARAMS
+
+
+def _compile_options(value: Any) -> Optional[Dict[str, Any]]:
+    """The compile Param as torch.compile's keyword arguments (None: eager)."""
+    if value is True:
+        return {}
+    return dict(value) if isinstance(value, dict) else None
+
+
+def steps_per_epoch(values: Dict[str, Any], ds, num_proc: int) -> Tuple[int, int]:
+    """Training and validation steps of each rank's epoch, decided here for every rank: the
+    Params where set, else what the data gives each of ``num_proc`` ranks (training steps in
+    whole multiples of backwardPassesPerStep; validation: the longest rank's share).
+
+    >>> steps_per_epoch(est.paramValues(), ds, num_proc=2)  # doctest: +SKIP
+    (15, 4)
+    """
+    bs = values["batchSize"]
+    val_bs = values["valBatchSize"] or bs
+    passes = values["backwardPassesPerStep"]
+    if ds.num_batches(bs, num_proc) == 0:
+        raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
+                                 f"on each of numProc={num_proc} ranks: lower batchSize or numProc")
+    train = values["trainStepsPerEpoch"] or ds.num_batches(bs, num_proc)
+    train -= train % passes
+    if train == 0:
+        raise ConfigurationError(f"an epoch of {ds.num_batches(bs, num_proc)} step(s) per rank holds no whole "
+                                 f"backwardPassesPerStep={passes}: lower backwardPassesPerStep or batchSize")
+    val = 0
+    if ds.num_rows("val") > 0:
+        val = values["validationStepsPerEpoch"] or max(
+            ds.num_batches(val_bs, num_proc, "val", False, r) for r in range(num_proc))
+    return train, val
+
+
+def train_config(est, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
+    """The ranks' TrainConfig: every Param whose ParamSpec names a field, as it is, and what
+    the driver decided (losses per head, steps, sharding, elastic plan, ...).
+
+    >>> train_config(est, decide(est, df), ds, "r1").batch_size  # doctest: +SKIP
+    32
+    """
+    values = est.paramValues()
+    labels = est.labelColumns()
+    num_proc = decided.plan.num_proc
+    train_steps, val_steps = steps_per_epoch(values, ds, num_proc)
+    as_is = {spec.field: values[spec.name] for spec in PARAMS if spec.field is not None}
+    sharding = Sharding(values["strategy"], tuple(values["fsdpWrap"] or ()), values["initFn"],
+                        values["asyncCheckpoint"], cpu_offload=values["cpuOffload"],
+                        bf16_compute=values["precision"] == "bf16-mixed")
+    return TrainConfig(
+        **as_is, losses=est.lossList(), metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
+        spec=ds.spec, loss_weights=values["lossWeights"] or [1.0] * len(labels),
+        val_batch_size=values["valBatchSize"] or values["batchSize"], train_steps=train_steps, val_steps=val_steps,
+        callbacks=list(values["callbacks"] or []), early_stopping=decided.early_stopping,
+        use_gpu=decided.plan.use_gpu, has_validation=ds.num_rows("val") > 0, multi_head=len(labels) > 1,
+        skip_non_finite=values["onNonFinite"] == "skip_step", lightning=decided.lightning, sharding=sharding,
+        compile=_compile_options(values["compile"]), elastic=elastic_plan(est, num_proc),
+        timeline=values["timeline"] is not None)
+
+
+class _FitPolicy(ElasticPolicy):
+    """An elastic fit: ranks that stopped when asked return a paused RankResult; a non-finite
+    loss is final (another launch would meet it again); each launch resumes from the newest checkpoint."""
+
+    def __init__(self, how: ElasticLaunch, launch_once: Callable[[LaunchPlan, Relaunches], List[Any]],
+                 replan: Callable[[int], LaunchPlan], say: Callable[[str], None], store, run_id: str):
+        super().__init__(how)
+        self._launch_once, self._replan, self._say = launch_once, replan, say
+        self.store, self.run_id = store, run_id
+
+    def launch(self, launch_plan: LaunchPlan, counts: Relaunches) -> List[Any]:
+        return self._launch_once(launch_plan, counts)
+
+    def replan(self, size: int) -> LaunchPlan:
+        return self._replan(size)
+
+    def is_paused(self, results: List[Any]) -> bool:
+        return results[0].paused
+
+    def is_final(self, exc: BaseException) -> bool:
+        return isinstance(exc, RankFailedError) and exc.raised(NonFiniteLossError)
+
+    def resume_point(self) -> str:
+        return resume_point(self.store, self.run_id)
+
+    def say(self, message: str) -> None:
+        super().say(message)
+        self._say(message)
+
+
+def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Callable[[int, Any], None],
+               say: Callable[[str], None]) -> RankResult:
+    """Train on the ranks the plan decided (again, with the ranks there are, for an elastic fit);
+    rank 0's result. A non-finite loss raises TrainingError naming the epoch, step and rank.
+
+    >>> launch_fit(spark, est, cfg, decided, on_event, print).history  # doctest: +SKIP
+    """
+    values = est.paramValues()
+    verbose = values["verbose"]
+
+    def launch_once(now: LaunchPlan, counts: Optional[Relaunches]) -> List[Any]:
+        # validation splits its rows among the ranks there are: its steps follow their number
+        run_cfg = cfg if cfg.elastic is None or counts is None else dataclasses.replace(
+            cfg, elastic=dataclasses.replace(cfg.elastic, relaunches=counts),
+            val_steps=steps_per_epoch(values, cfg.dataset, now.num_proc)[1])
+        return launch(spark, now, train_rank, args=(run_cfg,), timeout=values["timeout"],
+                      start_timeout=values["startTimeout"], verbose=2 if verbose >= 2 else (1 if verbose else 0),
+                      on_event=on_event)
+
+    try:
+        if cfg.elastic is None:
+            return launch_once(decided.plan, None)[0]
+        # the driver launches again when ranks are lost, not Spark's stage retry (same size only)
+        how = ElasticLaunch(cfg.elastic.target_size, cfg.elastic.min_size, values["maxRestarts"],
+                            values["startTimeout"], start_timeout_name="startTimeout", min_size_name="minProc")
+        policy = _FitPolicy(how, launch_once, lambda n: dataclasses.replace(plan_launch(est, spark, n), attempts=1),
+                            say, cfg.store, cfg.run_id)
+        return relaunch_until_done(spark, dataclasses.replace(decided.plan, attempts=1), policy,
+                                   stop_request(cfg.store, cfg.run_id))[0]
+    except RankFailedError as exc:
+        if not exc.raised(NonFiniteLossError):
+            raise
+        raise TrainingError(exc.rank, exc.remote_traceback, exc.message or "non-finite loss") from None

@@ -1,0 +1,72 @@
+"""What the driver decides while the stage runs: ranks that do not start, a run past its timeout,
+a failed attempt Spark does not restart, every attempt failed."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from ...errors import RankTimeoutError
+from .. import protocol
+from .ledger import RunLedger
+from .outcome import no_attempt_left, not_restarted, rank_failed, timeout_error
+from .plan import LaunchPlan
+
+log = logging.getLogger(__name__)
+JOIN_WINDOW_S = 10.0
+# How long a stage with one planned attempt may go on after a rank failed or went away before the
+# driver ends it (the stage normally ends by itself at once, with the rank's own error).
+LOST_GRACE_S = 3.0
+
+
+class Watch:
+    """What the driver decides while the stage runs: ranks that do not start, a run past its
+    timeout, a failed attempt Spark does not restart, every attempt failed."""
+
+    def __init__(self, state: RunLedger, launch_plan: LaunchPlan, start_timeout: float, timeout: Optional[float],
+                 started: float):
+        self.state, self.plan, self.start_timeout, self.timeout = state, launch_plan, start_timeout, timeout
+        self.started = started
+        self.warned = False
+        # Without a live channel expected from the start (a Connect client may be out of the
+        # executors' reach), a missing hello is no sign of missing slots: the tasks' own
+        # rendezvous timeout then decides.
+        self.watches_start = launch_plan.stream and not launch_plan.facts.connect
+
+    def failure(self) -> Optional[BaseException]:
+        state, num_proc, now = self.state, self.plan.num_proc, time.monotonic()
+        state.expire_joins(JOIN_WINDOW_S)
+        with state.lock:
+            attempt = state.attempt
+            greeted = state.hello.get(attempt, set())
+            since = state.attempt_started if state.hello else self.started
+            arrived = set(state.arrived)
+            failed_attempts = len(state.errors)
+            failed_at = state.failed_at.get(attempt)
+        late = len(greeted) < num_proc and now - since > self.start_timeout
+        failure: Optional[BaseException] = None
+        if late and self.watches_start and not state.detached:
+            missing = sorted(set(range(num_proc)) - (arrived if len(arrived) < num_proc else greeted))
+            failure = RankTimeoutError(
+                f"ranks {missing} did not start within start_timeout={self.start_timeout:g}s; the "
+                "cluster may lack free slots (other jobs running?) or executors are still starting", missing)
+        elif late and not arrived and not self.warned:
+            self.warned = True
+            log.warning("no rank has reached this process (%s) within %gs: the cluster may lack free "
+                        "slots, or the executors cannot reach it (the run then reports at its end)",
+                        self.plan.driver_host, self.start_timeout)
+        if self.timeout is not None and now - since > self.start_timeout + self.timeout + 30:
+            running = sorted(set(range(num_proc)) - state.done.get(attempt, set()))
+            failure = RankTimeoutError(f"ranks {running} exceeded timeout={self.timeout:g}s", running)
+        if (failure is None and failed_at is not None and self.plan.attempts > 1 and self.watches_start
+                and not state.detached and now - failed_at > self.start_timeout):
+            failure = not_restarted(state, attempt, num_proc, self.start_timeout)
+        if (failure is None and failed_at is not None and self.plan.attempts == 1 and self.watches_start
+                and not state.detached and now - failed_at > LOST_GRACE_S):
+            failure = no_attempt_left(state, attempt)
+        if failure is None and self.plan.attempts > 1 and failed_attempts >= self.plan.attempts:
+            err = state.first_error()
+            assert err is not None  # every attempt failed
+            failure = (timeout_error(state, num_proc, self.timeout) if err.kind == protocol.TIMEOUT
+                       else rank_failed(err, state))
+        return failure
