@@ -65,6 +65,47 @@ class Recipe:
         return cls(**values)
 
 
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """In ``joined/<order>``: ``rank`` joined this round at its collective number ``seq``."""
+
+    rank: int
+    seq: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Notice:
+    """In a rank's inbox: some rank joined round ``round`` at ``seq`` (or ``stop``: the ring is
+    closing, the watcher ends)."""
+
+    round: int = -1
+    seq: int = -1
+    stop: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AllJoined:
+    """Under ``op/<seq>`` instead of a Recipe: every rank joined, the last was ``last``.
+
+    >>> _decode_op(AllJoined(last=1).to_json())
+    AllJoined(last=1)
+    """
+
+    last: int
+
+    def to_json(self) -> str:
+        return json.dumps({"all_joined": self.last})
+
+
+def _to_json(message: Any) -> str:
+    return json.dumps(dataclasses.asdict(message))
+
+
+def _decode_op(text: str) -> "Recipe | AllJoined":
+    data = json.loads(text)
+    return AllJoined(int(data["all_joined"])) if "all_joined" in data else Recipe.from_dict(data)
+
+
 class Joiner:
     """Per-process join state; ``replay(recipe)`` runs one collective with neutral inputs."""
 
@@ -126,18 +167,18 @@ class Joiner:
             my_seq, rnd = self._seq, self._round
         base = f"{PREFIX}{rnd}/"
         order = self._store.add(base + "count", 1)
-        self._store.set(f"{base}joined/{order}", json.dumps({"rank": self.rank, "seq": my_seq}))
-        earlier = [json.loads(self._store.get(f"{base}joined/{i}")) for i in range(1, order)]
+        self._store.set(f"{base}joined/{order}", _to_json(Joined(rank=self.rank, seq=my_seq)))
+        earlier = [Joined(**json.loads(self._store.get(f"{base}joined/{i}"))) for i in range(1, order)]
         with self._lock:
             if earlier:  # our watcher may not have told us yet
-                self._someone_joined_at(min(e["seq"] for e in earlier))
+                self._someone_joined_at(min(e.seq for e in earlier))
             self._joined = True
         for other in range(self.size):
             if other != self.rank:
-                self._notify(other, {"round": rnd, "seq": my_seq})
+                self._notify(other, Notice(round=rnd, seq=my_seq))
         try:
             if order == self.size:
-                self._store.set(f"{base}op/{my_seq}", json.dumps({"kind": "done", "last": self.rank}))
+                self._store.set(f"{base}op/{my_seq}", AllJoined(last=self.rank).to_json())
                 last = self.rank
             else:
                 last = self._serve(base)
@@ -157,16 +198,16 @@ class Joiner:
                 key = f"{base}op/{self._seq}"
             # no deadline here: the runner's timeout decides when a ring hangs
             self._store.wait([key], _FOREVER)
-            message = json.loads(self._store.get(key))
-            if message["kind"] == "done":
-                return int(message["last"])
-            self._replay(Recipe.from_dict(message))
+            message = _decode_op(self._store.get(key))
+            if isinstance(message, AllJoined):
+                return message.last
+            self._replay(message)
 
     # -- the watcher ----------------------------------------------------------------------
 
-    def _notify(self, rank: int, message: Dict[str, Any]) -> None:
+    def _notify(self, rank: int, message: Notice) -> None:
         n = self._store.add(f"{PREFIX}inbox/{rank}/n", 1)
-        self._store.set(f"{PREFIX}inbox/{rank}/{n}", json.dumps(message))
+        self._store.set(f"{PREFIX}inbox/{rank}/{n}", _to_json(message))
 
     def _watch(self) -> None:
         n = 1
@@ -174,11 +215,11 @@ class Joiner:
             key = f"{PREFIX}inbox/{self.rank}/{n}"
             try:
                 self._watch_store.wait([key], _FOREVER)
-                message = json.loads(self._watch_store.get(key))
+                message = Notice(**json.loads(self._watch_store.get(key)))
             except Exception:  # noqa: BLE001 - the store is gone: the ring is over
                 return
             n += 1
-            if message.get("stop"):
+            if message.stop:
                 with self._lock:
                     self._stopping = True
                 try:
@@ -187,10 +228,10 @@ class Joiner:
                     pass
                 return
             with self._lock:
-                if message["round"] == self._round:
-                    self._someone_joined_at(int(message["seq"]))
-                elif message["round"] > self._round:
-                    self._early.setdefault(message["round"], []).append(int(message["seq"]))
+                if message.round == self._round:
+                    self._someone_joined_at(message.seq)
+                elif message.round > self._round:
+                    self._early.setdefault(message.round, []).append(message.seq)
 
     def close(self) -> None:
         """Stop the watchers before the store goes away (rank 0 hosts it): a watcher whose
@@ -198,10 +239,10 @@ class Joiner:
         try:
             with self._lock:
                 if not self._stopping:  # rank 0 did not stop our watcher yet: the store is up
-                    self._notify(self.rank, {"stop": True})
+                    self._notify(self.rank, Notice(stop=True))
             if self.rank == 0:
                 for other in range(1, self.size):
-                    self._notify(other, {"stop": True})
+                    self._notify(other, Notice(stop=True))
                 keys = [f"{PREFIX}stopped/{r}" for r in range(self.size)]
                 deadline = time.monotonic() + 2.0
                 while time.monotonic() < deadline and not self._store.check(keys):

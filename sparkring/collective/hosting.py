@@ -3,11 +3,38 @@ the calls around the user's function inside a rank. The runner imports this, nev
 collective's private modules."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from . import _group_lifetime, _runtime, _torchrun, elastic, environment, timeline
 
-TRANSPORTS: Tuple[str, ...] = tuple(_runtime.BACKENDS)  # the one list of backends a ring can use
+
+@dataclass(frozen=True)
+class Transport:
+    """What the launcher and the estimator need to know of a backend, written once here.
+
+    >>> transport("mpi").starts_under_mpiexec, transport("gloo").torch_distributed
+    (True, True)
+    """
+
+    name: str
+    torch_distributed: bool  # a torch.distributed process group: DTensor and FSDP2 run over it
+    needs_gpus: bool  # one whole GPU per rank (NCCL)
+    starts_under_mpiexec: bool  # each rank starts under `mpiexec -n 1` (MPI_Init needs it), with mpi4py
+
+
+# the one list of backends a ring can use (each one a transport _runtime can load)
+TRANSPORTS: Dict[str, Transport] = {
+    "gloo": Transport("gloo", torch_distributed=True, needs_gpus=False, starts_under_mpiexec=False),
+    "nccl": Transport("nccl", torch_distributed=True, needs_gpus=True, starts_under_mpiexec=False),
+    "mpi": Transport("mpi", torch_distributed=False, needs_gpus=False, starts_under_mpiexec=True),
+}
+assert set(TRANSPORTS) == set(_runtime.BACKENDS)
+
+
+def transport(name: str) -> Transport:
+    """The transport a backend name (as a LaunchPlan holds it, never "auto") stands for."""
+    return TRANSPORTS[name]
 
 
 def before_user_code() -> None:

@@ -7,6 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..collective.hosting import transport
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
 from ..data.store import check_run_id
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, LaunchPlan, check_picklable, check_timeouts, plan
@@ -121,7 +122,7 @@ def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.n
                 raise ConfigurationError(f"{sharded_only}=True applies to a sharded model: set strategy='fsdp' "
                                          f"(or 'hsdp'), or drop {sharded_only}")
         return
-    if launch_plan.backend == "mpi":
+    if not transport(launch_plan.backend).torch_distributed:
         raise ConfigurationError(f"strategy={strategy!r} needs torch.distributed collectives (DTensor, FSDP2): "
                                  "use backend='gloo' or 'nccl', or strategy='ddp' with backend='mpi'")
     if strategy == "hsdp" and launch_plan.facts.single_host:

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ...collective.hosting import TRANSPORTS
+from ...collective.hosting import TRANSPORTS, transport
 from ...errors import ConfigurationError
 from ..gpus import backend_on_shared_gpus
 from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, registered_slots, session_facts, wait_for_slots
@@ -181,14 +181,14 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     """
     if backend not in BACKENDS:
         raise ConfigurationError(f"{names.backend}={backend!r} is not known; use one of {', '.join(BACKENDS)}")
-    if backend == "mpi":
+    if backend != "auto" and transport(backend).starts_under_mpiexec:
         _check_mpi_installed()
     if num_proc is not None and num_proc < 1:
         raise ConfigurationError(f"{names.num_proc}={num_proc}: it must be at least 1")
     facts = session_facts(spark)
     if use_gpu is None:
         use_gpu = facts.task_gpus > 0
-    if backend == "nccl" and not use_gpu:
+    if backend != "auto" and transport(backend).needs_gpus and not use_gpu:
         raise ConfigurationError(f"{names.backend}='nccl' needs GPUs: pass {names.use_gpu}=True (and schedule "
                                  "GPUs with spark.task.resource.gpu.amount), or use backend='gloo'")
     if facts.dynamic_allocation and not facts.local:
@@ -220,13 +220,12 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
                  "the cluster", facts.master)
     _check_security(facts)
     attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
-    transport = _decide_backend(backend, bool(use_gpu), bool(use_gpu) and _ranks_share_gpus(facts, num_proc),
-                                names)
-    result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=transport, attempts=attempts,
+    chosen = _decide_backend(backend, bool(use_gpu), bool(use_gpu) and _ranks_share_gpus(facts, num_proc), names)
+    result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=chosen, attempts=attempts,
                         stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
                         driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts,
                         shared_memory=bool(shared_memory), backend_from_auto=backend == "auto")
     log.info("launch plan: %d ranks, backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
-             result.num_proc, transport, result.use_gpu, attempts, result.driver_host,
+             result.num_proc, chosen, result.use_gpu, attempts, result.driver_host,
              "Connect" if facts.connect else "classic", facts.master)
     return result

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from ...collective import environment
+from ...collective.hosting import transport
 from ...errors import ChannelError, ConfigurationError
 from .. import channel, protocol
 from ..failures import is_secondary
@@ -226,7 +227,7 @@ def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workd
     if iface:
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
-    if spec.backend == "mpi":
+    if transport(spec.backend).starts_under_mpiexec:
         for key, value in mpi_network_env(iface, joined.my_ip).items():
             env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, spec.task_cpus)))
@@ -445,7 +446,7 @@ def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
     env = _rank_env(spec, gpus, joined, workdir)
     worker: Optional[RankProcess] = None
     shm_before = None
-    if spec.backend == "mpi":
+    if transport(spec.backend).starts_under_mpiexec:
         remove_orphan_segments(set(), older_than_s=60.0)  # what killed tasks of earlier runs left
         shm_before = mpi_shm_segments()
     try:

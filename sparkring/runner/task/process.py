@@ -11,6 +11,7 @@ import time
 from typing import Dict, Optional, Tuple
 
 from ...collective import environment
+from ...collective.hosting import transport
 from ...process_start import log_if_spawning, start_method
 from .._probe import find_mpiexec
 from .workdir import WorkDir
@@ -205,7 +206,7 @@ def start_worker(workdir: str, env: Dict[str, str]):
     fresh under ``mpiexec -n 1``, which MPI_Init needs."""
     command = [sys.executable, "-m", WORKER_MODULE, workdir]
     place = environment.RankEnv.from_env(env)
-    if place.backend == "mpi":
+    if transport(place.backend).starts_under_mpiexec:
         mpiexec = find_mpiexec()
         if mpiexec is None:
             raise RuntimeError("backend='mpi': no mpiexec on this executor; pip install 'sparkring[mpi]'")
