@@ -11,7 +11,6 @@ from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
-from ..collective import timeline
 from ..data import prepare
 from ..runner import to_bytes
 from ..trainer import is_factory
@@ -116,8 +115,6 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             result = launch_fit(spark, self, cfg, decided, on_event, progress.note)
         finally:
             progress.close()
-        if result.timeline is not None:
-            timeline.merge(result.timeline, self.getOrDefault("timeline"))
         trained = self._fresh_module()
         trained.load_state_dict(result.state_dict)
         model = SparkRingModel()

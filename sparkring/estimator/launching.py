@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ..collective import environment
 from ..collective.elastic import Relaunches
 from ..errors import NonFiniteLossError, RankFailedError, TrainingError
 from ..runner import ConfigurationError, ElasticLaunch, ElasticPolicy, LaunchPlan, launch, relaunch_until_done
@@ -71,8 +72,7 @@ def train_config(est, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
         callbacks=list(values["callbacks"] or []), early_stopping=decided.early_stopping,
         use_gpu=decided.plan.use_gpu, has_validation=ds.num_rows("val") > 0, multi_head=len(labels) > 1,
         skip_non_finite=values["onNonFinite"] == "skip_step", lightning=decided.lightning, sharding=sharding,
-        compile=_compile_options(values["compile"]), elastic=elastic_plan(est, num_proc),
-        timeline=values["timeline"] is not None)
+        compile=_compile_options(values["compile"]), elastic=elastic_plan(est, num_proc))
 
 
 class _FitPolicy(ElasticPolicy):
@@ -114,6 +114,8 @@ def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Ca
     """
     values = est.paramValues()
     verbose = values["verbose"]
+    # the timeline Param: every rank records its spans, the launch merges them into this file
+    trace_env = {environment.TIMELINE: values["timeline"]} if values["timeline"] is not None else None
 
     def launch_once(now: LaunchPlan, counts: Optional[Relaunches]) -> List[Any]:
         # validation splits its rows among the ranks there are: its steps follow their number
@@ -122,7 +124,7 @@ def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Ca
             val_steps=steps_per_epoch(values, cfg.dataset, now.num_proc)[1])
         return launch(spark, now, train_rank, args=(run_cfg,), timeout=values["timeout"],
                       start_timeout=values["startTimeout"], verbose=2 if verbose >= 2 else (1 if verbose else 0),
-                      on_event=on_event)
+                      on_event=on_event, env=trace_env)
 
     try:
         if cfg.elastic is None:

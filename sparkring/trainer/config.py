@@ -104,7 +104,6 @@ class TrainConfig:
     precision: str = "32"             # PRECISIONS
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
-    timeline: bool = False                    # record each rank's spans for the driver's Chrome trace
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order the step sums them."""

@@ -40,7 +40,6 @@ class RankResult:
     state_dict: Dict[str, Any]
     history: List[Dict[str, Any]]
     output_shapes: Any
-    timeline: Optional[List[List[Dict[str, Any]]]] = None  # every rank's Chrome-trace events
     paused: bool = False  # stopped at a checkpoint when the driver asked (an elastic fit resizes): no weights
 
 
@@ -54,13 +53,12 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
     >>> sparkring.run(train_rank, args=(cfg,), num_proc=2)[0].history  # doctest: +SKIP
     [{'epoch': 0, 'loss': 0.52, ...}]
     """
-    if cfg.timeline:
-        recorder.start(sr.rank())
-        began, joined = recorder.joined_us
-        recorder.add("start-up: join the ring (rendezvous, transports)", began, joined)
-        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
+    # with a timeline asked for, the rank's host started the recorder and sends its spans at the end
     with recorder.span("start-up: model, optimizer, resume"):
         trainer = Trainer(cfg)
+    if recorder.on:
+        began, _ = recorder.joined_us  # the ring was joined inside (the first collective joins it)
+        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
     trainer.begin()
     try:
         for epoch in range(trainer.start_epoch, cfg.epochs):
@@ -337,7 +335,6 @@ class Trainer:
     def pause(self) -> Optional[RankResult]:
         """Stop at the checkpoint just written (the driver launches more ranks from it)."""
         self.placement.finish()
-        recorder.stop()
         if self.board is not None:
             self.board.close()
         return RankResult(state_dict={}, history=self.history, output_shapes=None, paused=True) if self.rank == 0 \
@@ -346,8 +343,6 @@ class Trainer:
     def finish(self) -> Optional[RankResult]:
         self.step.fit_ended(self.model)
         state = self.placement.gather(self.model)  # every rank takes part
-        timeline = sr.allgather_object(recorder.events()) if self.cfg.timeline else None  # every rank's spans
-        recorder.stop()
         if self.rank != 0:
             return None
         assert state is not None
@@ -355,8 +350,7 @@ class Trainer:
         if self.board is not None:
             self.board.close()
         self.cfg.store.write_bytes(self.cfg.store.model_path(self.cfg.run_id, "state_dict.pt"), _to_bytes(state))
-        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes,
-                          timeline=timeline)
+        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes)
 
 
 def _to_bytes(state: Dict[str, Any]) -> bytes:

@@ -83,10 +83,9 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
                        names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout)
     given = env or {}
-    trace = _TimelineCollector.requested(given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE),
-                                         on_event)
-    if trace is not None:
-        env, on_event = {**(env or {}), environment.TIMELINE: trace.path}, trace.on_event
+    trace = given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE) or timeline.requested()
+    if trace:  # every rank records its spans; launch() merges them into this file on the driver
+        env = {**given, environment.TIMELINE: trace}
     if min_proc is None:
         results = launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
                          env=env, verbose=verbose, on_event=on_event)
@@ -94,8 +93,6 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         results = launch_elastic(spark, launch_plan, fn, args, kwargs, min_proc=min_proc,
                                  max_restarts=max_restarts, elastic_dir=elastic_dir, start_timeout=start_timeout,
                                  timeout=timeout, env=env, verbose=verbose, on_event=on_event)
-    if trace is not None:
-        trace.write()
     return results
 
 
@@ -179,17 +176,12 @@ class _RunPolicy(ElasticPolicy):
 
 
 class _TimelineCollector:
-    """run()'s timeline: SPARKRING_TIMELINE (or Horovod's HOROVOD_TIMELINE) names the file; each
-    rank sends its spans as its last event, the driver merges them there."""
+    """A launch's timeline, run()'s and fit()'s alike: the rank environment's SPARKRING_TIMELINE
+    names the file; each rank sends its spans as its last event, the driver merges them there."""
 
     def __init__(self, path: str, forward: Optional[Callable[[int, Any], None]]):
         self.path, self.forward = path, forward
         self.by_rank: Dict[int, List[Any]] = {}
-
-    @classmethod
-    def requested(cls, given: Optional[str], forward) -> Optional["_TimelineCollector"]:
-        path = given or timeline.requested()
-        return cls(path, forward) if path else None
 
     def on_event(self, rank: int, payload: Any) -> None:
         if isinstance(payload, dict) and timeline.EVENTS_KEY in payload:
@@ -223,8 +215,10 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
         raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
                                f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
                                "number of ranks", list(range(num_proc)))
+    trace_path = (env or {}).get(environment.TIMELINE)
+    trace = _TimelineCollector(trace_path, on_event) if trace_path else None
     secret = os.urandom(32)
-    state = RunLedger(num_proc, verbose, on_event)
+    state = RunLedger(num_proc, verbose, trace.on_event if trace is not None else on_event)
     channel = DriverChannel(launch_plan.driver_host, secret, state.handle)
     state.channel = channel
     spec = TaskSpec(payload=payload, driver_host=launch_plan.driver_host, driver_port=channel.address[1],
@@ -256,6 +250,8 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     finally:
         channel.close()
         _last_worker_pids[:] = state.pids
+    if trace is not None:
+        trace.write()
     return stage.outcome.results(num_proc)
 
 
