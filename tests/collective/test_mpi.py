@@ -10,6 +10,7 @@ import pytest
 import rank_fns
 import torch
 from paths import ROOT
+from waiting import wait_until
 
 import sparkring.collective as sr
 from sparkring import RankFailedError, run
@@ -95,9 +96,7 @@ def test_mpi_rank_exceeding_timeout_fails_the_run_with_its_stack(spark):
     assert time.monotonic() - started < 60
     text = str(info.value)
     assert "in hang_on_rank" in text[text.index("rank 1 "):]  # the stack of the rank itself, not mpiexec's
-    deadline = time.time() + 15
-    while time.time() < deadline and _mpi_processes_left():
-        time.sleep(0.2)
+    wait_until(lambda: not _mpi_processes_left(), timeout=15)
     assert _mpi_processes_left() == []
 
 
@@ -128,9 +127,7 @@ def test_mpi_rank_failure_reaches_the_driver_and_no_launcher_or_rank_survives(sp
     assert info.value.rank == 1
     assert "ValueError: boom on purpose in rank 1" in info.value.remote_traceback
     assert time.monotonic() - started < 60
-    deadline = time.time() + 15
-    while time.time() < deadline and _mpi_processes_left():
-        time.sleep(0.2)
+    wait_until(lambda: not _mpi_processes_left(), timeout=15)
     assert _mpi_processes_left() == []
 
 
@@ -187,7 +184,5 @@ def test_mpi_runs_leave_dev_shm_as_they_found_it(spark):
     assert len(run(rank_fns.whoami, num_proc=2, backend="mpi")) == 2
     with pytest.raises(RankFailedError):
         run(rank_fns.fail_on_rank, args=(1,), num_proc=2, backend="mpi")
-    deadline = time.monotonic() + 20  # the failed run's other task cleans up as it ends
-    while mpi_shm_segments() - before and time.monotonic() < deadline:
-        time.sleep(0.5)
+    wait_until(lambda: not mpi_shm_segments() - before, timeout=20)  # the failed run's other task cleans up
     assert mpi_shm_segments() - before == set()

@@ -13,16 +13,15 @@ def test_a_killed_process_counts_as_gone_before_its_parent_reaps_it():
     import subprocess
     import sys
 
+    from waiting import wait_until
+
     from sparkring.collective._shm import _process_start
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         assert _process_start(child.pid) is not None and _process_start(os.getpid()) is not None
         os.kill(child.pid, signal.SIGKILL)
-        for _ in range(100):  # a zombie until wait() below
-            if _process_start(child.pid) is None:
-                break
-            __import__("time").sleep(0.05)
+        wait_until(lambda: _process_start(child.pid) is None, timeout=5)  # a zombie until wait() below
         assert _process_start(child.pid) is None
         assert open(f"/proc/{child.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
     finally:

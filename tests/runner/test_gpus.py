@@ -5,12 +5,12 @@ import importlib
 import subprocess
 import sys
 import threading
-import time
 import types
 
 import pytest
 import torch
 from spawn import spawn_ranks
+from waiting import wait_until
 
 from sparkring import ConfigurationError
 from sparkring.estimator.model import task_device
@@ -208,9 +208,7 @@ def test_pinned_batches_arrive_in_order_and_stop_their_thread_when_the_loop_stop
     assert [b["x"][0].item() for b in got] == [0.0, 1.0, 2.0] and got[2]["raw"] == [2]
     out.close()
     assert len(made) <= 3 + 2 + 1  # read ahead by at most depth (+ the one waiting to be put)
-    deadline = time.monotonic() + 2
-    while any(t.name == "sparkring-prefetch" for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not any(t.name == "sparkring-prefetch" for t in threading.enumerate()), timeout=2)
     assert not any(t.name == "sparkring-prefetch" for t in threading.enumerate())
 
 

@@ -14,6 +14,7 @@ import rank_fns
 import torch
 from leftovers import ctrl_c_when_ranks_run, wait_no_workers
 from paths import ROOT, TESTS
+from waiting import wait_until
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
@@ -196,9 +197,7 @@ def test_channel_binds_the_given_address_and_drops_unsigned_frames():
         bad.send(_log("forged"))
         good = channel.connect(*server.address, secret=b"k" * 32)
         good.send(_log("real"))
-        deadline = time.time() + 5
-        while time.time() < deadline and (not got or server.rejected < 1):
-            time.sleep(0.05)
+        wait_until(lambda: got and server.rejected >= 1, timeout=5)
         assert got == [_log("real")]
         assert server.rejected == 1
         bad.close()
@@ -225,15 +224,11 @@ def test_channel_refuses_replayed_reflected_and_forged_frames():
         again = channel.connect(*server.address, secret=secret)
         again.sock.sendall(captured)  # a frame 0 from another connection, on this one's frame 0
         assert good.send(_log("second"))
-        deadline = time.time() + 5
-        while time.time() < deadline and (len(got) < 2 or server.rejected < 2):
-            time.sleep(0.05)
+        wait_until(lambda: len(got) >= 2 and server.rejected >= 2, timeout=5)
         assert got == [_log("first"), _log("second")]
         assert server.rejected == 2
         good.sock.sendall(captured)  # the same frame twice on its own connection: out of place
-        deadline = time.time() + 5
-        while time.time() < deadline and server.rejected < 3:
-            time.sleep(0.05)
+        wait_until(lambda: server.rejected >= 3, timeout=5)
         assert server.rejected == 3 and len(got) == 2
         for conn in (good, again):
             conn.close()
