@@ -10,6 +10,7 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparkring"
 MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 500  # a file does one job
 
 
 def _modules() -> Dict[str, pathlib.Path]:
@@ -137,6 +138,12 @@ def _private_names_imported_across_packages() -> List[str]:
 
 def test_no_package_imports_another_packages_private_names():
     assert _private_names_imported_across_packages() == []
+
+
+def test_no_module_is_longer_than_one_job_needs():
+    long = sorted(f"{name}: {n} lines" for name, path in MODULES.items()
+                  if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES)
+    assert long == []
 
 
 def test_no_function_is_longer_than_a_screen():

@@ -48,6 +48,17 @@ from ._runtime import (
 from .compression import Compression
 from .environment import rank_device
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .gather_ops import (
+    allgather_async,
+    alltoall_async,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+    sparse_allreduce_async,
+)
 from .mesh import device_mesh
 from .ops import (
     Adasum,
@@ -56,21 +67,12 @@ from .ops import (
     Min,
     Product,
     Sum,
-    allgather_async,
     allreduce_,
     allreduce_async,
     allreduce_async_,
-    alltoall_async,
     barrier,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather_async,
-    grouped_reducescatter_async,
     join,
     poll,
-    reducescatter_async,
-    sparse_allreduce_async,
     synchronize,
 )
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set

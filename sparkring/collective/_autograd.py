@@ -10,7 +10,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from . import _runtime, ops
+from . import _runtime, gather_ops, ops
 from .compression import Compression
 from .process_sets import accepts_process_set
 
@@ -63,13 +63,13 @@ class Allgather(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, name):
         _remember_set(ctx)
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
-        return ops.allgather_now(tensor, name)
+        return gather_ops.allgather_now(tensor, name)
 
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, grad: torch.Tensor):
         reduced = allreduce(grad.contiguous(), op=ops.Average)
-        rows = ops.allgather_now(torch.tensor([ctx.rows], dtype=torch.int64))
+        rows = gather_ops.allgather_now(torch.tensor([ctx.rows], dtype=torch.int64))
         offset = int(rows[:_runtime.rank()].sum())
         return reduced.narrow(0, offset, ctx.rows), None
 
@@ -79,7 +79,7 @@ class Broadcast(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name):
         _remember_set(ctx)
         ctx.root_rank = root_rank
-        return ops.synchronize(ops.broadcast_start(tensor.detach().clone(), root_rank, name))
+        return ops.synchronize(gather_ops.broadcast_start(tensor.detach().clone(), root_rank, name))
 
     @staticmethod
     @_in_forwards_set
@@ -94,7 +94,7 @@ class Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits, name) -> Tuple[torch.Tensor, torch.Tensor]:
         _remember_set(ctx)
-        output, received = ops.alltoall_now(tensor, splits, name)
+        output, received = gather_ops.alltoall_now(tensor, splits, name)
         ctx.received = received
         ctx.mark_non_differentiable(received)
         return output, received
@@ -102,7 +102,7 @@ class Alltoall(torch.autograd.Function):
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, grad: torch.Tensor, _received_grad):
-        back, _ = ops.alltoall_now(grad.contiguous(), ctx.received.tolist())
+        back, _ = gather_ops.alltoall_now(grad.contiguous(), ctx.received.tolist())
         return back, None, None
 
 
@@ -111,7 +111,7 @@ class Reducescatter(torch.autograd.Function):
     def forward(ctx: Any, tensor: torch.Tensor, op: str, prescale: float, postscale: float):
         _remember_set(ctx)
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        return ops.reducescatter_now(tensor, op, prescale, postscale)
+        return gather_ops.reducescatter_now(tensor, op, prescale, postscale)
 
     @staticmethod
     @_in_forwards_set
@@ -134,6 +134,20 @@ def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Option
               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce ``tensor`` over all ranks (default: average) and return a new tensor.
 
+    Arguments:
+        tensor: the tensor to reduce (any dtype the transport reduces; on the rank's device).
+        average: deprecated, as in Horovod: use ``op``.
+        name: a name the ranks agree on (the timeline shows it); default: one per call site.
+        compression: how the tensor travels (``sr.Compression.fp16``, ``.bf16``; default none).
+        op: ``sr.Average`` (default), ``sr.Sum``, ``sr.Min``, ``sr.Max``, ``sr.Product`` or ``sr.Adasum``.
+        prescale_factor: multiplies the input before the reduction.
+        postscale_factor: multiplies the result after it.
+        process_set: reduce within this ``sr.ProcessSet`` only (default: every rank).
+
+    Returns:
+        A new tensor of the same shape and dtype, the reduction over the ranks; differentiable
+        (its gradient is the allreduce of the incoming gradient).
+
     >>> sr.allreduce(torch.tensor([float(sr.rank())]))  # 2 ranks  # doctest: +SKIP
     tensor([0.5000])
     """
@@ -153,6 +167,13 @@ def grouped_allreduce(tensors: List[torch.Tensor], average: Optional[bool] = Non
                       op: Optional[str] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """Allreduce a list of tensors as one fused operation per dtype.
+
+    Arguments:
+        tensors: the tensors to reduce, of any shapes.
+        average, name, compression, op, prescale_factor, postscale_factor, process_set: as in ``allreduce``.
+
+    Returns:
+        A list of new tensors, each the reduction of the tensor at its position.
 
     >>> a, b = sr.grouped_allreduce([torch.ones(2), torch.zeros(3)])  # doctest: +SKIP
     """
@@ -177,12 +198,20 @@ def grouped_allreduce_(tensors: List[torch.Tensor], **kwargs) -> List[torch.Tens
 def allgather(tensor: torch.Tensor, name: Optional[str] = None) -> torch.Tensor:
     """Concatenate every rank's tensor along dim 0; the first dimension may differ by rank.
 
+    Arguments:
+        tensor: this rank's tensor; every dimension but the first must agree across ranks.
+        name: a name the ranks agree on.
+        process_set: gather within this ``sr.ProcessSet`` only.
+
+    Returns:
+        A new tensor: every rank's tensor concatenated along dimension 0, in rank order.
+
     >>> sr.allgather(torch.full((sr.rank() + 1,), sr.rank()))  # 2 ranks  # doctest: +SKIP
     tensor([0, 1, 1])
     """
     if _differentiable(tensor):
         return Allgather.apply(tensor, name)
-    return ops.allgather_now(tensor, name)
+    return gather_ops.allgather_now(tensor, name)
 
 
 @accepts_process_set
@@ -198,12 +227,21 @@ def grouped_allgather(tensors: List[torch.Tensor], name: Optional[str] = None) -
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None) -> torch.Tensor:
     """Return root's copy of ``tensor`` on every rank.
 
+    Arguments:
+        tensor: the tensor to send (on ``root_rank``) or whose shape and dtype to receive into.
+        root_rank: the rank whose values every rank gets.
+        name: a name the ranks agree on.
+        process_set: broadcast within this ``sr.ProcessSet`` only (``root_rank`` is a global rank).
+
+    Returns:
+        A new tensor holding ``root_rank``'s values (``tensor`` itself is left as it was).
+
     >>> sr.broadcast(torch.tensor([sr.rank()]), root_rank=0)  # doctest: +SKIP
     tensor([0])
     """
     if _differentiable(tensor):
         return Broadcast.apply(tensor, root_rank, name)
-    return ops.synchronize(ops.broadcast_start(tensor.clone(), root_rank, name))
+    return ops.synchronize(gather_ops.broadcast_start(tensor.clone(), root_rank, name))
 
 
 @accepts_process_set
@@ -213,13 +251,23 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Union[List[int], torch.Tenso
     they send back, concatenated by source rank. As in Horovod: without ``splits`` the
     output tensor; with ``splits`` the pair ``(output, received_splits)``.
 
+    Arguments:
+        tensor: the rows to scatter (dimension 0), in destination-rank order.
+        splits: how many rows go to each rank (default: equal parts).
+        name: a name the ranks agree on.
+        process_set: exchange within this ``sr.ProcessSet`` only.
+
+    Returns:
+        The received rows concatenated by source rank; with ``splits``, the pair
+        ``(output, received_splits)``.
+
     >>> sr.alltoall(torch.arange(4))  # 2 ranks: rank 0 gets [0, 1] + rank 1's [0, 1]  # doctest: +SKIP
     >>> out, received = sr.alltoall(t, splits=[1, 3])  # doctest: +SKIP
     """
     if _differentiable(tensor):
         output, received = Alltoall.apply(tensor, splits, name)
     else:
-        output, received = ops.alltoall_now(tensor, splits, name)
+        output, received = gather_ops.alltoall_now(tensor, splits, name)
     return output if splits is None else (output, received)
 
 
@@ -229,14 +277,22 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression=
     """Reduce ``tensor`` over all ranks and return this rank's slice of dim 0 (the first
     ranks get one row more when it does not divide evenly, as in Horovod).
 
+    Arguments:
+        tensor: the tensor to reduce; dimension 0 is what is scattered.
+        name, compression, op, prescale_factor, postscale_factor, process_set: as in ``allreduce``
+        (``op`` is ``sr.Average`` or ``sr.Sum``).
+
+    Returns:
+        This rank's slice of the reduced tensor along dimension 0.
+
     >>> sr.reducescatter(torch.ones(4, 2))  # 2 ranks: a (2, 2) tensor of ones  # doctest: +SKIP
     """
-    ops.check_reducescatter(tensor, op)
+    gather_ops.check_reducescatter(tensor, op)
     compressed, ctx = compression.compress(tensor)
     if _differentiable(compressed):
         reduced = Reducescatter.apply(compressed, op, prescale_factor, postscale_factor)
     else:
-        reduced = ops.reducescatter_now(compressed, op, prescale_factor, postscale_factor)
+        reduced = gather_ops.reducescatter_now(compressed, op, prescale_factor, postscale_factor)
     return compression.decompress(reduced, ctx)
 
 

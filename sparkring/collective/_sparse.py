@@ -9,7 +9,7 @@ from typing import List
 
 import torch
 
-from . import _runtime, ops
+from . import _runtime, gather_ops, ops
 
 
 def allreduce_sparse_grads(grads: List[torch.Tensor], name: str, op: str) -> List[torch.Tensor]:
@@ -25,7 +25,7 @@ def allreduce_sparse_grads(grads: List[torch.Tensor], name: str, op: str) -> Lis
     counts = torch.tensor([g._nnz() for g in coalesced], dtype=torch.int64)
     header = torch.cat([counts] + [g.indices().reshape(-1) for g in coalesced])
     values = torch.cat([g.values().reshape(-1) for g in coalesced])
-    everyone_header = ops.allgather_now(header, f"{name}.indices")
+    everyone_header = gather_ops.allgather_now(header, f"{name}.indices")
     backend = _runtime.current()
     size = backend.size
     sparse_dims = [g.indices().shape[0] for g in coalesced]

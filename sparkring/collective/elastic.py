@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
-from . import _runtime, environment, ops
+from . import _runtime, environment, gather_ops
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 
@@ -224,7 +224,7 @@ class State:
         if self._dir is None:
             return
         seen = self._dir.asked() if _runtime.rank() == 0 else 0
-        agreed = int(ops.broadcast_(torch.tensor([seen], dtype=torch.int64), root_rank=0,
+        agreed = int(gather_ops.broadcast_(torch.tensor([seen], dtype=torch.int64), root_rank=0,
                                     name="sparkring.elastic.hosts")[0])
         if agreed:
             raise HostsUpdatedInterrupt(skip_sync=agreed == GROW)

@@ -6,7 +6,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import _checks, _runtime, ops
+from . import _checks, _runtime, gather_ops
 from ._join import Recipe
 from ._optimizer import local_step
 from .process_sets import accepts_process_set
@@ -15,6 +15,15 @@ from .process_sets import accepts_process_set
 @accepts_process_set
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -> Any:
     """Return root's (picklable) object on every rank.
+
+    Arguments:
+        obj: any picklable object (looked at on ``root_rank`` only).
+        root_rank: the rank whose object every rank gets.
+        name: a name the ranks agree on.
+        process_set: broadcast within this ``sr.ProcessSet`` only.
+
+    Returns:
+        ``root_rank``'s object, unpickled on every rank.
 
     >>> sr.broadcast_object({"epoch": 3}, root_rank=0)  # doctest: +SKIP
     {'epoch': 3}
@@ -28,6 +37,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None) -
 @accepts_process_set
 def allgather_object(obj: Any, name: Optional[str] = None) -> List[Any]:
     """Return the list of every rank's (picklable) object, by rank.
+
+    Arguments:
+        obj: any picklable object.
+        name: a name the ranks agree on.
+        process_set: gather within this ``sr.ProcessSet`` only.
+
+    Returns:
+        The list of every rank's object, in rank order.
 
     >>> sr.allgather_object(sr.rank())  # doctest: +SKIP
     [0, 1]
@@ -47,6 +64,14 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
 
     Accepts ``model.state_dict()`` or ``model.named_parameters()``.
 
+    Arguments:
+        params: ``model.state_dict()``, ``model.named_parameters()``, or a list of (name, tensor).
+        root_rank: the rank whose values every rank copies in place.
+        process_set: broadcast within this ``sr.ProcessSet`` only.
+
+    Returns:
+        None; every tensor holds ``root_rank``'s values.
+
     >>> sr.broadcast_parameters(model.state_dict(), root_rank=0)  # doctest: +SKIP
     """
     items = sorted(params.items()) if isinstance(params, Mapping) else sorted(params, key=lambda kv: kv[0])
@@ -55,7 +80,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
         if not isinstance(p, torch.Tensor):
             raise TypeError("broadcast_parameters expects tensors; got " + type(p).__name__)
         target = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(ops.broadcast_start(target, root_rank))
+        handles.append(gather_ops.broadcast_start(target, root_rank))
     for h in handles:
         h.wait()
 
@@ -64,6 +89,14 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Make every rank's optimizer state (tensors, step counters, lr and other
     hyperparameters) equal to root's.
+
+    Arguments:
+        optimizer: a ``torch.optim.Optimizer`` (or a DistributedOptimizer) on every rank.
+        root_rank: the rank whose state (and hyperparameters) every rank copies.
+        process_set: broadcast within this ``sr.ProcessSet`` only.
+
+    Returns:
+        None; the optimizer's state and param groups on every rank are ``root_rank``'s.
 
     >>> sr.broadcast_optimizer_state(opt, root_rank=0)  # doctest: +SKIP
     """
@@ -98,7 +131,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     buf = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
                 else:
                     buf = buf.clone()
-                handles.append(ops.broadcast_start(buf, root_rank))
+                handles.append(gather_ops.broadcast_start(buf, root_rank))
                 new_state[pid][key] = buf
             else:
                 new_state[pid][key] = value
