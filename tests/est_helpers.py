@@ -159,3 +159,36 @@ class Slow(torch.nn.Module):
 
         time.sleep(self.seconds)
         return self.net(x)
+
+
+class _HugeGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by 1e30 (inf in float16)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1e30
+
+
+class OverflowAt(torch.nn.Module):
+    """A digits MLP whose gradients overflow on ``rank`` at the given training steps (0-based
+    forward calls): its loss stays finite, so a 16-mixed fit must skip exactly those updates."""
+
+    def __init__(self, rank, calls):
+        super().__init__()
+        torch.manual_seed(1)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        self.rank, self.calls, self.n = rank, set(calls), 0
+
+    def forward(self, x):
+        import sparkring.collective as sr
+
+        out = self.net(x)
+        if self.training:
+            if sr.rank() == self.rank and self.n in self.calls:
+                out = _HugeGradient.apply(out)
+            self.n += 1
+        return out
