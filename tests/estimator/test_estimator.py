@@ -128,25 +128,31 @@ def test_progress_reaches_the_driver_while_training_runs(spark, store, tmp_path,
     assert "epoch 1/3" not in capsys.readouterr().out
 
 
-@pytest.mark.compat
-def test_fit_resumes_from_last_checkpoint_after_rank_failure(spark_retry, store, tmp_path):
-    df = H.classification_df(spark_retry)
-    reference = _estimator(store, runId="reference", keepData=True).fit(df)
-    failing = _estimator(store, runId="retried", keepData=True,
-                         callbacks=[H.FailOnce(str(tmp_path / "failed-once"), epoch=2)])
-    resumed = failing.fit(df)  # Spark retries the barrier stage; training resumes at epoch 2
-    assert (tmp_path / "failed-once").exists()
-    assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
-    _assert_same_weights(resumed, reference, atol=1e-5)
+@pytest.fixture(scope="module")
+def retried_reference(tmp_path_factory):
+    """One uninterrupted fit that every retried fit of this module is compared with: made on first
+    use in the local[2,3] session (the session exists only inside a test), with its DataFrame and
+    store, whose prepared data the retried fits reuse."""
+    return {"store": Store(str(tmp_path_factory.mktemp("retried") / "store"))}
 
 
-def test_fit_resumes_with_the_uninterrupted_weights_after_a_rank_is_killed(spark_retry, store, tmp_path):
-    df = H.classification_df(spark_retry)
-    reference = _estimator(store, runId="reference-kill", keepData=True).fit(df)
-    killed = _estimator(store, runId="killed", keepData=True,
-                        callbacks=[H.KillOnce(str(tmp_path / "killed-once"), epoch=1)])
-    resumed = killed.fit(df)  # SIGKILL mid-fit; Spark reruns the stage; training resumes at epoch 1
-    assert (tmp_path / "killed-once").exists()
+def _reference_fit(cache, spark):
+    if "model" not in cache:
+        cache["df"] = H.classification_df(spark)
+        cache["model"] = _estimator(cache["store"], runId="reference", keepData=True).fit(cache["df"])
+    return cache["model"], cache["df"], cache["store"]
+
+
+@pytest.mark.parametrize("interruption", [
+    pytest.param(H.FailOnce, id="a-rank-raises-at-epoch-2", marks=pytest.mark.compat),
+    pytest.param(H.KillOnce, id="a-rank-is-killed-at-epoch-2")])
+def test_fit_resumes_with_the_uninterrupted_weights_after_spark_retries_the_stage(spark_retry, retried_reference,
+                                                                                 tmp_path, interruption):
+    reference, df, store = _reference_fit(retried_reference, spark_retry)
+    interrupted = _estimator(store, runId=f"retried-{interruption.__name__}", keepData=True,
+                             callbacks=[interruption(str(tmp_path / "once"), epoch=2)])
+    resumed = interrupted.fit(df)  # Spark retries the barrier stage; training resumes at epoch 2
+    assert (tmp_path / "once").exists()
     assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]
     _assert_same_weights(resumed, reference, atol=1e-5)
 
