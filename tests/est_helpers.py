@@ -192,3 +192,18 @@ class OverflowAt(torch.nn.Module):
                 out = _HugeGradient.apply(out)
             self.n += 1
         return out
+
+
+def assert_pipeline_predicts_and_round_trips(fitted, df, path, column="prediction"):
+    """A fitted Pipeline classifies ``df`` (accuracy > 0.85), and the PipelineModel saved at ``path``
+    and loaded back gives the same ``column`` for every row."""
+    from pyspark.ml import PipelineModel
+
+    preds = fitted.transform(df)
+    acc = preds.filter("prediction = label").count() / preds.count()
+    assert acc > 0.85
+    fitted.write().overwrite().save(str(path))
+    again = PipelineModel.load(str(path))
+    assert [r[column] for r in again.transform(df).orderBy("id").collect()] == \
+        [r[column] for r in preds.orderBy("id").collect()]
+    return preds

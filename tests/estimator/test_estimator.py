@@ -10,7 +10,7 @@ import pytest
 import torch
 from leftovers import ctrl_c_when_ranks_run, wait_no_workers
 from paths import ROOT
-from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml import Pipeline
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
@@ -215,14 +215,7 @@ def test_pipeline_with_assembler_and_scaler_fits_saves_and_loads(spark, store, t
         StandardScaler(inputCol="raw", outputCol="features"),
         SparkRingEstimator(model=H.mlp(d=2, classes=2), optimizer=H.adam, loss="cross_entropy", batchSize=20,
                            epochs=6, numProc=2, store=store, verbose=0)])
-    fitted = pipe.fit(df)
-    preds = fitted.transform(df)
-    acc = preds.filter("prediction = label").count() / preds.count()
-    assert acc > 0.85
-    fitted.write().overwrite().save(str(tmp_path / "pipe"))
-    again = PipelineModel.load(str(tmp_path / "pipe"))
-    assert [r.prediction for r in again.transform(df).orderBy("id").collect()] == \
-        [r.prediction for r in preds.orderBy("id").collect()]
+    H.assert_pipeline_predicts_and_round_trips(pipe.fit(df), df, tmp_path / "pipe")
 
 
 def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spark, store, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import rank_fns
 import torch
 from paths import ROOT
-from pyspark.ml import Pipeline, PipelineModel
+from pyspark.ml import Pipeline
 from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions as F
 
@@ -95,14 +95,8 @@ def _pipeline(store, **kw):
 def test_pipeline_fit_transform_save_load_on_connect(spark_connect, tmp_path):
     df = H.regression_df(spark_connect).withColumn("label", (F.col("y") > 0.5).cast("double"))
     fitted = _pipeline(Store(str(tmp_path / "store"))).fit(df)
-    preds = fitted.transform(df)
+    preds = H.assert_pipeline_predicts_and_round_trips(fitted, df, tmp_path / "pipe", column="probability")
     assert {"prediction", "probability", "rawPrediction"} <= set(preds.columns)
-    acc = preds.filter("prediction = label").count() / preds.count()
-    assert acc > 0.85
-    fitted.write().overwrite().save(str(tmp_path / "pipe"))
-    again = PipelineModel.load(str(tmp_path / "pipe"))
-    assert [r.probability for r in again.transform(df).orderBy("id").collect()] == \
-        [r.probability for r in preds.orderBy("id").collect()]
 
 
 def test_fit_with_streaming_off_prints_epoch_lines_when_training_ends(spark_connect, tmp_path, capsys):
