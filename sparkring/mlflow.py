@@ -60,7 +60,7 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
     if isinstance(model, PipelineModel):
         from mlflow import spark as mlflow_spark
 
-        return mlflow_spark.log_model(model, name, pippip_requirements=pip_requirements(_PACKAGES + ["pyspark"]),
+        return mlflow_spark.log_model(model, name, pip_requirements=pip_requirements(_PACKAGES + ["pyspark"]),
                                       **kwargs)
     if not isinstance(model, SparkRingModel):
         raise TypeError(f"log_model takes a SparkRingModel or a PipelineModel, got {type(model).__name__}")
@@ -84,7 +84,7 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
             kwargs["signature"] = infer_signature(example, predictor.predict_pandas(net, torch.device("cpu"), example))
         return mlflow.pyfunc.log_model(name=name, python_model=SparkRingPyfunc(),
                                        artifacts={"predictor": predictor_path, "spark_model": spark_dir},
-                                       input_example=example, pippip_requirements=pip_requirements(_PACKAGES), **kwargs)
+                                       input_example=example, pip_requirements=pip_requirements(_PACKAGES), **kwargs)
 
 
 def load_model(model_uri: str) -> Any:

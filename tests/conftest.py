@@ -21,9 +21,14 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-# Test modules must be importable by Spark's Python workers (functions pickle by reference).
+# Test modules must be importable by Spark's Python workers (functions pickle by reference): the
+# helpers at tests/ and each layer's test modules in their folders.
+TEST_FOLDERS = [TESTS_DIR] + sorted(
+    os.path.join(TESTS_DIR, d) for d in os.listdir(TESTS_DIR)
+    if os.path.isdir(os.path.join(TESTS_DIR, d)) and any(
+        f.startswith("test_") and f.endswith(".py") for f in os.listdir(os.path.join(TESTS_DIR, d))))
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [TESTS_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    TEST_FOLDERS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 FAKE_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "fake_gpus.sh")
