@@ -234,15 +234,15 @@ def agreement_cost(calls=400, nbytes=4096):
     against the same allreduce without it (what DistributedOptimizer's buckets use)."""
     import statistics
 
-    from sparkring.collective import ops
+    from sparkring.collective import _reduce
 
     t = torch.ones(nbytes // 4)
 
     def checked():
-        ops.allreduce_now(t, ops.Sum)
+        _reduce.allreduce_now(t, _reduce.Sum)
 
     def unchecked():
-        ops.synchronize(ops.allreduce_start(t, None, ops.Sum, blocking=True))
+        _reduce.allreduce_start(t, None, _reduce.Sum, blocking=True).wait()
 
     for fn in (checked, unchecked):
         for _ in range(20):
@@ -377,7 +377,7 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
     rotating order, medians of per-round ratios."""
     import statistics
 
-    from sparkring.collective import _runtime, ops
+    from sparkring.collective import _reduce, _runtime
 
     sr.init()
     ring = _runtime.current().single_host_ring()
@@ -391,7 +391,7 @@ def shm_allreduce_bandwidth(sizes, block_seconds=0.1, rounds=9):
         methods = {"shm": lambda: sr.allreduce(t, op=sr.Sum), "gloo": lambda: dist.all_reduce(t),
                    "memcpy": lambda: dst.copy_(t),
                    # as DistributedOptimizer's buckets call it: arguments agreed once, not per call
-                   "shm_agreed": lambda: ops.synchronize(ops.allreduce_start(t, None, ops.Sum, blocking=True)),
+                   "shm_agreed": lambda: _reduce.allreduce_start(t, None, _reduce.Sum, blocking=True).wait(),
                    "shm_bcast": lambda: sr.broadcast_(dst, root_rank=0),
                    "gloo_bcast": lambda: dist.broadcast(dst, src=0),
                    # FSDP2's two exchanges on gloo, over the same bytes (the whole unsharded tensor)

@@ -155,3 +155,32 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert long == []
+
+
+def _public_functions_of_the_collective_api():
+    import inspect
+
+    import sparkring.collective as sr
+
+    return [(name, getattr(sr, name)) for name in sr.__all__ if inspect.isfunction(getattr(sr, name))]
+
+
+def test_every_public_collective_is_defined_in_a_public_module():
+    """Horovod's layout: a reader finds each public name where it is defined (basics, mpi_ops,
+    functions, optimizer ...), never in a private module re-exported by __init__."""
+    hidden = [f"{name} ({fn.__module__})" for name, fn in _public_functions_of_the_collective_api()
+              if fn.__module__.rsplit(".", 1)[-1].startswith("_")]
+    assert not hidden, f"public collective names defined in private modules: {hidden}"
+
+
+def test_every_public_collective_says_its_arguments_and_what_it_returns():
+    import inspect
+
+    missing = []
+    for name, fn in _public_functions_of_the_collective_api():
+        doc = inspect.getdoc(fn) or ""
+        if inspect.signature(fn).parameters and "Arguments:" not in doc:
+            missing.append(f"{name}: Arguments")
+        if "Returns:" not in doc:
+            missing.append(f"{name}: Returns")
+    assert not missing, f"docstrings without their sections: {missing}"

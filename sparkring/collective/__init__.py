@@ -9,20 +9,7 @@ from . import (
     _replay,  # noqa: F401 - registers what a joined rank does (a new-ring hook)
     elastic,  # Horovod's hvd.elastic: TorchState, ElasticSampler, the run decorator
 )
-from ._autograd import (
-    allgather,
-    allreduce,
-    alltoall,
-    broadcast,
-    grouped_allgather,
-    grouped_allreduce,
-    grouped_allreduce_,
-    grouped_reducescatter,
-    reducescatter,
-)
-from ._checks import check_same_shapes
-from ._optimizer import DistributedOptimizer
-from ._runtime import (
+from .basics import (
     backend,
     ccl_built,
     cross_rank,
@@ -47,34 +34,48 @@ from ._runtime import (
 )
 from .compression import Compression
 from .environment import rank_device
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .gather_ops import (
-    allgather_async,
-    alltoall_async,
-    broadcast_,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather_async,
-    grouped_reducescatter_async,
-    reducescatter_async,
-    sparse_allreduce_async,
+from .functions import (
+    allgather_object,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    check_same_shapes,
 )
 from .mesh import device_mesh
-from .ops import (
+from .mpi_ops import (
     Adasum,
     Average,
     Max,
     Min,
     Product,
     Sum,
+    allgather,
+    allgather_async,
+    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
+    alltoall,
+    alltoall_async,
     barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
     join,
     poll,
+    reducescatter,
+    reducescatter_async,
+    sparse_allreduce_async,
     synchronize,
 )
+from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 

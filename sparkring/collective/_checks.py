@@ -140,11 +140,9 @@ def _check_rows(kind: str, rows: List[List[int]]) -> None:
                 + ", op, root and name")
 
 
-def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
-    """Raise ValueError naming the rank and tensor when ranks disagree on names, shapes or dtypes.
-
-    >>> sr.check_same_shapes(list(model.named_parameters()), "DistributedOptimizer")  # doctest: +SKIP
-    """
+def agree_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise ValueError naming the rank and tensor when ranks disagree on names, shapes or dtypes
+    (functions.check_same_shapes is the public call)."""
     b = _runtime.current()
     if b.size == 1:
         return

@@ -18,7 +18,7 @@ import dataclasses
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _runtime
+from . import _runtime, basics
 from ._backend import Backend, Handle
 
 
@@ -91,7 +91,7 @@ def hold_name(name: Optional[str], handle: Handle, what: str) -> None:
         return
     if name in in_flight:
         raise ValueError(f"{what}: an operation named {name!r} is still in flight on rank "
-                         f"{_runtime.rank()}; synchronize() it before reusing the name")
+                         f"{basics.rank()}; synchronize() it before reusing the name")
     in_flight[name] = handle
 
 

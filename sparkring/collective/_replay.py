@@ -8,10 +8,10 @@ from typing import Any, Tuple
 import torch
 
 from ..errors import MismatchError
-from . import _checks, _runtime, ops
+from . import _checks, _reduce, _runtime, mpi_ops
 from ._backend import Backend
 from ._join import Joiner, Recipe
-from .ops import Max, Min, Product
+from ._reduce import Max, Min, Product
 
 
 def _neutral(shape: Tuple[int, ...], dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -44,7 +44,7 @@ def replay(recipe: Recipe) -> None:
             compression = getattr(compression, part)
         tensor = _neutral(recipe.shape, _dtype(recipe.dtype), recipe.op)
         # the path the active ranks took, so every rank runs matching transfers
-        ops.allreduce_start(tensor, None, recipe.op, compression, recipe.prescale, recipe.postscale,
+        _reduce.allreduce_start(tensor, None, recipe.op, compression, recipe.prescale, recipe.postscale,
                             path=recipe.path, name=recipe.name or None, checked=recipe.checked).wait()
     elif kind in _checks.NOT_WITH_JOIN:
         # take part in the agreement step only, saying "joined": the active ranks then raise, as
@@ -62,7 +62,7 @@ def replay(recipe: Recipe) -> None:
         except MismatchError:
             pass  # the active ranks raise it; this one goes on serving
     elif kind == "barrier":
-        ops.barrier()
+        mpi_ops.barrier()
     else:  # a newer peer: fail loudly rather than hang
         raise RuntimeError(f"join(): rank {me} cannot take part in a {kind!r} collective")
 

@@ -1,5 +1,5 @@
-"""The ring's lifecycle and topology inside one rank: init (the backend chosen through one
-registry), shutdown, rank/size and host layout, and what this build offers."""
+"""The ring's lifecycle inside one rank: joining it (the backend chosen through one registry) and leaving
+it, the host layout it was given, the process set a collective runs in; basics holds the public calls."""
 from __future__ import annotations
 
 import atexit
@@ -51,16 +51,8 @@ def _mpi(name: str, rank: int, size: int, master_addr: Optional[str], master_por
 BACKENDS: Dict[str, Callable[..., Backend]] = {"gloo": _torch_distributed, "nccl": _torch_distributed, "mpi": _mpi}
 
 
-def init(backend: Optional[str] = None) -> None:
-    """Join the ring described by the runner's environment; idempotent.
-
-    Without a runner (plain ``python train.py``) this forms a ring of one rank, so
-    the same script runs alone.
-
-    >>> import sparkring.collective as sr
-    >>> sr.init(); sr.rank(), sr.size()
-    (0, 1)
-    """
+def join_ring(backend: Optional[str] = None) -> None:
+    """Join the ring the runner's environment describes (basics.init is the public call)."""
     with state.lock:
         if state.backend is not None:
             return
@@ -109,13 +101,8 @@ def gather_objects(obj: Any) -> List[Any]:
     return out
 
 
-def shutdown() -> None:
-    """Leave the ring; a later ``init()`` (on every rank) forms a new one, even while the
-    caller still holds tensors, handles or optimizers from this one.
-
-    >>> sr.shutdown(); sr.is_initialized()  # doctest: +SKIP
-    False
-    """
+def leave_ring() -> None:
+    """Leave the ring, handing the next one its port (basics.shutdown is the public call)."""
     _leave(hand_over=True)
 
 
@@ -170,12 +157,7 @@ def close() -> None:
 atexit.register(close)
 
 
-def is_initialized() -> bool:
-    """True between ``init()`` and ``shutdown()``.
-
-    >>> sr.is_initialized()  # doctest: +SKIP
-    True
-    """
+def initialized() -> bool:
     return state.backend is not None
 
 
@@ -187,7 +169,7 @@ def current() -> Backend:
     if sub is not None:
         return sub
     if state.backend is None and environment.in_a_run():
-        init()
+        join_ring()
     if state.backend is None:
         raise NotInitializedError(
             "sparkring.collective is not initialized: call sparkring.collective.init() first "
@@ -199,7 +181,7 @@ class scope:
     """Run the collectives of a ``with`` block in a process set's ring (its backend).
 
     >>> with scope(backend_of_set):  # doctest: +SKIP
-    ...     ops.allreduce(t)
+    ...     mpi_ops.allreduce(t)
     """
 
     def __init__(self, backend: Optional[Backend]):
@@ -243,183 +225,3 @@ def completed(seq: int) -> None:
     joiner = state.joiner
     if joiner is not None and seq >= 0:
         joiner.completed(seq)
-
-
-def rank() -> int:
-    """This process's rank, 0..size()-1.
-
-    >>> sr.rank()  # doctest: +SKIP
-    0
-    """
-    return current().rank
-
-
-def size() -> int:
-    """Number of ranks in the ring.
-
-    >>> sr.size()  # doctest: +SKIP
-    2
-    """
-    return current().size
-
-
-def local_rank() -> int:
-    """Rank among the ranks on this host (use it to pick a GPU).
-
-    >>> sr.local_rank()  # doctest: +SKIP
-    0
-    """
-    current()
-    return state.local_rank
-
-
-def local_size() -> int:
-    """Number of ranks on this host.
-
-    >>> sr.local_size()  # doctest: +SKIP
-    2
-    """
-    current()
-    return state.local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the hosts of the ring.
-
-    >>> sr.cross_rank()  # doctest: +SKIP
-    0
-    """
-    current()
-    return state.cross_rank
-
-
-def cross_size() -> int:
-    """Number of hosts in the ring.
-
-    >>> sr.cross_size()  # doctest: +SKIP
-    1
-    """
-    current()
-    return state.cross_size
-
-
-def backend() -> str:
-    """Name of the transport in use: "gloo", "nccl" or "mpi".
-
-    >>> sr.backend()  # doctest: +SKIP
-    'gloo'
-    """
-    return current().name
-
-
-# -- what is built (Horovod's introspection calls) ------------------------------------
-
-def gloo_built() -> bool:
-    """True: gloo (CPU) collectives are available.
-
-    >>> sr.gloo_built()
-    True
-    """
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_gloo_available()
-
-
-def nccl_built() -> bool:
-    """True when this torch build has NCCL (GPU) collectives.
-
-    >>> sr.nccl_built()  # doctest: +SKIP
-    False
-    """
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_nccl_available()
-
-
-def mpi_built() -> bool:
-    """True when mpi4py (and so the ``backend="mpi"`` transport) is installed.
-
-    >>> sr.mpi_built()  # doctest: +SKIP
-    True
-    """
-    import importlib.util
-
-    return importlib.util.find_spec("mpi4py") is not None
-
-
-def mpi_threads_supported() -> bool:
-    """True when this ring runs on MPI and the MPI library takes calls from several
-    threads at once (MPI_THREAD_MULTIPLE); False on gloo/nccl (MPI is never initialized
-    just to answer).
-
-    >>> sr.mpi_threads_supported()  # doctest: +SKIP
-    True
-    """
-    if state.backend is None or state.backend.name != "mpi":
-        return False
-    from ._mpi_backend import threads_supported
-
-    return threads_supported()
-
-
-def ccl_built() -> bool:
-    """False: sparkring has no oneCCL transport.
-
-    >>> sr.ccl_built()
-    False
-    """
-    return False
-
-
-def ddl_built() -> bool:
-    """False: sparkring has no IBM DDL transport.
-
-    >>> sr.ddl_built()
-    False
-    """
-    return False
-
-
-def cuda_built() -> bool:
-    """True when this torch build has CUDA.
-
-    >>> sr.cuda_built()  # doctest: +SKIP
-    False
-    """
-    return torch.version.cuda is not None
-
-
-def rocm_built() -> bool:
-    """True when this torch build has ROCm.
-
-    >>> sr.rocm_built()  # doctest: +SKIP
-    False
-    """
-    return getattr(torch.version, "hip", None) is not None
-
-
-def mpi_enabled() -> bool:
-    """True when this ring runs on MPI (Horovod: MPI used at run time).
-
-    >>> sr.mpi_enabled()  # doctest: +SKIP
-    False
-    """
-    return state.backend is not None and state.backend.name == "mpi"
-
-
-def gloo_enabled() -> bool:
-    """True when this ring runs on gloo.
-
-    >>> sr.gloo_enabled()  # doctest: +SKIP
-    True
-    """
-    return state.backend is not None and state.backend.name == "gloo"
-
-
-def nccl_enabled() -> bool:
-    """True when this ring runs on NCCL.
-
-    >>> sr.nccl_enabled()  # doctest: +SKIP
-    False
-    """
-    return state.backend is not None and state.backend.name == "nccl"

@@ -5,11 +5,11 @@ and values separately, two rounds each. Dense embeddings remain faster for small
 sparse exchange pays off when a step touches a small share of a large table."""
 from __future__ import annotations
 
-from typing import List
+from typing import Callable, List, Optional
 
 import torch
 
-from . import _runtime, gather_ops, ops
+from . import _gather, _reduce, _runtime
 
 
 def allreduce_sparse_grads(grads: List[torch.Tensor], name: str, op: str) -> List[torch.Tensor]:
@@ -25,7 +25,7 @@ def allreduce_sparse_grads(grads: List[torch.Tensor], name: str, op: str) -> Lis
     counts = torch.tensor([g._nnz() for g in coalesced], dtype=torch.int64)
     header = torch.cat([counts] + [g.indices().reshape(-1) for g in coalesced])
     values = torch.cat([g.values().reshape(-1) for g in coalesced])
-    everyone_header = gather_ops.allgather_now(header, f"{name}.indices")
+    everyone_header = _gather.allgather_now(header, f"{name}.indices")
     backend = _runtime.current()
     size = backend.size
     sparse_dims = [g.indices().shape[0] for g in coalesced]
@@ -36,7 +36,7 @@ def allreduce_sparse_grads(grads: List[torch.Tensor], name: str, op: str) -> Lis
         nnz = everyone_header[h:h + len(coalesced)].tolist()
         lengths.append(sum(n * e for n, e in zip(nnz, row_elems)))
         h += len(coalesced) + sum(n * d for n, d in zip(nnz, sparse_dims))
-    wire = ops.to_wire(values)
+    wire = _reduce.to_wire(values)
     padded = torch.zeros(max(lengths), dtype=wire.dtype, device=wire.device)
     padded[:wire.numel()] = wire
     parts = backend.allgather_same_shape(padded)
@@ -56,7 +56,22 @@ def allreduce_sparse_grads(grads: List[torch.Tensor], name: str, op: str) -> Lis
     out = []
     for p, g in enumerate(coalesced):
         vals = torch.cat(values_of[p])
-        if op == ops.Average:
+        if op == _reduce.Average:
             vals = vals / size
         out.append(torch.sparse_coo_tensor(torch.cat(indices_of[p], dim=1), vals, g.shape))
     return out
+
+
+def allreduce_one(tensor: torch.Tensor, name: Optional[str], op: str) -> Callable[[], torch.Tensor]:
+    """Horovod's sparse allreduce of one tensor: its indices and values allgathered now; the
+    returned callable (the handle ``synchronize`` calls) builds the sparse sum or average."""
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = _gather.allgather_now(t.indices().transpose(0, 1).contiguous(), f"{name}.indices" if name else None)
+    values = _gather.allgather_now(t.values(), f"{name}.values" if name else None)
+    size = _runtime.current().size
+
+    def handle() -> torch.Tensor:
+        reduced = values / size if op == _reduce.Average else values
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), reduced, t.size())
+
+    return handle

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
-from . import _runtime, environment, gather_ops
+from . import basics, environment, mpi_ops
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 
 
@@ -215,16 +215,16 @@ class State:
         launch if the driver asked (``HostsUpdatedInterrupt``, agreed by every rank)."""
         self.save()
         self._commits += 1
-        if self._dir is not None and _runtime.rank() == 0:
-            self._dir.save({"snapshot": self._snapshot(), "commits": self._commits, "size": _runtime.size()})
+        if self._dir is not None and basics.rank() == 0:
+            self._dir.save({"snapshot": self._snapshot(), "commits": self._commits, "size": basics.size()})
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
         """Raise ``HostsUpdatedInterrupt`` on every rank alike when the driver asked to stop."""
         if self._dir is None:
             return
-        seen = self._dir.asked() if _runtime.rank() == 0 else 0
-        agreed = int(gather_ops.broadcast_(torch.tensor([seen], dtype=torch.int64), root_rank=0,
+        seen = self._dir.asked() if basics.rank() == 0 else 0
+        agreed = int(mpi_ops.broadcast_(torch.tensor([seen], dtype=torch.int64), root_rank=0,
                                     name="sparkring.elastic.hosts")[0])
         if agreed:
             raise HostsUpdatedInterrupt(skip_sync=agreed == GROW)
@@ -232,7 +232,7 @@ class State:
     def resume(self) -> bool:
         """At a launch's start: rank 0 loads the last commit of an earlier launch, if any; every
         rank then runs the reset callbacks. Whether there was one."""
-        found = self._dir.load() if self._dir is not None and _runtime.rank() == 0 else None
+        found = self._dir.load() if self._dir is not None and basics.rank() == 0 else None
         resumed = bool(broadcast_object(found is not None, root_rank=0, name="sparkring.elastic.resume")) \
             if self._dir is not None else False
         if found is not None:
@@ -338,7 +338,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def reset(self) -> None:
-        self.num_replicas, self.rank = _runtime.size(), _runtime.rank()
+        self.num_replicas, self.rank = basics.size(), basics.rank()
         indices = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(indices)

@@ -129,6 +129,12 @@ def rank_device(use_gpu: bool = True) -> "torch.device":
     runner gave it (``SPARKRING_GPU``, an ordinal in its CUDA_VISIBLE_DEVICES; else the current
     one), otherwise the CPU.
 
+    Arguments:
+        use_gpu: False forces the CPU.
+
+    Returns:
+        A ``torch.device``: this rank's GPU, or the CPU.
+
     >>> rank_device(use_gpu=False)
     device(type='cpu')
     """

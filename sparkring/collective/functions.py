@@ -6,9 +6,9 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import _checks, _runtime, gather_ops
+from . import _checks, _gather, _runtime
 from ._join import Recipe
-from ._optimizer import local_step
+from .optimizer import local_step
 from .process_sets import accepts_process_set
 
 
@@ -80,7 +80,7 @@ def broadcast_parameters(params: Union[Mapping[str, torch.Tensor], Iterable[Tupl
         if not isinstance(p, torch.Tensor):
             raise TypeError("broadcast_parameters expects tensors; got " + type(p).__name__)
         target = p.data if isinstance(p, torch.nn.Parameter) else p
-        handles.append(gather_ops.broadcast_start(target, root_rank))
+        handles.append(_gather.broadcast_start(target, root_rank))
     for h in handles:
         h.wait()
 
@@ -131,7 +131,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     buf = torch.zeros(shape, dtype=getattr(torch, dtype.split(".")[-1]))
                 else:
                     buf = buf.clone()
-                handles.append(gather_ops.broadcast_start(buf, root_rank))
+                handles.append(_gather.broadcast_start(buf, root_rank))
                 new_state[pid][key] = buf
             else:
                 new_state[pid][key] = value
@@ -158,3 +158,18 @@ def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
         with torch.no_grad():
             for p, value in zip(params, saved):
                 p.copy_(value)
+
+
+def check_same_shapes(named: List[Tuple[str, torch.Tensor]], what: str) -> None:
+    """Check that every rank passes the same tensor names with the same shapes and dtypes.
+
+    Arguments:
+        named: this rank's ``(name, tensor)`` pairs, e.g. ``list(model.named_parameters())``.
+        what: the caller's name, for the message (e.g. "DistributedOptimizer").
+
+    Returns:
+        None when every rank agrees; otherwise raises ValueError naming the tensor and the rank.
+
+    >>> sr.check_same_shapes(list(model.named_parameters()), "my optimizer")  # doctest: +SKIP
+    """
+    _checks.agree_shapes(named, what)

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Dict
 
 import torch
 
-from . import _runtime
+from . import _runtime, basics
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -16,6 +16,11 @@ _meshes: Dict[bool, "DeviceMesh"] = {}  # made once per ring: a mesh makes proce
 def device_mesh(hybrid: bool = False) -> "DeviceMesh":
     """The ring as a DeviceMesh on the backend's device type: 1-D (``"shard"``), or with
     ``hybrid=True`` 2-D hosts x local ranks (``("replicate", "shard")``, for HSDP). Every rank calls it.
+
+    Arguments:
+        hybrid: a 2-D mesh, hosts x local ranks, instead of one dimension over every rank.
+    Returns:
+        A ``torch.distributed.device_mesh.DeviceMesh`` over the ring (made once per form and ring).
 
     >>> from torch.distributed.fsdp import fully_shard
     >>> mesh = sr.device_mesh()  # doctest: +SKIP
@@ -34,8 +39,8 @@ def device_mesh(hybrid: bool = False) -> "DeviceMesh":
     if not hybrid:
         mesh = DeviceMesh(device_type, torch.arange(backend.size), mesh_dim_names=("shard",))
     else:
-        places = _runtime.gather_objects((_runtime.cross_rank(), _runtime.local_rank()))
-        hosts, per_host = _runtime.cross_size(), _runtime.local_size()
+        places = _runtime.gather_objects((basics.cross_rank(), basics.local_rank()))
+        hosts, per_host = basics.cross_size(), basics.local_size()
         layout = [[-1] * per_host for _ in range(hosts)]
         for rank, (host, local) in enumerate(places):
             if host >= hosts or local >= per_host:

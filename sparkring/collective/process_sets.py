@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Dict, List, Optional, Sequence, Union
 
-from . import _checks, _runtime
+from . import _checks, _runtime, basics
 from ._backend import Backend
 
 
@@ -34,14 +34,14 @@ class ProcessSet:
     def size(self) -> Optional[int]:
         """Number of ranks in the set (None before it is registered)."""
         if self._is_global():
-            return _runtime.size()
+            return basics.size()
         return len(self.ranks) if self.process_set_id is not None else None
 
     def rank(self) -> Optional[int]:
         """This process's rank within the set (None when it is not a member)."""
         if self._is_global():
-            return _runtime.rank()
-        return self.ranks.index(_runtime.rank()) if self.included() else None
+            return basics.rank()
+        return self.ranks.index(basics.rank()) if self.included() else None
 
     def included(self) -> Optional[bool]:
         """True when this process is a member (None before the set is registered)."""
@@ -49,7 +49,7 @@ class ProcessSet:
             return True
         if self.process_set_id is None:
             return None
-        return _runtime.rank() in self.ranks
+        return basics.rank() in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks or 'all'})"
@@ -64,6 +64,12 @@ _next_id = [1]
 def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet:
     """Register a process set; every rank must call it with the same ranks.
 
+    Arguments:
+        process_set: a ``sr.ProcessSet`` or a list of global ranks.
+
+    Returns:
+        The registered ``sr.ProcessSet`` (pass it as ``process_set=`` to a collective).
+
     >>> evens = sr.add_process_set([0, 2])  # doctest: +SKIP
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
@@ -71,7 +77,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         raise ValueError("add_process_set: the global process set is always registered")
     if ps.process_set_id is not None:
         raise ValueError(f"add_process_set: {ps} is registered already")
-    size = _runtime.size()
+    size = basics.size()
     if not ps.ranks or len(set(ps.ranks)) != len(ps.ranks) or ps.ranks[0] < 0 or ps.ranks[-1] >= size:
         raise ValueError(f"add_process_set: ranks {ps.ranks} must be distinct ranks in 0..{size - 1}")
     if any(other.ranks == ps.ranks for other in _registered.values()):
@@ -80,7 +86,7 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
     everyone = _runtime.gather_objects(ps.ranks)
     for r, ranks in enumerate(everyone):
         if ranks != ps.ranks:
-            raise ValueError(f"add_process_set: rank {r} registers ranks {ranks} but rank {_runtime.rank()} "
+            raise ValueError(f"add_process_set: rank {r} registers ranks {ranks} but rank {basics.rank()} "
                              f"registers {ps.ranks}; every rank must add the same sets in the same order")
     ps._backend = _runtime.current().subgroup(ps.ranks)
     ps.process_set_id = _next_id[0]
@@ -91,6 +97,12 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank; False when it was not registered.
+
+    Arguments:
+        process_set: a set ``add_process_set`` returned.
+
+    Returns:
+        True when it was registered (and is no more), False otherwise.
 
     >>> sr.remove_process_set(evens)  # doctest: +SKIP
     True
@@ -123,7 +135,7 @@ def backend_of(process_set: Optional[ProcessSet]):
     if process_set.process_set_id is None:
         raise ValueError(f"{process_set} is not registered (add_process_set) or was removed")
     if process_set._backend is None:
-        raise ValueError(f"rank {_runtime.rank()} is not in {process_set}: only its ranks call its collectives")
+        raise ValueError(f"rank {basics.rank()} is not in {process_set}: only its ranks call its collectives")
     return process_set._backend
 
 

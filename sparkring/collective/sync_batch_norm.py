@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import _runtime, ops
-from ._autograd import allreduce
+from . import basics
+from .mpi_ops import Sum, allreduce
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -26,7 +26,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not self.training or not _runtime.is_initialized() or _runtime.size() == 1:
+        if not self.training or not basics.is_initialized() or basics.size() == 1:
             return super().forward(input)
         channels = input.shape[1]
         dims = [0] + list(range(2, input.dim()))
@@ -35,7 +35,7 @@ class SyncBatchNorm(_BatchNorm):
         x = input if input.dtype in (torch.float32, torch.float64) else input.float()
         count = torch.tensor([input.numel() / channels], dtype=x.dtype, device=input.device)
         stats = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-        stats = allreduce(stats, op=ops.Sum)  # differentiable: its gradient is the summed gradient
+        stats = allreduce(stats, op=Sum)  # differentiable: its gradient is the summed gradient
         total = stats[-1]
         mean = stats[:channels] / total
         var = (stats[channels:2 * channels] / total - mean * mean).clamp_min(0)

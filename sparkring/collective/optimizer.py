@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from . import _checks, _runtime, ops
+from . import _checks, _reduce, _runtime, basics
 from ._backend import Handle
 from ._sparse import allreduce_sparse_grads
 from .compression import Compression
@@ -73,7 +73,7 @@ class DistributedOptimizerMixin:
         else:  # Horovod's names: allreduce.noname.<group>.<index>
             by_id = {id(p): f"allreduce.noname.{i}.{j}" for i, group in enumerate(self.param_groups)
                      for j, p in enumerate(group["params"])}
-        if op not in (ops.Average, ops.Sum, ops.Adasum):
+        if op not in (_reduce.Average, _reduce.Sum, _reduce.Adasum):
             raise ValueError(f"DistributedOptimizer: op={op!r}; use Average, Sum or Adasum")
         if backward_passes_per_step < 1:
             raise ValueError("DistributedOptimizer: backward_passes_per_step must be >= 1")
@@ -82,13 +82,13 @@ class DistributedOptimizerMixin:
         # Horovod: a rank outside the optimizer's process set steps on its own gradients
         member = process_set is None or process_set.included() is not False
         self._sr_set = backend_of(process_set) if member else None  # None: the global ring
-        if process_set is not None and not process_set._is_global() and op == ops.Adasum:
+        if process_set is not None and not process_set._is_global() and op == _reduce.Adasum:
             raise NotImplementedError("Adasum does not support non-global process sets (as in Horovod)")
         self._sr_size = 1
         if member:
             with _runtime.scope(self._sr_set):
-                _checks.check_same_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
-                self._sr_size = _runtime.size()
+                _checks.agree_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
+                self._sr_size = basics.size()
         self._sr_compression = compression
         self._sr_bpps = backward_passes_per_step
         self._sr_op = op
@@ -186,14 +186,14 @@ class DistributedOptimizerMixin:
                 if not there:
                     flat[offset:offset + g.numel()].copy_(g.reshape(-1))
         bucket.launched_us = recorder.now() if recorder.on else 0.0
-        if self._sr_op == ops.Adasum:
-            bucket.handle = ops.allreduce_start(flat, flat, ops.Adasum)
+        if self._sr_op == _reduce.Adasum:
+            bucket.handle = _reduce.allreduce_start(flat, flat, _reduce.Adasum)
             return
         prescale = 1.0 / self._sr_predivide if self._sr_predivide != 1.0 else 1.0
         postscale = self._sr_predivide if self._sr_predivide != 1.0 else 1.0
         began = time.perf_counter()  # a transport that reduces as it starts (shared memory) blocks here
         with _runtime.scope(self._sr_set):
-            bucket.handle = ops.allreduce_start(flat, flat, self._sr_op, self._sr_compression, prescale, postscale)
+            bucket.handle = _reduce.allreduce_start(flat, flat, self._sr_op, self._sr_compression, prescale, postscale)
         self._sr_blocked_s += time.perf_counter() - began
 
     @property
@@ -302,7 +302,7 @@ def local_step(optimizer: torch.optim.Optimizer) -> None:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
-                         op: str = ops.Average, gradient_predivide_factor: float = 1.0,
+                         op: str = _reduce.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Optional[Sequence] = None,
                          sparse_as_dense: bool = False,
                          bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -312,6 +312,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Allreduces start from gradient hooks while backward is still running, fused into
     buckets of up to ``bucket_bytes``. The result is still an instance of the original
     optimizer class (LR schedulers accept it) and shares its state.
+
+    Arguments:
+        optimizer: the torch optimizer to wrap (its parameters are the model's).
+        named_parameters: the model's ``named_parameters()``, so that names agree across ranks.
+        compression: how gradients travel (``sr.Compression.fp16``, ``.bf16``).
+        backward_passes_per_step: local backward passes accumulated before one allreduce.
+        op: ``sr.Average`` (default), ``sr.Sum`` or ``sr.Adasum``.
+        gradient_predivide_factor: divides gradients before the sum and the rest after it.
+        num_groups, groups: Horovod's fusion hints, accepted (the buckets already fuse).
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        bucket_bytes: the largest fused allreduce.
+        process_set: average over this ``sr.ProcessSet`` only.
+
+    Returns:
+        An instance of ``optimizer``'s class sharing its state, whose ``step()`` applies averaged gradients.
 
     >>> model = torch.nn.Linear(4, 1)
     >>> opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

@@ -1,22 +1,19 @@
-"""Tensor collectives of the Horovod API inside a rank: allreduce (and its async, in-place and
-grouped forms), poll and synchronize, barrier and join (gather_ops has the others)."""
+"""How an allreduce travels inside a rank: the op names, the start of one allreduce (scaling, compression,
+the wire dtype, the path a joined rank replays), its blocking and grouped forms; mpi_ops holds the public calls."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 
-from ..errors import MismatchError
-from . import _checks, _pending, _runtime, timeline
+from . import _checks, _runtime, timeline
 from ._adasum import adasum_allreduce
 from ._backend import Handle
 from ._handles import DoneHandle, PostHandle
 from ._join import Recipe
 from .compression import Compression
-from .process_sets import ProcessSet, accepts_process_set, backend_of
 
 Average = "Average"
 Sum = "Sum"
@@ -28,7 +25,7 @@ REDUCE_OPS = {Sum: "sum", Average: "sum", Min: "min", Max: "max", Product: "prod
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def _timed(phase: str) -> Callable[[_F], _F]:
+def timed(phase: str) -> Callable[[_F], _F]:
     """A blocking collective as a span of the timeline (Horovod's ``ALLREDUCE`` ...), with the
     bytes it reduces or sends and its name; its negotiation is the span inside it."""
     def decorate(fn: _F) -> _F:
@@ -171,70 +168,15 @@ def _allreduce_now(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str, r
     return DoneHandle(result)
 
 
-@accepts_process_set
-def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                    op: Optional[str] = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0, compression=Compression.none) -> Handle:
-    """Start an allreduce; ``synchronize(handle)`` returns the result.
-
-    Arguments:
-        tensor, average, name, op, prescale_factor, postscale_factor, process_set: as in ``allreduce``.
-
-    Returns:
-        A handle: ``sr.synchronize(handle)`` waits and gives the reduced tensor, ``sr.poll(handle)``
-        says whether it is done.
-
-    >>> h = sr.allreduce_async(torch.ones(3)); sr.synchronize(h)  # doctest: +SKIP
-    tensor([1., 1., 1.])
-    """
-    op = resolve_op(average, op)
-    return _pending.defer("allreduce", name, lambda: allreduce_start(
-        tensor, None, op, compression, prescale_factor, postscale_factor, name=name, checked=True), "allreduce_async")
-
-
-@accepts_process_set
-def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-                     op: Optional[str] = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> Handle:
-    """In-place variant of ``allreduce_async``.
-
-    >>> h = sr.allreduce_async_(t); sr.synchronize(h)  # doctest: +SKIP
-    """
-    op = resolve_op(average, op)
-    return _pending.defer("allreduce", name, lambda: allreduce_start(
-        tensor, tensor, op, Compression.none, prescale_factor, postscale_factor, name=name, checked=True),
-        "allreduce_async_")
-
-
-@_timed("ALLREDUCE")
+@timed("ALLREDUCE")
 def allreduce_now(tensor: torch.Tensor, op: str, compression=Compression.none, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, name: Optional[str] = None) -> torch.Tensor:
     """A blocking out-of-place allreduce, without autograd."""
-    return synchronize(allreduce_start(tensor, None, op, compression, prescale_factor, postscale_factor,
-                                       blocking=True, name=name, checked=True))
+    return allreduce_start(tensor, None, op, compression, prescale_factor, postscale_factor,
+                           blocking=True, name=name, checked=True).wait()
 
 
-@accepts_process_set
-@_timed("ALLREDUCE")
-def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
-               op: Optional[str] = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks in place and return it.
-
-    Arguments:
-        tensor: reduced in place.
-        average, name, op, prescale_factor, postscale_factor, process_set: as in ``allreduce``.
-
-    Returns:
-        ``tensor``, now holding the reduction.
-
-    >>> t = torch.ones(2); sr.allreduce_(t, op=sr.Sum)  # doctest: +SKIP
-    """
-    return synchronize(allreduce_start(tensor, tensor, resolve_op(average, op), Compression.none,
-                                       prescale_factor, postscale_factor, blocking=True, name=name, checked=True))
-
-
-@_timed("ALLREDUCE")
+@timed("ALLREDUCE")
 def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Compression.none,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> List[torch.Tensor]:
     """Fused allreduce of several tensors (one per dtype and device), without autograd; every
@@ -261,89 +203,3 @@ def grouped_allreduce_now(tensors: List[torch.Tensor], op: str, compression=Comp
     return results  # type: ignore[return-value]
 
 
-def poll(handle: Handle) -> bool:
-    """True when the asynchronous operation behind ``handle`` has finished.
-
-    Arguments:
-        handle: what an ``*_async`` call returned.
-
-    Returns:
-        True once the operation is done (``synchronize`` then returns at once).
-
-    >>> sr.poll(h)  # doctest: +SKIP
-    True
-    """
-    return handle.is_completed()
-
-
-def synchronize(handle: Handle):
-    """Wait for an asynchronous operation and return its output.
-
-    Arguments:
-        handle: what an ``*_async`` call returned.
-
-    Returns:
-        The operation's output (the reduced, gathered or broadcast tensor).
-
-    >>> sr.synchronize(sr.allreduce_async(torch.ones(1)))  # doctest: +SKIP
-    tensor([1.])
-    """
-    if callable(handle) and not isinstance(handle, Handle):  # sparse_allreduce_async's, as Horovod's
-        return handle()
-    if isinstance(handle, _pending.DeferredHandle):
-        with _runtime.scope(handle.op.scope):
-            while not handle.op.started:
-                try:
-                    _checks.agree(_checks.SYNC, name=handle.op.key)
-                except MismatchError as exc:
-                    _pending.abandon(handle.op, exc)  # its handle raised: it never runs
-                    raise
-    _pending.release(handle)
-    return handle.wait()
-
-
-def barrier(process_set: Optional[ProcessSet] = None) -> None:
-    """Block until every rank (of ``process_set``, positional as in Horovod) reaches this call.
-
-    Arguments:
-        process_set: wait for the ranks of this ``sr.ProcessSet`` only.
-
-    Returns:
-        None, once every rank (of the set) called it.
-
-    >>> sr.barrier()  # doctest: +SKIP
-    >>> sr.barrier(evens)  # doctest: +SKIP
-    """
-    subset = backend_of(process_set)
-    with _runtime.scope(subset) if subset is not None else contextlib.nullcontext():
-        b = _runtime.current()
-        seq = _runtime.enter(Recipe("barrier"))
-        if b.size > 1:
-            _checks.agree("barrier")  # an allgather: a barrier that also runs what ranks queued before it
-        _runtime.completed(seq)
-
-
-def join(device: int = -1) -> int:
-    """This rank has no more data: until every rank has joined, take part in the other
-    ranks' collectives with neutral inputs, then return the rank that joined last.
-
-    While a rank is joined it contributes zeros to allreduce (``Average`` still divides
-    by ``size()``, as in Horovod; Min/Max/Product get their identity instead of zeros),
-    no rows to allgather/alltoall, ``None`` to allgather_object, and receives broadcasts.
-    A broadcast *from* a joined rank fails that rank with an error naming it. Call it
-    once per round (e.g. at the end of every epoch); ``device`` is accepted for Horovod
-    compatibility (neutral tensors go where the backend needs them).
-
-    Arguments:
-        device: as in Horovod, the device of the joined rank's neutral inputs (-1: the rank's own).
-
-    Returns:
-        The rank that joined last.
-
-    >>> for batch in my_uneven_shard:  # doctest: +SKIP
-    ...     loss_fn(model(batch)).backward(); opt.step()
-    >>> last = sr.join()  # doctest: +SKIP
-    """
-    b = _runtime.current()
-    joiner = _runtime.state.joiner
-    return b.rank if joiner is None else joiner.join()
