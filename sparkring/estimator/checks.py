@@ -11,7 +11,7 @@ from ..collective.hosting import transport
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
 from ..data.store import check_run_id
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, LaunchPlan, check_picklable, check_timeouts, plan
-from ..trainer import EarlyStopping, losses
+from ..trainer import EarlyStopping, losses, tensor_parallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
 from ..trainer.lightning import is_lightning_module
@@ -45,6 +45,7 @@ def decide(est, df) -> FitDecisions:
     es = early_stopping(est, validation is not None, metrics, lightning)
     launch_plan = plan_launch(est, df.sparkSession, est.getOrDefault("numProc"))
     check_sharding(est, launch_plan, lightning, shape)
+    check_model_parallel(est, launch_plan, lightning, shape)
     check_elastic(est, launch_plan, lightning)
     if est.getOrDefault("runId") is not None:
         check_run_id(est.getOrDefault("runId"))
@@ -145,6 +146,46 @@ def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.n
     if est.getOrDefault("gradientCompression") != "none":
         raise ConfigurationError(f"gradientCompression applies to strategy='ddp'; with {strategy!r} FSDP2 "
                                  "reduce-scatters gradients in their own dtype")
+
+
+def check_model_parallel(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.nn.Module) -> None:
+    """What tensor parallelism cannot run, refused before any Spark job, naming the Param and the fix."""
+    tp, plan_param = est.getOrDefault("tensorParallel"), est.getOrDefault("parallelizePlan")
+    if tp == 1:
+        if plan_param is not None:
+            raise ConfigurationError("parallelizePlan applies with tensorParallel > 1: set tensorParallel (ranks per "
+                                     "group) or drop parallelizePlan")
+        return
+    num_proc = launch_plan.num_proc
+    if num_proc % tp:
+        raise ConfigurationError(f"tensorParallel={tp} does not divide numProc={num_proc}: numProc must be a "
+                                 f"multiple of it (e.g. numProc={num_proc - num_proc % tp or tp})")
+    if not transport(launch_plan.backend).torch_distributed:
+        raise ConfigurationError("tensorParallel needs torch.distributed collectives (DTensor): use backend='gloo' "
+                                 "or 'nccl', not 'mpi'")
+    refusals = [
+        (lightning, "does not train a LightningModule yet: use tensorParallel=1"),
+        (est.getOrDefault("strategy") == "hsdp", "acts with strategy='ddp' or 'fsdp' across the groups, not "
+                                                 "'hsdp'"),
+        (isinstance(est.getOrDefault("optimizer"), torch.optim.Optimizer),
+         "builds the optimizer over each rank's slices: pass optimizer= as a factory, e.g. "
+         "optimizer=lambda params: torch.optim.Adam(params)"),
+        (est.getOrDefault("precision") == "16-mixed", "does not scale float16 losses: use precision='bf16-mixed'"),
+        (est.getOrDefault("gradientCompression") != "none", "exchanges gradients in their own dtype: drop "
+                                                            "gradientCompression"),
+        (est.getOrDefault("minProc") is not None or est.getOrDefault("checkpointEvery") is not None,
+         "does not run elastic fits yet (minProc, checkpointEvery): drop them or use tensorParallel=1"),
+        (est.getOrDefault("backwardPassesPerStep") != 1, "steps after every batch: drop backwardPassesPerStep"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigurationError(f"tensorParallel={tp} {why}")
+    if not callable(plan_param):
+        try:
+            tensor_parallel.resolve_plan(shape, plan_param if plan_param is not None
+                                         else tensor_parallel.default_plan(shape))
+        except tensor_parallel.PlanError as exc:
+            raise ConfigurationError(str(exc)) from None
 
 
 def check_training(est, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:

@@ -12,6 +12,7 @@ from ..errors import NonFiniteLossError, RankFailedError, TrainingError
 from ..runner import ConfigurationError, ElasticLaunch, ElasticPolicy, LaunchPlan, launch, relaunch_until_done
 from ..trainer import RankResult, Sharding, TrainConfig, train_rank
 from ..trainer.checkpoints import resume_point
+from ..trainer.config import ModelParallel
 from ..trainer.elastic import stop_request
 from .checks import FitDecisions, elastic_plan, plan_launch
 from .params import PARAMS
@@ -60,11 +61,13 @@ def train_config(est, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
     values = est.paramValues()
     labels = est.labelColumns()
     num_proc = decided.plan.num_proc
-    train_steps, val_steps = steps_per_epoch(values, ds, num_proc)
+    parallel = ModelParallel(values["tensorParallel"], values["parallelizePlan"])
+    train_steps, val_steps = steps_per_epoch(values, ds, parallel.data_size(num_proc))
     as_is = {spec.field: values[spec.name] for spec in PARAMS if spec.field is not None}
     sharding = Sharding(values["strategy"], tuple(values["fsdpWrap"] or ()), values["initFn"],
                         values["asyncCheckpoint"], cpu_offload=values["cpuOffload"],
-                        bf16_compute=values["precision"] == "bf16-mixed")
+                        bf16_compute=values["precision"] == "bf16-mixed",
+                        activation_checkpointing=values["activationCheckpointing"])
     return TrainConfig(
         **as_is, losses=est.lossList(), metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
         spec=ds.spec, loss_weights=values["lossWeights"] or [1.0] * len(labels),
@@ -72,6 +75,7 @@ def train_config(est, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
         callbacks=list(values["callbacks"] or []), early_stopping=decided.early_stopping,
         use_gpu=decided.plan.use_gpu, has_validation=ds.num_rows("val") > 0, multi_head=len(labels) > 1,
         skip_non_finite=values["onNonFinite"] == "skip_step", lightning=decided.lightning, sharding=sharding,
+        parallel=parallel,
         compile=_compile_options(values["compile"]), elastic=elastic_plan(est, num_proc))
 
 

@@ -13,6 +13,7 @@ from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilit
 from ..data import READERS
 from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
+from ..trainer.activation import MODES as ACTIVATION_MODES
 from ..trainer.config import STRATEGIES
 from .tracking import MODES as MLFLOW_MODES
 
@@ -175,6 +176,19 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "steps on CPU): for models whose shards outgrow the GPU", TypeConverters.toBoolean),
     ParamSpec("asyncCheckpoint", "bool", False, "with a sharded strategy, write each checkpoint while training goes "
               "on (completed at the next one, or at the end)", TypeConverters.toBoolean),
+    ParamSpec("tensorParallel", "int", 1, "ranks per tensor-parallel group (consecutive ranks of one host): each "
+              "holds a slice of every planned layer (parallelizePlan) and the group reads the same rows; strategy "
+              "acts across the groups (ddp replicates, fsdp shards); numProc / tensorParallel groups in all",
+              TypeConverters.toInt, minimum=1),
+    ParamSpec("parallelizePlan", "dict | Callable[[Module, DeviceMesh], Module] | None", None,
+              "with tensorParallel > 1: module-name pattern -> 'colwise' | 'rowwise' | 'sequence' (or a torch "
+              "ParallelStyle), or a callable (module, tp_mesh) -> module; default: torch's Transformer"
+              "Encoder/DecoderLayer split their feed-forward block, Llama-style blocks q/k/v colwise, o rowwise, "
+              "gate/up colwise, down rowwise", is_object=True),
+    ParamSpec("activationCheckpointing", "str", "none", "none | full (recompute every block's activations in "
+              "backward instead of keeping them) | selective (every other block); blocks are fsdpWrap's units "
+              "(default: every layer of the model's top-level children that holds parameters); any strategy",
+              TypeConverters.toString, choices=ACTIVATION_MODES),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
               TypeConverters.toInt, minimum=1, field="backward_passes_per_step"),
     ParamSpec("compile", "bool | dict", False, "torch.compile each rank's module (True, or a dict of torch.compile "

@@ -56,10 +56,33 @@ class Sharding:
     async_checkpoint: bool = False    # write sharded checkpoints while training goes on
     cpu_offload: bool = False         # shards live in CPU memory between uses (FSDP2's CPUOffloadPolicy)
     bf16_compute: bool = False        # precision="bf16-mixed": bfloat16 parameters in compute, float32 reduction
+    activation_checkpointing: str = "none"  # activation.MODES: recompute blocks' activations in backward
 
     @property
     def sharded(self) -> bool:
         return self.strategy != "ddp"
+
+
+@dataclass(frozen=True)
+class ModelParallel:
+    """How the model's layers are split across ranks: ``tensor_parallel`` ranks per group (inside a
+    host) hold a slice of each planned layer (``plan``: see tensor_parallel); the ring is a
+    (dp, tp) mesh and ``Sharding.strategy`` acts on dp.
+
+    >>> ModelParallel(tensor_parallel=2).data_size(world=4)
+    2
+    """
+
+    tensor_parallel: int = 1
+    plan: Any = None                  # tensor_parallel.Plan: a dict of module patterns to styles, or a callable
+
+    @property
+    def enabled(self) -> bool:
+        return self.tensor_parallel > 1
+
+    def data_size(self, world: int) -> int:
+        """Ranks that read different rows (a tensor-parallel group reads the same ones)."""
+        return world // self.tensor_parallel
 
 
 @dataclass
@@ -101,6 +124,7 @@ class TrainConfig:
     skip_non_finite: bool = False
     lightning: bool = False           # model is a LightningModule (trainer.lightning)
     sharding: Sharding = field(default_factory=Sharding)
+    parallel: ModelParallel = field(default_factory=ModelParallel)
     precision: str = "32"             # PRECISIONS
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs

@@ -19,6 +19,7 @@ import torch
 import sparkring.collective as sr
 
 from . import checkpoints
+from .activation import blocks, checkpoint_activations
 from .checkpoints import SHARDED, TRAINER_STATE, CheckpointName
 from .config import Sharding, is_factory
 
@@ -26,47 +27,43 @@ log = logging.getLogger(__name__)
 
 
 def wrap_units(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.Module]:
-    """The modules sharded as units, innermost first: those whose class is named in ``wrap``;
-    by default every child of the model (and of a top-level ModuleList/Sequential of layers)
-    that holds parameters, so a stack of layers gathers one layer at a time.
+    """The modules sharded as units, innermost first: the model's blocks (activation.blocks: those
+    whose class is named in ``wrap``, by default every layer that holds parameters), so a stack of
+    layers gathers one layer at a time.
 
     >>> [type(m).__name__ for m in wrap_units(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), ())]
     ['Linear']
     """
-    if wrap:
-        units = [m for m in model.modules() if type(m).__name__ in wrap and m is not model]
-    else:
-        units = []
-        for child in model.children():
-            inner = list(child.children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else []
-            units += [m for m in (inner or [child]) if any(True for _ in m.parameters())]
-    return list(reversed(units))
+    return list(reversed(blocks(model, wrap)))
 
 
 def device_mesh(strategy: str):
     return sr.device_mesh(hybrid=strategy == "hsdp")
 
 
-def build_sharded(model: Any, sharding: Sharding, device: torch.device, seed: int) -> torch.nn.Module:
-    """The rank's model sharded, with only its own shards materialized (a factory's built under
-    the meta device and initialized module by module; a module's values are every rank's)."""
+def build_sharded(model: Any, sharding: Sharding, device: torch.device, seed: int, mesh: Any = None,
+                  split: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None) -> torch.nn.Module:
+    """The rank's model sharded over ``mesh`` (default: the strategy's), with only its own shards
+    materialized (a factory's built under the meta device and initialized module by module; a
+    module's values are every rank's). ``split`` (tensor parallelism) runs first, then activation
+    checkpointing, then FSDP2, as torchtitan orders them."""
+    mesh = device_mesh(sharding.strategy) if mesh is None else mesh
     if is_factory(model):
         with torch.device("meta"):
             module = model()
-        _shard(module, sharding)
+        module = _shard(split(module) if split is not None else module, sharding, mesh, split is None)
         # offloaded shards live in host memory: FSDP2 copies each to the device when it gathers it
         module.to_empty(device=torch.device("cpu") if sharding.cpu_offload else device)
         _initialize(module, seed, sharding.init_fn)
         return module
     module = model.to(device)  # every rank holds the driver's values: rank 0's are the initial weights
-    _shard(module, sharding)
-    return module
+    return _shard(split(module) if split is not None else module, sharding, mesh, split is None)
 
 
-def _shard(module: torch.nn.Module, sharding: Sharding) -> None:
+def _shard(module: torch.nn.Module, sharding: Sharding, mesh: Any, whole_ring: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = device_mesh(sharding.strategy)
+    checkpoint_activations(module, sharding.activation_checkpointing, sharding.wrap)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if sharding.bf16_compute else MixedPrecisionPolicy())
     # pinned host memory makes the copies to and from a GPU asynchronous; a CPU rank has none to pin
@@ -75,9 +72,11 @@ def _shard(module: torch.nn.Module, sharding: Sharding) -> None:
     for unit in wrap_units(module, sharding.wrap):
         fully_shard(unit, mesh=mesh, mp_policy=policy, offload_policy=offload)
     fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=offload)
-    from sparkring.collective.fsdp import use_shared_memory
+    if whole_ring:  # the shared-memory ring is every rank's: a tensor-parallel model shards over dp only
+        from sparkring.collective.fsdp import use_shared_memory
 
-    use_shared_memory(module)  # ranks of one host exchange shards through shared memory, not loopback TCP
+        use_shared_memory(module)  # ranks of one host exchange shards through shared memory, not loopback TCP
+    return module
 
 
 def _initialize(model: torch.nn.Module, seed: int, init_fn: Optional[Callable[[torch.nn.Module], None]]) -> None:

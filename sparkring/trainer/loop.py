@@ -89,6 +89,9 @@ class Trainer:
         self.device = sr.rank_device(cfg.use_gpu)
         self.placement = placement_for(cfg)
         self.model = self.placement.build(cfg.model, self.device, cfg.seed)
+        # the rows' shares: ranks holding slices of one model (a tensor-parallel group) read the same rows
+        self.data_rank, self.data_size = self.placement.data_rank(), self.placement.data_size()
+        self.replicas = self.size // self.data_size  # how often each row's figures are counted
         self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank) if cfg.lightning
                            else PlainStep(cfg, self.device, self.rank))
         torch.manual_seed(cfg.seed)
@@ -133,7 +136,7 @@ class Trainer:
         cfg = self.cfg
         global_step = (epoch * self.steps + i) // cfg.backward_passes_per_step
         warm = max(1.0, cfg.warmup_epochs * self.steps / cfg.backward_passes_per_step)
-        size = cfg.elastic.target_size if cfg.elastic is not None else self.size  # the global batch's ranks
+        size = cfg.elastic.target_size if cfg.elastic is not None else self.data_size  # the global batch's ranks
         factor = 1 + (size - 1) * min(1.0, global_step / warm) if cfg.warmup_epochs > 0 else size
         for g, lr in zip(self.opt.param_groups, self.base_lrs):
             g["lr"] = lr * factor
@@ -154,7 +157,7 @@ class Trainer:
     def train_epoch(self, epoch: int) -> Dict[str, Any]:
         """One epoch of steps; its figures over every rank (and validation's)."""
         cfg, rank, step = self.cfg, self.rank, self.step
-        seed_epoch(cfg.seed, epoch, rank)
+        seed_epoch(cfg.seed, epoch, self.data_rank)
         self.model.train()
         step.train_epoch_began(self.model)
         first, self.start_step = self.start_step, 0  # a run resumed inside this epoch goes on at its next step
@@ -210,7 +213,7 @@ class Trainer:
     def _batches(self, epoch: int, first: int) -> Iterator[Dict[str, Any]]:
         cfg = self.cfg
         if cfg.elastic is None:
-            return run_batches(cfg, "train", cfg.batch_size, self.rank, self.size, epoch, self.steps, cfg.shuffle,
+            return run_batches(cfg, "train", cfg.batch_size, self.data_rank, self.data_size, epoch, self.steps, cfg.shuffle,
                                True, self.workers, self.device)
         batches = cfg.dataset.global_batches(cfg.elastic.global_batch, self.rank, self.size, seed=cfg.seed,
                                              epoch=epoch, start_step=first, steps=self.steps - first,
@@ -245,7 +248,7 @@ class Trainer:
 
     def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
         cfg = self.cfg
-        totals = sr.allreduce(sums.cpu(), op=sr.Sum)
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum) / self.replicas
         logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
         for j, name in enumerate(cfg.log_names()):
             logs[name] = float(totals[2 + j] / totals[1])
@@ -272,10 +275,10 @@ class Trainer:
         step.validation_began(model)
         sums = torch.zeros(step.width(), dtype=torch.float64, device=step.device)
         with torch.no_grad():
-            for i, batch in enumerate(run_batches(cfg, "val", cfg.val_batch_size, self.rank, self.size, epoch,
+            for i, batch in enumerate(run_batches(cfg, "val", cfg.val_batch_size, self.data_rank, self.data_size, epoch,
                                                   self.val_steps, False, False, self.workers, step.device)):
                 sums += step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}"))
-        totals = sr.allreduce(sums.cpu(), op=sr.Sum)
+        totals = sr.allreduce(sums.cpu(), op=sr.Sum) / self.replicas
         return step.validation_ended(model, totals)
 
     def end_epoch(self, epoch: int, logs: Dict[str, Any]) -> bool:

@@ -1,4 +1,4 @@
-"""How the model lives on the ranks: one Placement per way (replicated, sharded), each owning the
+"""How the model lives on the ranks: one Placement per way (replicated, sharded, tensor parallel), each owning the
 build, the optimizer's wrapping, the update, the finite check, the checkpoints and the gather of
 the fitted state, so that the loop never asks which one it has.
 
@@ -14,9 +14,10 @@ import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints, fsdp
+from . import checkpoints, fsdp, tensor_parallel
+from .activation import checkpoint_activations
 from .checkpoints import FILE, CheckpointName, on_cpu
-from .config import ModelOrFactory, Sharding, TrainConfig, is_factory
+from .config import ModelOrFactory, ModelParallel, Sharding, TrainConfig, is_factory
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,27 @@ class Placement:
     def finish(self) -> None:
         """Complete what is still being written (the fit ends or pauses here)."""
 
+    def data_rank(self) -> int:
+        """Which share of the rows this rank reads (ranks holding slices of one model read the same)."""
+        return sr.rank()
+
+    def data_size(self) -> int:
+        """How many shares the rows are split into."""
+        return sr.size()
+
+
+def whole_model(model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+    """The whole model on ``device``: a factory's built from ``seed`` (the same on every rank).
+
+    >>> whole_model(lambda: torch.nn.Linear(2, 1), torch.device("cpu"), seed=0).weight.shape
+    torch.Size([1, 2])
+    """
+    if is_factory(model):
+        torch.manual_seed(seed)
+        return model().to(device)  # type: ignore[operator]
+    assert isinstance(model, torch.nn.Module)
+    return model.to(device)
+
 
 def scaled_update(opt: Any, scaler: torch.amp.GradScaler) -> int:
     """16-mixed: unscale the reduced gradients, step unless they overflowed; the reduced
@@ -106,16 +128,16 @@ class Replicated(Placement):
     """Every rank holds the whole model; DistributedOptimizer allreduces the gradients in
     buckets; rank 0 writes a checkpoint as one file and keeps the fitted state."""
 
-    def __init__(self, store: Any, run_id: str, compression: str = "none", backward_passes_per_step: int = 1):
+    def __init__(self, store: Any, run_id: str, compression: str = "none", backward_passes_per_step: int = 1,
+                 sharding: Optional[Sharding] = None):
         super().__init__(store, run_id)
         self.compression, self.backward_passes_per_step = compression, backward_passes_per_step
+        self.sharding = sharding if sharding is not None else Sharding()
 
     def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
-        if is_factory(model):
-            torch.manual_seed(seed)
-            return model().to(device)  # type: ignore[operator]
-        assert isinstance(model, torch.nn.Module)
-        return model.to(device)
+        module = whole_model(model, device, seed)
+        checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
+        return module
 
     def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         return sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
@@ -224,12 +246,76 @@ class Sharded(Placement):
             self.checkpointer.finish()
 
 
+class TensorParallel(Sharded):
+    """Tensor parallelism on a (dp, tp) mesh: each tp group (consecutive ranks of a host) holds
+    slices of the planned layers (torch's parallelize_module) and reads the same rows; over dp the
+    model is replicated (``ddp``: gradients averaged over dp here) or sharded (``fsdp``: FSDP2 on
+    the dp submesh). Checkpoints are DCP directories (they reshard on load, to any layout); at
+    the end the whole state is gathered on rank 0, as Sharded does."""
+
+    def __init__(self, store: Any, run_id: str, sharding: Sharding, parallel: ModelParallel):
+        super().__init__(store, run_id, sharding)
+        self.parallel = parallel
+        self.mesh: Any = None
+
+    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+        self.mesh = sr.device_mesh(tp=self.parallel.tensor_parallel)
+        tp_mesh = self.mesh["tp"]
+
+        def split(module: torch.nn.Module) -> torch.nn.Module:
+            return tensor_parallel.parallelize(module, self.parallel.plan, tp_mesh)
+
+        if self.sharding.sharded:
+            module = fsdp.build_sharded(model, self.sharding, device, seed, mesh=self.mesh["dp"], split=split)
+        else:
+            module = split(whole_model(model, device, seed))
+            checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
+        self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
+        return module
+
+    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+               scaler: Optional[torch.amp.GradScaler]) -> int:
+        if not self.sharding.sharded:
+            average_over(model, self.mesh["dp"])
+        return super().update(opt, model, skip_non_finite, scaler)
+
+    def data_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def data_size(self) -> int:
+        return self.mesh["dp"].size()
+
+
+def average_over(model: torch.nn.Module, dp_mesh: Any) -> None:
+    """Average every gradient's local part over the data-parallel ranks (one allreduce per dtype):
+    the ranks at one tp position hold the same slice, so the local parts line up."""
+    import torch.distributed as dist
+
+    if dp_mesh.size() == 1:
+        return
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+             for p in model.parameters() if p.grad is not None]
+    by_dtype: Dict[torch.dtype, list] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, group=dp_mesh.get_group())
+        flat /= dp_mesh.size()
+        offset = 0
+        for g in same:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
 def placement_for(cfg: TrainConfig) -> Placement:
     """The placement the fit's strategy names.
 
     >>> type(placement_for(cfg)).__name__  # strategy="fsdp"  # doctest: +SKIP
     'Sharded'
     """
+    if cfg.parallel.enabled:
+        return TensorParallel(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
     if cfg.sharding.sharded:
         return Sharded(cfg.store, cfg.run_id, cfg.sharding)
-    return Replicated(cfg.store, cfg.run_id, cfg.compression, cfg.backward_passes_per_step)
+    return Replicated(cfg.store, cfg.run_id, cfg.compression, cfg.backward_passes_per_step, cfg.sharding)

@@ -1,0 +1,88 @@
+"""Tensor parallelism (tensorParallel, parallelizePlan) in fit() and device_mesh(tp=...) in run():
+the weights of a one-rank fit, each rank holding its slice, checkpoints that resume at another
+layout, activation checkpointing, and the refusals made before any Spark job. Real Spark, real
+Parquet, real processes."""
+import est_helpers as H
+import parallel_fns as P
+import pytest
+import torch
+
+from sparkring import ConfigurationError, SparkRingEstimator, Store, run
+
+
+def _fit(df, store, **kw):
+    params = dict(model=P.mlp(width=64), optimizer=P.adam, loss="cross_entropy", batchSize=16, epochs=2,
+                  store=store, verbose=0, seed=3)
+    params.update(kw)
+    return SparkRingEstimator(**params).fit(df)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.getModel().state_dict().items()}
+
+
+def _same_weights(a, b, atol=1e-4):
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wb[key], wa[key], atol=atol, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference(_spark_sessions, tmp_path_factory):
+    """One rank, the whole model: what a tensor-parallel group of any size must train (its ranks
+    read the same rows, so the group is one data-parallel replica)."""
+    store = Store(str(tmp_path_factory.mktemp("tp-ref")))
+    df = H.classification_df(_spark_sessions.get("local"), n=192)
+    return df, store, _fit(df, store, numProc=1, runId="whole", keepData=True)
+
+
+def test_tensor_parallel_fit_on_two_ranks_trains_the_weights_of_one_rank_holding_half_each(one_rank_reference):
+    df, store, whole = one_rank_reference
+    split = _fit(df, store, numProc=2, tensorParallel=2, parallelizePlan=P.MLP_PLAN, runId="tp2",
+                 activationCheckpointing="full")
+    _same_weights(whole, split)
+    assert [h["loss"] for h in split.history] == pytest.approx([h["loss"] for h in whole.history], abs=1e-4)
+    full = sum(p.numel() for p in P.mlp(width=64)().parameters())
+    halved = 8 * 64 + 64 + 64 * 64  # layer 0 (weight, bias) and layer 2's weight: half on each rank
+    for h, w in zip(split.history, whole.history):
+        # parameters + Adam's two moments of the largest rank, against the whole model's
+        assert h["state_bytes"] == pytest.approx((full - halved / 2) * 4 * 3, rel=0.02)
+        assert w["state_bytes"] == pytest.approx(full * 4 * 3, rel=0.02)
+    assert split.transform(df.limit(8)).count() == 8  # the fitted model is the plain module
+
+
+def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_per_rank(spark):
+    results = run(P.tensor_parallel_in_run, num_proc=2, verbose=0)
+    losses, weights = P.tensor_parallel_reference()
+    full = sum(v.numel() for v in weights.values())
+    for r in results:
+        assert r["names"] == ("pp", "dp", "tp") and r["mesh"] == [[[0, 1]]]
+        assert r["losses"] == pytest.approx(losses, abs=1e-5)
+        assert r["local"] < full * 0.6
+        for key, value in weights.items():
+            torch.testing.assert_close(r["weights"][key], value, atol=1e-5, rtol=0)
+
+
+PLAN = dict(parallelizePlan=P.MLP_PLAN)
+
+
+@pytest.mark.parametrize("params, message", [
+    (dict(tensorParallel=3, **PLAN), r"tensorParallel=3 does not divide numProc=2"),
+    (dict(tensorParallel=2, parallelizePlan={"0": "colwise", "fc9": "rowwise"}), r"does not have: \['fc9'\]"),
+    (dict(tensorParallel=2, parallelizePlan={"1": "colwise"}), r"'1' is a ReLU"),
+    (dict(tensorParallel=2, parallelizePlan={"0": "diagonal"}), r"use one of colwise, rowwise, sequence"),
+    (dict(tensorParallel=2), r"no default plan for Sequential"),
+    (dict(tensorParallel=2, backend="mpi", **PLAN), r"not 'mpi'"),
+    (dict(tensorParallel=2, optimizer=torch.optim.SGD(P.mlp()().parameters(), lr=0.1), **PLAN), r"as a factory"),
+    (dict(tensorParallel=2, minProc=1, **PLAN), r"elastic fits"),
+    (dict(tensorParallel=2, precision="16-mixed", **PLAN), r"bf16-mixed"),
+    (dict(**PLAN), r"parallelizePlan applies with tensorParallel > 1"),
+    (dict(activationCheckpointing="some"), r"activationCheckpointing='some'"),
+])
+def test_what_tensor_parallelism_cannot_run_is_refused_before_any_spark_job(spark, tmp_path, params, message):
+    df = H.classification_df(spark, n=64)
+    jobs = spark.sparkContext.statusTracker().getJobIdsForGroup()
+    with pytest.raises(ConfigurationError, match=message):
+        _fit(df, Store(str(tmp_path)), numProc=2, **params)
+    assert spark.sparkContext.statusTracker().getJobIdsForGroup() == jobs
