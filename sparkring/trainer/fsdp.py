@@ -20,7 +20,7 @@ import sparkring.collective as sr
 
 from . import checkpoints
 from .activation import blocks, checkpoint_activations
-from .checkpoints import SHARDED, TRAINER_STATE, CheckpointName
+from .checkpoints import FILE, SHARDED, TRAINER_STATE, CheckpointName
 from .config import Sharding, is_factory
 
 log = logging.getLogger(__name__)
@@ -203,8 +203,33 @@ class Checkpointer:
 
 
 def load_latest(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:
-    """Load the newest complete sharded checkpoint into ``model`` and ``opt`` (resharded to this
-    ring's size); the trainer's state it holds, or None where there is none."""
+    """Load the run's newest complete checkpoint into ``model`` and ``opt`` at this ring's layout
+    (a DCP directory is resharded; a replicated file, written by a ddp fit, is split); the
+    trainer's state it holds, or None where there is none. Every rank calls it."""
+    newest = checkpoints.latest(store, run_id) if sr.rank() == 0 else None
+    if newest is not None and newest.kind == FILE:
+        data = store.read_bytes(store.checkpoint_path(run_id, newest.name))
+        chosen: Any = ("file", data)
+    elif newest is not None:
+        chosen = (newest.name, store.read_bytes(store.checkpoint_path(run_id, newest.name, TRAINER_STATE)))
+    else:
+        chosen = None
+    for skipped in _incomplete_after(store, run_id, newest) if sr.rank() == 0 else []:
+        log.warning("sharded checkpoint %s of run %s is incomplete; trying the one before", skipped, run_id)
+    chosen = sr.broadcast_object(chosen, root_rank=0)
+    if chosen is None:
+        return None
+    if chosen[0] == "file":
+        return _load_replicated_file(chosen[1], model, opt)
+    return _load_dcp(store, run_id, chosen[0], chosen[1], model, opt)
+
+
+def _incomplete_after(store, run_id: str, newest: Optional[CheckpointName]) -> List[str]:
+    at = newest.position if newest is not None else (-1, -1.0)
+    return [c.name for c in checkpoints.listing(store, run_id, SHARDED) if c.position > at]
+
+
+def _load_dcp(store, run_id: str, name: str, trainer_bytes: bytes, model, opt) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -213,19 +238,31 @@ def load_latest(store, run_id: str, model, opt) -> Optional[Dict[str, Any]]:
         set_optimizer_state_dict,
     )
 
-    chosen = None
-    if sr.rank() == 0:
-        for found in reversed(checkpoints.listing(store, run_id, SHARDED)):
-            if checkpoints.is_complete(store, run_id, found):
-                chosen = (found.name, store.read_bytes(store.checkpoint_path(run_id, found.name, TRAINER_STATE)))
-                break
-            log.warning("sharded checkpoint %s of run %s is incomplete; trying the one before", found.name, run_id)
-    chosen = sr.broadcast_object(chosen, root_rank=0)
-    if chosen is None:
-        return None
-    name, trainer_bytes = chosen
     state: Dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, storage_reader=_storage(store, store.checkpoint_path(run_id, name), writing=False))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     return torch.load(io.BytesIO(trainer_bytes), map_location="cpu", weights_only=True)
+
+
+def _load_replicated_file(data: bytes, model, opt) -> Dict[str, Any]:
+    """A ddp fit's checkpoint (whole weights, a plain optimizer's state keyed by parameter
+    position) split into this rank's slices: the positions become the parameters' names, which
+    torch's full-state-dict loading understands."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, saved.pop("model"), options=full)
+    plain = saved.pop("optimizer")
+    names = [name for name, _ in model.named_parameters()]
+    by_position = {i: names[i] for group in plain["param_groups"] for i in group["params"]}
+    keyed = {"state": {by_position[i]: value for i, value in plain["state"].items()},
+             "param_groups": [{**group, "params": [by_position[i] for i in group["params"]]}
+                              for group in plain["param_groups"]]}
+    set_optimizer_state_dict(model, opt, keyed, options=full)
+    return saved

@@ -16,7 +16,7 @@ import sparkring.collective as sr
 
 from . import checkpoints, fsdp, tensor_parallel
 from .activation import checkpoint_activations
-from .checkpoints import FILE, CheckpointName, on_cpu
+from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
 from .config import ModelOrFactory, ModelParallel, Sharding, TrainConfig, is_factory
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,11 @@ class Replicated(Placement):
                                        backward_passes_per_step=self.backward_passes_per_step)
 
     def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
-        """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state."""
+        """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state. A sharded
+        or tensor-parallel fit's checkpoint (DCP) is read whole by every rank."""
+        newest = checkpoints.latest(self.store, self.run_id) if sr.rank() == 0 else None
+        if sr.broadcast_object(newest is not None and newest.kind == SHARDED, root_rank=0):
+            return fsdp.load_latest(self.store, self.run_id, model, opt)
         state = None
         if sr.rank() == 0:
             saved = self._load_latest()

@@ -10,6 +10,9 @@ import torch
 from sparkring import ConfigurationError, SparkRingEstimator, Store, run
 
 
+PLAN = dict(parallelizePlan=P.MLP_PLAN)
+
+
 def _fit(df, store, **kw):
     params = dict(model=P.mlp(width=64), optimizer=P.adam, loss="cross_entropy", batchSize=16, epochs=2,
                   store=store, verbose=0, seed=3)
@@ -52,6 +55,50 @@ def test_tensor_parallel_fit_on_two_ranks_trains_the_weights_of_one_rank_holding
     assert split.transform(df.limit(8)).count() == 8  # the fitted model is the plain module
 
 
+@pytest.mark.parametrize("first, then", [
+    (dict(numProc=2, tensorParallel=2, **PLAN), dict(numProc=1)),                        # DCP -> one file
+    (dict(numProc=1), dict(numProc=2, tensorParallel=2, strategy="fsdp", **PLAN)),       # one file -> DCP shards
+], ids=["tp2-then-whole", "whole-then-tp2-fsdp"])
+def test_a_checkpoint_resumes_at_another_layout_to_the_uninterrupted_weights(one_rank_reference, first, then):
+    df, store, whole = one_rank_reference
+    run_id = "layout-" + "-".join(f"{k}{v}" for k, v in sorted(first.items()) if k != "parallelizePlan")
+    begun = _fit(df, store, epochs=1, runId=run_id, **first)
+    resumed = _fit(df, store, epochs=2, runId=run_id, **then)
+    # epoch 0 is the first fit's, timings and all (it was not trained again), and its layout's
+    # per-rank state: the resumed fit's epoch 1 has its own
+    assert resumed.history[0] == begun.history[0] and [h["epoch"] for h in resumed.history] == [0, 1]
+    assert resumed.history[1]["state_bytes"] != begun.history[0]["state_bytes"]
+    _same_weights(whole, resumed)
+
+
+def test_tp2_by_dp2_on_two_hosts_trains_the_weights_of_two_whole_ranks_replicated_or_sharded_across_groups(
+        spark_hosts, tmp_path):
+    df = H.classification_df(spark_hosts, n=192)
+    store = Store(str(tmp_path / "store"))
+    whole = _fit(df, store, numProc=2, runId="dp2", keepData=True)
+    full = sum(p.numel() for p in P.mlp(width=64)().parameters())
+    halved = 8 * 64 + 64 + 64 * 64
+    # ddp across the groups keeps what tp left; fsdp halves it: a quarter of the split layers, half of the rest
+    for strategy, kept in (("ddp", full - halved / 2), ("fsdp", halved / 4 + (full - halved) / 2)):
+        split = _fit(df, store, numProc=4, tensorParallel=2, strategy=strategy, runId=f"tp2-{strategy}", **PLAN)
+        _same_weights(whole, split)
+        for h in split.history:
+            assert h["state_bytes"] == pytest.approx(kept * 4 * 3, rel=0.05), strategy
+
+
+def test_a_tensor_parallel_group_is_consecutive_local_ranks_of_one_host():
+    from spawn import spawn_ranks
+
+    # ranks alternate between two hosts: rank r is local rank r // 2 of host r % 2
+    places = {r: {"SPARKRING_CROSS_RANK": str(r % 2), "SPARKRING_CROSS_SIZE": "2", "SPARKRING_LOCAL_RANK": str(r // 2),
+                  "SPARKRING_LOCAL_SIZE": "2", "SPARKRING_HOST_ID": f"host-{r % 2}"} for r in range(4)}
+    results = spawn_ranks("parallel_fns", "mesh_layout", 4, timeout=60, rank_env=places, tp=2)
+    for rank, r in enumerate(results):
+        assert r["names"] == ("pp", "dp", "tp") and r["mesh"] == [[[0, 2], [1, 3]]]
+        assert r["tp_group"] == ([0, 2] if rank % 2 == 0 else [1, 3])  # one host's ranks
+        assert r["dp_group"] == ([0, 1] if rank in (0, 1) else [2, 3])  # one rank of each host
+
+
 def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_per_rank(spark):
     results = run(P.tensor_parallel_in_run, num_proc=2, verbose=0)
     losses, weights = P.tensor_parallel_reference()
@@ -62,9 +109,6 @@ def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_
         assert r["local"] < full * 0.6
         for key, value in weights.items():
             torch.testing.assert_close(r["weights"][key], value, atol=1e-5, rtol=0)
-
-
-PLAN = dict(parallelizePlan=P.MLP_PLAN)
 
 
 @pytest.mark.parametrize("params, message", [
