@@ -144,3 +144,14 @@ def mesh_layout(tp, pp=1):
     mesh = sr.device_mesh(tp=tp, pp=pp)
     return {"mesh": mesh.mesh.tolist(), "names": mesh.mesh_dim_names, "tp_group": mesh["tp"].mesh.tolist(),
             "dp_group": mesh["dp"].mesh.tolist()}
+
+
+def counting_sequences_df(spark, n=256, length=8, vocab=16, seed=0):
+    """Token sequences that count up from a random start (mod vocab): the label is the next token."""
+    import numpy as np
+    from pyspark.ml.linalg import Vectors
+
+    starts = np.random.default_rng(seed).integers(0, vocab, size=n)
+    rows = [(i, Vectors.dense([(s + k) % vocab for k in range(length)]), float((s + length) % vocab))
+            for i, s in enumerate(starts.tolist())]
+    return spark.createDataFrame(rows, ["id", "features", "label"]).repartition(2, "id")

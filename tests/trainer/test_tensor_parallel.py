@@ -99,6 +99,21 @@ def test_a_tensor_parallel_group_is_consecutive_local_ranks_of_one_host():
         assert r["dp_group"] == ([0, 1] if rank in (0, 1) else [2, 3])  # one rank of each host
 
 
+def test_a_llama_style_decoder_trains_under_the_default_plan_to_the_weights_of_one_rank(spark, tmp_path):
+    df = P.counting_sequences_df(spark)
+    store = Store(str(tmp_path / "store"))
+    kw = dict(model=P.tiny_decoder, batchSize=32, epochs=3, fsdpWrap=["Block"])
+    whole = _fit(df, store, numProc=1, runId="whole", keepData=True, **kw)
+    split = _fit(df, store, numProc=2, tensorParallel=2, runId="tp2", activationCheckpointing="selective", **kw)
+    _same_weights(whole, split)
+    assert split.history[-1]["loss"] < split.history[0]["loss"] * 0.7
+    # attention and MLP projections split (q/k/v/gate/up by rows, o/down by columns), the rest whole
+    model = P.tiny_decoder()
+    total = sum(p.numel() for p in model.parameters())
+    projections = sum(p.numel() for n, p in model.named_parameters() if "_proj" in n)
+    assert split.history[-1]["state_bytes"] == pytest.approx((total - projections / 2) * 4 * 3, rel=0.02)
+
+
 def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_per_rank(spark):
     results = run(P.tensor_parallel_in_run, num_proc=2, verbose=0)
     losses, weights = P.tensor_parallel_reference()
