@@ -11,7 +11,8 @@ from ..collective.hosting import transport
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
 from ..data.store import check_run_id
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, LaunchPlan, check_picklable, check_timeouts, plan
-from ..trainer import EarlyStopping, losses, tensor_parallel
+from ..trainer import EarlyStopping, losses, pipeline, tensor_parallel
+from ..trainer.config import ModelParallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
 from ..trainer.lightning import is_lightning_module
@@ -149,43 +150,94 @@ def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.n
 
 
 def check_model_parallel(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.nn.Module) -> None:
-    """What tensor parallelism cannot run, refused before any Spark job, naming the Param and the fix."""
-    tp, plan_param = est.getOrDefault("tensorParallel"), est.getOrDefault("parallelizePlan")
-    if tp == 1:
-        if plan_param is not None:
-            raise ConfigurationError("parallelizePlan applies with tensorParallel > 1: set tensorParallel (ranks per "
-                                     "group) or drop parallelizePlan")
+    """What tensor and pipeline parallelism cannot run, refused before any Spark job, naming the
+    Param and the fix."""
+    tp, pp = est.getOrDefault("tensorParallel"), est.getOrDefault("pipelineParallel")
+    for param, needs in (("parallelizePlan", "tensorParallel"), ("pipelineSplit", "pipelineParallel"),
+                         ("microbatches", "pipelineParallel")):
+        if est.getOrDefault(param) is not None and est.getOrDefault(needs) == 1:
+            raise ConfigurationError(f"{param} applies with {needs} > 1: set {needs} or drop {param}")
+    if tp == 1 and pp == 1:
         return
+    what = " x ".join(f"{name}={value}" for name, value in (("tensorParallel", tp), ("pipelineParallel", pp))
+                      if value > 1)
     num_proc = launch_plan.num_proc
-    if num_proc % tp:
-        raise ConfigurationError(f"tensorParallel={tp} does not divide numProc={num_proc}: numProc must be a "
-                                 f"multiple of it (e.g. numProc={num_proc - num_proc % tp or tp})")
+    if num_proc % (tp * pp):
+        raise ConfigurationError(f"{what} does not divide numProc={num_proc}: numProc must be a multiple of "
+                                 f"{tp * pp} (e.g. numProc={max(tp * pp, num_proc - num_proc % (tp * pp))})")
     if not transport(launch_plan.backend).torch_distributed:
-        raise ConfigurationError("tensorParallel needs torch.distributed collectives (DTensor): use backend='gloo' "
-                                 "or 'nccl', not 'mpi'")
-    refusals = [
-        (lightning, "does not train a LightningModule yet: use tensorParallel=1"),
-        (est.getOrDefault("strategy") == "hsdp", "acts with strategy='ddp' or 'fsdp' across the groups, not "
-                                                 "'hsdp'"),
+        raise ConfigurationError(f"{what} needs torch.distributed collectives (DTensor, point-to-point sends): use "
+                                 "backend='gloo' or 'nccl', not 'mpi'")
+    for refused, why in _model_parallel_refusals(est, lightning):
+        if refused:
+            raise ConfigurationError(f"{what} {why}")
+    if tp > 1 and not callable(est.getOrDefault("parallelizePlan")):
+        _check_plan(est.getOrDefault("parallelizePlan"), shape, strict=pp == 1)
+    if pp > 1:
+        _check_pipeline(est, shape)
+
+
+def _model_parallel_refusals(est, lightning: bool) -> List[Tuple[bool, str]]:
+    pp = est.getOrDefault("pipelineParallel")
+    return [
+        (lightning, "does not train a LightningModule yet: drop it"),
+        (est.getOrDefault("strategy") == "hsdp", "acts with strategy='ddp' or 'fsdp' across the groups, not 'hsdp'"),
         (isinstance(est.getOrDefault("optimizer"), torch.optim.Optimizer),
-         "builds the optimizer over each rank's slices: pass optimizer= as a factory, e.g. "
+         "builds the optimizer over each rank's part of the model: pass optimizer= as a factory, e.g. "
          "optimizer=lambda params: torch.optim.Adam(params)"),
         (est.getOrDefault("precision") == "16-mixed", "does not scale float16 losses: use precision='bf16-mixed'"),
         (est.getOrDefault("gradientCompression") != "none", "exchanges gradients in their own dtype: drop "
                                                             "gradientCompression"),
         (est.getOrDefault("minProc") is not None or est.getOrDefault("checkpointEvery") is not None,
-         "does not run elastic fits yet (minProc, checkpointEvery): drop them or use tensorParallel=1"),
+         "does not run elastic fits yet (minProc, checkpointEvery): drop them"),
         (est.getOrDefault("backwardPassesPerStep") != 1, "steps after every batch: drop backwardPassesPerStep"),
+        (pp > 1 and len(est.labelColumns()) > 1, "trains one head: pass one labelCol"),
+        (pp > 1 and est.getOrDefault("sampleWeightCol") is not None, "does not weight rows: drop sampleWeightCol"),
+        (pp > 1 and bool(est.getOrDefault("compile")), "does not compile stages: drop compile"),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise ConfigurationError(f"tensorParallel={tp} {why}")
-    if not callable(plan_param):
+
+
+def _check_plan(plan, shape: torch.nn.Module, strict: bool) -> None:
+    try:
+        tensor_parallel.resolve_plan(shape, plan if plan is not None else tensor_parallel.default_plan(shape), strict)
+    except tensor_parallel.PlanError as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+def _check_pipeline(est, shape: torch.nn.Module) -> None:
+    """The stages, split points and microbatches of a pipeline, checked against the model and batch."""
+    parallel = ModelParallel(est.getOrDefault("tensorParallel"), None, est.getOrDefault("pipelineParallel"),
+                             tuple(est.getOrDefault("pipelineSplit") or ()), est.getOrDefault("pipelineSchedule"),
+                             est.getOrDefault("microbatches"))
+    if parallel.tensor_parallel > 1 and not isinstance(shape, torch.nn.Sequential):
+        raise ConfigurationError("tensorParallel with pipelineParallel needs an nn.Sequential model (its stages keep "
+                                 "their modules; torch's tracer, which cuts other models, turns them into "
+                                 "InterpreterModules that tensor parallelism cannot split)")
+    split = parallel.pipeline_split
+    if split and len(split) + 1 != parallel.stages:
+        per_rank = f" ({parallel.stages_per_rank} stages per rank with {parallel.schedule})" \
+            if parallel.stages_per_rank > 1 else ""
+        raise ConfigurationError(f"pipelineParallel={parallel.pipeline_parallel} makes {parallel.stages} stages"
+                                 f"{per_rank}, which begin at {parallel.stages - 1} split point(s), but pipelineSplit "
+                                 f"names {len(split)}: {list(split)}")
+    names = dict(shape.named_children() if isinstance(shape, torch.nn.Sequential) else shape.named_modules())
+    unknown = [name for name in split if name not in names]
+    if unknown:
+        raise ConfigurationError(f"pipelineSplit names module(s) the model does not have: {unknown}; "
+                                 f"{pipeline.SEQUENTIAL_HINT}")
+    if not split:
         try:
-            tensor_parallel.resolve_plan(shape, plan_param if plan_param is not None
-                                         else tensor_parallel.default_plan(shape))
-        except tensor_parallel.PlanError as exc:
+            pipeline.balanced_split(shape, parallel.stages, tuple(est.getOrDefault("fsdpWrap") or ()))
+        except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
+    batch, micro = est.getOrDefault("batchSize"), parallel.microbatch_count
+    if batch % micro:
+        raise ConfigurationError(f"microbatches={micro} does not divide batchSize={batch}: each microbatch must "
+                                 f"have as many rows (e.g. batchSize={batch - batch % micro or micro})")
+    if parallel.schedule == "interleaved-1f1b" and micro % parallel.pipeline_parallel:
+        raise ConfigurationError(f"pipelineSchedule='interleaved-1f1b' runs microbatches in rounds of "
+                                 f"pipelineParallel={parallel.pipeline_parallel}: microbatches={micro} must be a "
+                                 "multiple of it")
 
 
 def check_training(est, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:

@@ -61,7 +61,8 @@ def train_config(est, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
     values = est.paramValues()
     labels = est.labelColumns()
     num_proc = decided.plan.num_proc
-    parallel = ModelParallel(values["tensorParallel"], values["parallelizePlan"])
+    parallel = ModelParallel(values["tensorParallel"], values["parallelizePlan"], values["pipelineParallel"],
+                             tuple(values["pipelineSplit"] or ()), values["pipelineSchedule"], values["microbatches"])
     train_steps, val_steps = steps_per_epoch(values, ds, parallel.data_size(num_proc))
     as_is = {spec.field: values[spec.name] for spec in PARAMS if spec.field is not None}
     sharding = Sharding(values["strategy"], tuple(values["fsdpWrap"] or ()), values["initFn"],

@@ -14,7 +14,7 @@ from ..data import READERS
 from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
 from ..trainer.activation import MODES as ACTIVATION_MODES
-from ..trainer.config import STRATEGIES
+from ..trainer.config import PIPELINE_SCHEDULES, STRATEGIES
 from .tracking import MODES as MLFLOW_MODES
 
 
@@ -79,7 +79,8 @@ def _to_optional_names(value: Any):
         return None
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return list(value)
-    raise TypeError(f"fsdpWrap must be a list of module class names, e.g. ['TransformerEncoderLayer'], got {value!r}")
+    raise TypeError(f"fsdpWrap and pipelineSplit take a list of names, e.g. ['TransformerEncoderLayer'] or "
+                    f"['layers.2'], got {value!r}")
 
 
 def _to_compile(value: Any):
@@ -185,6 +186,16 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "ParallelStyle), or a callable (module, tp_mesh) -> module; default: torch's Transformer"
               "Encoder/DecoderLayer split their feed-forward block, Llama-style blocks q/k/v colwise, o rowwise, "
               "gate/up colwise, down rowwise", is_object=True),
+    ParamSpec("pipelineParallel", "int", 1, "pipeline stages: each rank of a pipeline holds consecutive layers of the "
+              "model (its stage) and passes microbatches on; the stages read the same rows; numProc / "
+              "(pipelineParallel x tensorParallel) pipelines in all", TypeConverters.toInt, minimum=1),
+    ParamSpec("pipelineSplit", "list[str] | None", None, "module names where stages 1, 2, ... begin: top-level "
+              "children of an nn.Sequential (e.g. ['4']), or any module of another model (e.g. ['layers.2'], cut by "
+              "torch's tracer); default: blocks balanced by parameter count", _to_optional_names),
+    ParamSpec("pipelineSchedule", "str", "1f1b", "gpipe | 1f1b | interleaved-1f1b (two stages per rank): torch's "
+              "pipeline schedules", TypeConverters.toString, choices=PIPELINE_SCHEDULES),
+    ParamSpec("microbatches", "int | None", None, "microbatches per step with pipelineParallel > 1; must divide "
+              "batchSize (default: pipelineParallel)", _to_optional_int, minimum=1),
     ParamSpec("activationCheckpointing", "str", "none", "none | full (recompute every block's activations in "
               "backward instead of keeping them) | selective (every other block); blocks are fsdpWrap's units "
               "(default: every layer of the model's top-level children that holds parameters); any strategy",

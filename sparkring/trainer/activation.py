@@ -11,20 +11,30 @@ import torch
 MODES = ("none", "full", "selective")
 
 
+def named_blocks(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[Tuple[str, torch.nn.Module]]:
+    """The model's blocks in forward order, with their names: the modules whose class is named in
+    ``wrap``, else every child (and every layer of a top-level ModuleList/Sequential) that holds parameters.
+
+    >>> [name for name, _ in named_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), ())]
+    ['0']
+    """
+    if wrap:
+        return [(n, m) for n, m in model.named_modules() if type(m).__name__ in wrap and m is not model]
+    found: List[Tuple[str, torch.nn.Module]] = []
+    for name, child in model.named_children():
+        inner = list(child.named_children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else []
+        found += [(f"{name}.{n}" if inner else name, m) for n, m in (inner or [(name, child)])
+                  if any(True for _ in m.parameters())]
+    return found
+
+
 def blocks(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.Module]:
-    """The model's blocks in forward order: the modules whose class is named in ``wrap``, else every
-    child (and every layer of a top-level ModuleList/Sequential) that holds parameters.
+    """named_blocks' modules.
 
     >>> len(blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1)), ()))
     2
     """
-    if wrap:
-        return [m for m in model.modules() if type(m).__name__ in wrap and m is not model]
-    found: List[torch.nn.Module] = []
-    for child in model.children():
-        inner = list(child.children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else []
-        found += [m for m in (inner or [child]) if any(True for _ in m.parameters())]
-    return found
+    return [m for _, m in named_blocks(model, wrap)]
 
 
 def checkpoint_activations(model: torch.nn.Module, mode: str, wrap: Tuple[str, ...] = ()) -> int:

@@ -63,26 +63,48 @@ class Sharding:
         return self.strategy != "ddp"
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
 @dataclass(frozen=True)
 class ModelParallel:
-    """How the model's layers are split across ranks: ``tensor_parallel`` ranks per group (inside a
-    host) hold a slice of each planned layer (``plan``: see tensor_parallel); the ring is a
-    (dp, tp) mesh and ``Sharding.strategy`` acts on dp.
+    """How the model's layers are split across ranks, on one (pp, dp, tp) mesh: ``tensor_parallel``
+    ranks per group (inside a host) hold a slice of each planned layer (``plan``: see
+    tensor_parallel); ``pipeline_parallel`` stages hold consecutive layers (split where
+    ``pipeline_split`` names, or by parameter count) and pass ``microbatches`` through ``schedule``
+    (see pipeline). ``Sharding.strategy`` acts on dp, the ranks that read different rows.
 
-    >>> ModelParallel(tensor_parallel=2).data_size(world=4)
+    >>> ModelParallel(tensor_parallel=2, pipeline_parallel=2).data_size(world=8)
     2
     """
 
     tensor_parallel: int = 1
     plan: Any = None                  # tensor_parallel.Plan: a dict of module patterns to styles, or a callable
+    pipeline_parallel: int = 1
+    pipeline_split: Tuple[str, ...] = ()  # module names where stages 1.. begin (empty: balanced by parameters)
+    schedule: str = "1f1b"            # PIPELINE_SCHEDULES
+    microbatches: Optional[int] = None  # per step (default: pipeline_parallel)
 
     @property
     def enabled(self) -> bool:
-        return self.tensor_parallel > 1
+        return self.tensor_parallel > 1 or self.pipeline_parallel > 1
 
     def data_size(self, world: int) -> int:
-        """Ranks that read different rows (a tensor-parallel group reads the same ones)."""
-        return world // self.tensor_parallel
+        """Ranks that read different rows (a tensor-parallel group, a pipeline's stages read the same ones)."""
+        return world // (self.tensor_parallel * self.pipeline_parallel)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Interleaved 1F1B loops over two stages on each rank (virtual stages); the others one."""
+        return 2 if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def stages(self) -> int:
+        return self.pipeline_parallel * self.stages_per_rank
+
+    @property
+    def microbatch_count(self) -> int:
+        return self.microbatches or self.pipeline_parallel
 
 
 @dataclass

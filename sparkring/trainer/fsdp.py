@@ -51,16 +51,17 @@ def build_sharded(model: Any, sharding: Sharding, device: torch.device, seed: in
     if is_factory(model):
         with torch.device("meta"):
             module = model()
-        module = _shard(split(module) if split is not None else module, sharding, mesh, split is None)
+        module = shard(split(module) if split is not None else module, sharding, mesh, split is None)
         # offloaded shards live in host memory: FSDP2 copies each to the device when it gathers it
         module.to_empty(device=torch.device("cpu") if sharding.cpu_offload else device)
         _initialize(module, seed, sharding.init_fn)
         return module
     module = model.to(device)  # every rank holds the driver's values: rank 0's are the initial weights
-    return _shard(split(module) if split is not None else module, sharding, mesh, split is None)
+    return shard(split(module) if split is not None else module, sharding, mesh, split is None)
 
 
-def _shard(module: torch.nn.Module, sharding: Sharding, mesh: Any, whole_ring: bool) -> torch.nn.Module:
+def shard(module: torch.nn.Module, sharding: Sharding, mesh: Any, whole_ring: bool) -> torch.nn.Module:
+    """``module``'s blocks checkpointed as asked, then sharded by FSDP2 over ``mesh`` (each block a unit)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     checkpoint_activations(module, sharding.activation_checkpointing, sharding.wrap)
@@ -261,7 +262,7 @@ def _load_replicated_file(data: bytes, model, opt) -> Dict[str, Any]:
     plain = saved.pop("optimizer")
     names = [name for name, _ in model.named_parameters()]
     by_position = {i: names[i] for group in plain["param_groups"] for i in group["params"]}
-    keyed = {"state": {by_position[i]: value for i, value in plain["state"].items()},
+    keyed: Dict[str, Any] = {"state": {by_position[i]: value for i, value in plain["state"].items()},
              "param_groups": [{**group, "params": [by_position[i] for i in group["params"]]}
                               for group in plain["param_groups"]]}
     set_optimizer_state_dict(model, opt, keyed, options=full)

@@ -176,6 +176,9 @@ class LightningStep:
             loss = loss if isinstance(loss, torch.Tensor) else torch.zeros((), device=self.device)
         return loss, [loss.new_zeros((n,))], ys, [loss]
 
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     def figures(self, total, heads, ys, head_losses) -> torch.Tensor:
         n = heads[0].shape[0]
         with torch.no_grad():

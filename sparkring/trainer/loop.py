@@ -28,7 +28,7 @@ from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
 from .measure import StepClock, state_bytes
 from .placement import TrainerState, placement_for
-from .step import PlainStep, Step
+from .step import Step
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class Trainer:
         self.data_rank, self.data_size = self.placement.data_rank(), self.placement.data_size()
         self.replicas = self.size // self.data_size  # how often each row's figures are counted
         self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank) if cfg.lightning
-                           else PlainStep(cfg, self.device, self.rank))
+                           else self.placement.step(cfg, self.device, self.rank))
         torch.manual_seed(cfg.seed)
         opt, self.schedules = self.step.optimizer(self.model, cfg.optimizer)
         self.history: List[Dict[str, Any]] = []
@@ -187,7 +187,7 @@ class Trainer:
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
             scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
             with recorder.span("backward"):
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                step.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
             if (i + 1) % cfg.backward_passes_per_step == 0:
                 with recorder.span("optimizer step (after the gradient exchange)"):
                     skipped += self._update(epoch, i)

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints, fsdp, tensor_parallel
+from . import checkpoints, fsdp, pipeline, tensor_parallel
 from .activation import checkpoint_activations
+from .batches import run_batches
 from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
 from .config import ModelOrFactory, ModelParallel, Sharding, TrainConfig, is_factory
+from .step import PlainStep, Step
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ class Placement:
 
     def finish(self) -> None:
         """Complete what is still being written (the fit ends or pauses here)."""
+
+    def step(self, cfg: TrainConfig, device: torch.device, rank: int) -> Step:
+        """The step the loop runs each batch through (built after ``build``)."""
+        return PlainStep(cfg, device, rank)
 
     def data_rank(self) -> int:
         """Which share of the rows this rank reads (ranks holding slices of one model read the same)."""
@@ -290,6 +296,64 @@ class TensorParallel(Sharded):
         return self.mesh["dp"].size()
 
 
+class Pipelined(TensorParallel):
+    """Pipeline parallelism on the (pp, dp, tp) mesh: each rank of a pipeline holds its stage(s)
+    (trainer.pipeline cuts the model and runs the schedule), split further over tp where asked; over
+    dp replicated or sharded as TensorParallel; the stages' figures reach every rank of the pipeline.
+    The whole model is built once on every rank (from the seed) before each keeps its stages."""
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
+        self.cfg = cfg
+        self.stages: List[Any] = []
+        self.indices: List[int] = []
+
+    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+        from torch.distributed.pipelining import PipelineStage
+
+        p = self.parallel
+        self.mesh = sr.device_mesh(tp=p.tensor_parallel, pp=p.pipeline_parallel)
+        whole = whole_model(model, device, seed)
+        split = list(p.pipeline_split) or pipeline.balanced_split(whole, p.stages, self.sharding.wrap)
+        parts = pipeline.cut(whole, split, lambda: self._example(device))
+        self.indices = pipeline.stage_indices(self.mesh["pp"].get_local_rank(), p)
+        mine = [parts[i] for i in self.indices]
+        view = pipeline.with_original_names(mine)  # before any wrapper renames a path
+        for part in mine:
+            if p.tensor_parallel > 1:
+                tensor_parallel.parallelize(part, p.plan, self.mesh["tp"], strict=False)
+            if self.sharding.sharded:
+                fsdp.shard(part, self.sharding, self.mesh["dp"], whole_ring=False)
+            else:
+                checkpoint_activations(part, self.sharding.activation_checkpointing, self.sharding.wrap)
+        group = self.mesh["pp"].get_group()
+        self.stages = [PipelineStage(part, i, p.stages, device, group=group) for part, i in zip(mine, self.indices)]
+        self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
+        return view
+
+    def _example(self, device: torch.device) -> tuple:
+        """One microbatch of forward()'s arguments, for torch's tracer."""
+        cfg = self.cfg
+        rows = cfg.batch_size // self.parallel.microbatch_count
+        batch = next(iter(run_batches(cfg, "train", rows, 0, 1, 0, 1, False, True, 0, device)))
+        return tuple(a.to(device) for a in cfg.spec.model_args(batch)[0])
+
+    def step(self, cfg: TrainConfig, device: torch.device, rank: int) -> Step:
+        import torch.distributed as dist
+
+        group = self.mesh["pp"].get_group()
+        last = dist.get_global_rank(group, self.parallel.pipeline_parallel - 1)
+        step = pipeline.PipelineStep(PlainStep(cfg, device, rank), None, first=0 in self.indices,
+                                     last=self.parallel.stages - 1 in self.indices, pp=(group, last))
+        step.schedule = pipeline.schedule_for(self.stages, self.parallel, step.loss)
+        return step
+
+    def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
+        self.finish()
+        owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        return pipeline.gather_full_state(model, owner)
+
+
 def average_over(model: torch.nn.Module, dp_mesh: Any) -> None:
     """Average every gradient's local part over the data-parallel ranks (one allreduce per dtype):
     the ranks at one tp position hold the same slice, so the local parts line up."""
@@ -318,6 +382,8 @@ def placement_for(cfg: TrainConfig) -> Placement:
     >>> type(placement_for(cfg)).__name__  # strategy="fsdp"  # doctest: +SKIP
     'Sharded'
     """
+    if cfg.parallel.pipeline_parallel > 1:
+        return Pipelined(cfg)
     if cfg.parallel.enabled:
         return TensorParallel(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
     if cfg.sharding.sharded:

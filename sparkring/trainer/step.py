@@ -31,6 +31,9 @@ class Step(Protocol):
                 head_losses: List[torch.Tensor]) -> torch.Tensor:
         """Per-batch sums over rows, float64 on the device."""
 
+    def backward(self, loss: torch.Tensor, /) -> None:
+        """Gradients of the (scaled) loss, as the step computes them."""
+
     def optimizer(self, model: torch.nn.Module, given: Any, /) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
         """The optimizer over ``model``'s parameters (from the optimizer Param ``given``) and its LR schedules."""
 
@@ -134,6 +137,9 @@ class PlainStep:
                     values.append(scalar(value))
                     values += [scalar(fn(head.detach(), y)) for fn in self.cfg.metrics.values()]
         return torch.stack(values)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def optimizer(self, model: torch.nn.Module,
                   given: OptimizerOrFactory) -> Tuple[torch.optim.Optimizer, List[Schedule]]:

@@ -49,10 +49,11 @@ def default_plan(model: torch.nn.Module) -> Dict[str, str]:
     return plan
 
 
-def resolve_plan(model: torch.nn.Module, plan: Dict[str, Any]) -> Dict[str, Any]:
+def resolve_plan(model: torch.nn.Module, plan: Dict[str, Any], strict: bool = True) -> Dict[str, Any]:
     """``plan``'s patterns (fnmatch on module names) expanded to the modules they name, each
     with its style; refused naming every pattern that matches nothing, and every style that is not
-    one of STYLES (or a torch ParallelStyle), or a colwise/rowwise module that is no Linear/Embedding."""
+    one of STYLES (or a torch ParallelStyle), or a colwise/rowwise module that is no Linear/Embedding.
+    ``strict=False``: a pipeline stage, which holds some of the modules the plan names."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
     names = [n for n, _ in model.named_modules() if n]
@@ -71,7 +72,7 @@ def resolve_plan(model: torch.nn.Module, plan: Dict[str, Any]) -> Dict[str, Any]
                 raise PlanError(f"parallelizePlan: {name!r} is a {type(modules[name]).__name__}; {style} splits "
                                 "a Linear or an Embedding only: name the Linear layers inside it")
             resolved[name] = style
-    if unmatched:
+    if unmatched and strict:
         shown = ", ".join(names[:12]) + (" ..." if len(names) > 12 else "")
         raise PlanError(f"parallelizePlan names module(s) the model does not have: {unmatched}; its modules are "
                         f"{shown}")
@@ -86,11 +87,21 @@ def torch_styles(resolved: Dict[str, Any]) -> Dict[str, Any]:
     return {name: make[style]() if isinstance(style, str) else style for name, style in resolved.items()}
 
 
-def parallelize(model: torch.nn.Module, plan: Plan, tp_mesh: Any) -> torch.nn.Module:
+def parallelize(model: torch.nn.Module, plan: Plan, tp_mesh: Any, strict: bool = True) -> torch.nn.Module:
     """``model`` with its planned modules split over ``tp_mesh`` (a callable plan does it itself)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     if callable(plan):
         return plan(model, tp_mesh)
-    resolved = resolve_plan(model, plan if plan is not None else default_plan(model))
+    if plan is None and not strict:
+        plan = {pattern: style for pattern, style in _default_or_empty(model).items()}
+    resolved = resolve_plan(model, plan if plan is not None else default_plan(model), strict)
     return parallelize_module(model, tp_mesh, torch_styles(resolved))
+
+
+def _default_or_empty(model: torch.nn.Module) -> Dict[str, str]:
+    """A stage's part of the default plan (a stage may hold none of the planned layers)."""
+    try:
+        return default_plan(model)
+    except PlanError:
+        return {}

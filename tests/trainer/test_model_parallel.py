@@ -1,6 +1,8 @@
-"""Tensor parallelism (tensorParallel, parallelizePlan) in fit() and device_mesh(tp=...) in run():
-the weights of a one-rank fit, each rank holding its slice, checkpoints that resume at another
-layout, activation checkpointing, and the refusals made before any Spark job. Real Spark, real
+"""Model parallelism in fit(): tensor parallel (tensorParallel, parallelizePlan), pipeline parallel
+(pipelineParallel, pipelineSplit, pipelineSchedule, microbatches) and both, with ddp or fsdp across
+the groups; device_mesh(tp=...) in run(): the weights of a one-rank fit, each rank holding its part,
+checkpoints that resume at another layout, activation checkpointing, and the refusals made before
+any Spark job. Real Spark, real
 Parquet, real processes."""
 import est_helpers as H
 import parallel_fns as P
@@ -53,6 +55,19 @@ def test_tensor_parallel_fit_on_two_ranks_trains_the_weights_of_one_rank_holding
         assert h["state_bytes"] == pytest.approx((full - halved / 2) * 4 * 3, rel=0.02)
         assert w["state_bytes"] == pytest.approx(full * 4 * 3, rel=0.02)
     assert split.transform(df.limit(8)).count() == 8  # the fitted model is the plain module
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_two_stage_pipeline_trains_the_weights_of_one_rank_holding_its_stage(one_rank_reference, schedule):
+    df, store, whole = one_rank_reference
+    piped = _fit(df, store, numProc=2, pipelineParallel=2, pipelineSchedule=schedule, microbatches=4,
+                 runId=f"pp2-{schedule}")
+    _same_weights(whole, piped)
+    assert [h["loss"] for h in piped.history] == pytest.approx([h["loss"] for h in whole.history], abs=1e-4)
+    # balanced by parameters: layers 0-3 (0 and 2 hold 576 + 4160) on one rank, layer 4 (195) on the other
+    for h, w in zip(piped.history, whole.history):
+        assert h["state_bytes"] == pytest.approx((576 + 4160) * 4 * 3, rel=0.02)
+        assert h["state_bytes"] < w["state_bytes"]
 
 
 @pytest.mark.parametrize("first, then", [

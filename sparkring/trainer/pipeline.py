@@ -1,0 +1,205 @@
+"""Pipeline parallelism's mechanics for fit(): the model cut into stages at module boundaries, this
+rank's stage(s) of its pipeline, torch's schedules (GPipe, 1F1B, interleaved 1F1B) driving the
+microbatches, and the step the loop runs through them (PipelineStep).
+
+An ``nn.Sequential`` model is cut between its top-level children, which stay the modules they were
+(so tensor parallelism and fsdpWrap's class names apply to a stage); any other model is cut by
+torch's tracer (``torch.distributed.pipelining.pipeline``), whose stages hold InterpreterModules.
+Either way a stage's parameters keep the model's names, and ``with_original_names`` gathers this
+rank's stages into one module under those names, through which the optimizer, the checkpoints
+(DCP: any layout resumes any other) and the final gather see them."""
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import losses
+from .activation import named_blocks
+from .config import ModelParallel
+from .step import Outcome, PlainStep
+
+SEQUENTIAL_HINT = ("pipelineSplit names top-level children of an nn.Sequential model (its indices, e.g. '4'), or "
+                   "any module of another model (e.g. 'layers.2')")
+
+
+def balanced_split(model: torch.nn.Module, stages: int, wrap: Tuple[str, ...] = ()) -> List[str]:
+    """Where stages 1.. begin when pipelineSplit is unset: block boundaries that balance the
+    parameters (an ``nn.Sequential``'s top-level children, else activation.named_blocks).
+
+    >>> balanced_split(torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)]), 2)
+    ['2']
+    """
+    if isinstance(model, torch.nn.Sequential):
+        blocks = [(name, m) for name, m in model.named_children() if any(True for _ in m.parameters())]
+    else:
+        blocks = named_blocks(model, wrap)
+    if len(blocks) < stages:
+        raise ValueError(f"pipelineParallel: the model has {len(blocks)} block(s) that hold parameters, fewer than "
+                         f"its {stages} stages; lower pipelineParallel or name the cuts in pipelineSplit")
+    sizes = [sum(p.numel() for p in m.parameters()) for _, m in blocks]
+    total, seen = sum(sizes), 0
+    cuts: List[str] = []
+    for i, size in enumerate(sizes[:-1]):
+        seen += size
+        remaining_blocks, remaining_cuts = len(sizes) - i - 1, stages - 1 - len(cuts)
+        if remaining_cuts and (seen >= total * (len(cuts) + 1) / stages or remaining_blocks == remaining_cuts):
+            cuts.append(blocks[i + 1][0])
+    return cuts
+
+
+def cut(model: torch.nn.Module, split: List[str], example: Callable[[], tuple]) -> List[torch.nn.Module]:
+    """Every stage's module, in order (each rank keeps its own and drops the rest)."""
+    if isinstance(model, torch.nn.Sequential):
+        names = [name for name, _ in model.named_children()]
+        unknown = [s for s in split if s not in names]
+        if unknown:
+            raise ValueError(f"pipelineSplit: {unknown} are not top-level children of the nn.Sequential model "
+                             f"({', '.join(names)}); {SEQUENTIAL_HINT}")
+        bounds = [0] + sorted(names.index(s) for s in split) + [len(names)]
+        children = dict(model.named_children())
+        return [torch.nn.Sequential(collections.OrderedDict((n, children[n]) for n in names[a:b]))
+                for a, b in zip(bounds, bounds[1:])]
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    pipe = pipeline(model, mb_args=example(), split_spec={name: SplitPoint.BEGINNING for name in split})
+    return [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+
+
+def stage_indices(pp_rank: int, parallel: ModelParallel) -> List[int]:
+    """The stages this rank of the pipeline holds: its own, or with interleaving every pp-th.
+
+    >>> stage_indices(1, ModelParallel(pipeline_parallel=2, schedule="interleaved-1f1b"))
+    [1, 3]
+    """
+    return [pp_rank + k * parallel.pipeline_parallel for k in range(parallel.stages_per_rank)]
+
+
+def with_original_names(parts: List[torch.nn.Module]) -> torch.nn.Module:
+    """One module holding the parameters of ``parts`` (this rank's stages) under the model's own
+    names: the modules that hold them are placed at their paths (shared, not copied), so what the
+    optimizer steps and a checkpoint saves are the stages' parameters, named as in the whole model."""
+    root = torch.nn.Module()
+    for part in parts:
+        for path, module in part.named_modules():
+            own = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+            if path and own:
+                *parents, leaf = path.split(".")
+                holder = root
+                for name in parents:
+                    if name not in holder._modules:
+                        holder.add_module(name, torch.nn.Module())
+                    holder = holder._modules[name]  # type: ignore[assignment]
+                holder.add_module(leaf, module)
+    return root
+
+
+def schedule_for(stages: List[Any], parallel: ModelParallel, loss_fn: Callable) -> Any:
+    """torch's schedule for ``stages`` (this rank's), microbatch losses averaged (scale_grads)."""
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    n = parallel.microbatch_count
+    if parallel.schedule == "interleaved-1f1b":
+        return ScheduleInterleaved1F1B(stages, n_microbatches=n, loss_fn=loss_fn)
+    single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[parallel.schedule]
+    return single(stages[0], n_microbatches=n, loss_fn=loss_fn)
+
+
+class PipelineStep:
+    """A batch through this rank's stages: the first stage feeds the inputs, the last computes each
+    microbatch's loss (and runs backward as the schedule goes), and every stage of the pipeline gets
+    the last stage's figures (one broadcast a step), so a non-finite loss stops them at the same step.
+
+    >>> step = PipelineStep(PlainStep(cfg, device, 0), schedule, first=True, last=False, pp=(group, 1))  # doctest: +SKIP
+    """
+
+    def __init__(self, plain: PlainStep, schedule: Any, first: bool, last: bool, pp: Tuple[Any, int]):
+        self.plain, self.schedule, self.first, self.last = plain, schedule, first, last
+        self.group, self.last_rank = pp  # the pipeline's process group; the global rank of its last stage
+        self.device = plain.device
+        self.output_shapes: Optional[List[List[int]]] = None
+        self.figures_now: Optional[torch.Tensor] = None
+
+    def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        cfg = self.plain.cfg
+        return losses.compute_loss(cfg.losses[0], out, losses.prepare_label(y, out, cfg.losses[0], False), None)
+
+    def __call__(self, model: Any, batch: Dict[str, Any], where: str, /) -> Outcome:
+        cfg = self.plain.cfg
+        args, _ = cfg.spec.model_args(batch)
+        inputs = tuple(a.to(self.device) for a in args) if self.first else ()
+        y = torch.as_tensor(batch[cfg.spec.labels[0]]).to(self.device)
+        microbatch_losses: List[torch.Tensor] = []
+        run = self.schedule.step if torch.is_grad_enabled() else self.schedule.eval
+        with self.plain.autocast():
+            out = run(*inputs, target=y if self.last else None, losses=microbatch_losses if self.last else None)
+        figures = torch.zeros(self.plain.width(), dtype=torch.float64, device=self.device)
+        total = torch.zeros((), device=self.device)
+        if self.last:
+            total = torch.stack([loss.detach().float() for loss in microbatch_losses]).mean()
+            ys = [losses.prepare_label(y, out, cfg.losses[0], self.plain.first)]
+            figures = self.plain.figures(total, [out], ys, [total])
+            self.plain.first = False
+        self._share(figures, out if self.last else None)
+        return total, [], [], []
+
+    def _share(self, figures: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(figures, src=self.last_rank, group=self.group)
+        self.figures_now = figures
+        if self.output_shapes is None:
+            shapes = [[list(out.shape[1:])] if out is not None else None]
+            dist.broadcast_object_list(shapes, src=self.last_rank, group=self.group)
+            self.output_shapes = shapes[0]
+
+    def width(self) -> int:
+        return self.plain.width()
+
+    def figures(self, total: torch.Tensor, heads: List[torch.Tensor], ys: List[torch.Tensor],
+                head_losses: List[torch.Tensor]) -> torch.Tensor:
+        assert self.figures_now is not None, "call the step first"
+        return self.figures_now
+
+    def backward(self, loss: torch.Tensor, /) -> None:
+        """Nothing: the schedule ran each microbatch's backward as it went."""
+
+    def optimizer(self, model: torch.nn.Module, given: Any, /) -> Any:
+        return self.plain.optimizer(model, given)
+
+    def fit_began(self, model: torch.nn.Module, /) -> None:
+        self.plain.fit_began(model)
+
+    def train_epoch_began(self, model: torch.nn.Module, /) -> None:
+        self.plain.train_epoch_began(model)
+
+    def train_epoch_ended(self, model: torch.nn.Module, /) -> Dict[str, float]:
+        return self.plain.train_epoch_ended(model)
+
+    def validation_began(self, model: torch.nn.Module, /) -> None:
+        self.plain.validation_began(model)
+
+    def validation_ended(self, model: torch.nn.Module, totals: torch.Tensor, /) -> Dict[str, float]:
+        return self.plain.validation_ended(model, totals)
+
+    def fit_ended(self, model: torch.nn.Module, /) -> None:
+        self.plain.fit_ended(model)
+
+
+def gather_full_state(model: torch.nn.Module, owner: bool) -> Optional[Dict[str, torch.Tensor]]:
+    """The whole model's state on rank 0's CPU: each pipeline's stages (their tensor-parallel and
+    sharded slices put together first) sent there by one rank per stage (``owner``)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mine = {k: v.detach().cpu() for k, v in state.items() if isinstance(v, torch.Tensor)} if owner else None
+    everyone: Optional[List[Any]] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    if everyone is None:
+        return None
+    whole: Dict[str, torch.Tensor] = {}
+    for part in everyone:
+        whole.update(part or {})
+    return whole
