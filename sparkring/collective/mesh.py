@@ -89,8 +89,17 @@ def _parallel_layout(size: int, dp: Optional[int], tp: int, pp: int) -> torch.Te
     if split:
         raise ValueError(f"device_mesh: tp={tp} must divide the ranks of every host (a tensor-parallel group never "
                          f"spans hosts), but host(s) {sorted(split)} have {sorted(set(split.values()))} rank(s)")
-    ordered = sorted(range(size), key=lambda r: places[r])
-    return torch.tensor(ordered).reshape(pp, dp, tp)
+    # hosts in the order of their first rank, each host's ranks in rank order: torch numbers a mesh
+    # dimension's process group in rank order, so every dimension must list its ranks ascending
+    first = {host: min(r for r in range(size) if places[r][0] == host) for host in per_host}
+    layout = torch.tensor(sorted(range(size), key=lambda r: (first[places[r][0]], r))).reshape(pp, dp, tp)
+    for dim, name in enumerate(("pp", "dp", "tp")):
+        rows = layout.movedim(dim, -1).reshape(-1, layout.shape[dim])
+        if any(row.tolist() != sorted(row.tolist()) for row in rows):
+            raise ValueError(f"device_mesh: the ranks' hosts ({[places[r][0] for r in range(size)]} by rank) give no "
+                             f"layout whose {name} groups run in rank order, which torch's process groups need; "
+                             "place consecutive ranks on one host (one task per slot, hosts filled in turn)")
+    return layout
 
 
 _runtime.on_new_ring(lambda _backend: _meshes.clear())

@@ -161,6 +161,9 @@ def check_model_parallel(est, launch_plan: LaunchPlan, lightning: bool, shape: t
         return
     what = " x ".join(f"{name}={value}" for name, value in (("tensorParallel", tp), ("pipelineParallel", pp))
                       if value > 1)
+    for refused, why in _model_parallel_refusals(est, lightning, shape):
+        if refused:
+            raise ConfigurationError(f"{what} {why}")
     num_proc = launch_plan.num_proc
     if num_proc % (tp * pp):
         raise ConfigurationError(f"{what} does not divide numProc={num_proc}: numProc must be a multiple of "
@@ -168,18 +171,18 @@ def check_model_parallel(est, launch_plan: LaunchPlan, lightning: bool, shape: t
     if not transport(launch_plan.backend).torch_distributed:
         raise ConfigurationError(f"{what} needs torch.distributed collectives (DTensor, point-to-point sends): use "
                                  "backend='gloo' or 'nccl', not 'mpi'")
-    for refused, why in _model_parallel_refusals(est, lightning):
-        if refused:
-            raise ConfigurationError(f"{what} {why}")
     if tp > 1 and not callable(est.getOrDefault("parallelizePlan")):
         _check_plan(est.getOrDefault("parallelizePlan"), shape, strict=pp == 1)
     if pp > 1:
         _check_pipeline(est, shape)
 
 
-def _model_parallel_refusals(est, lightning: bool) -> List[Tuple[bool, str]]:
-    pp = est.getOrDefault("pipelineParallel")
+def _model_parallel_refusals(est, lightning: bool, shape: torch.nn.Module) -> List[Tuple[bool, str]]:
+    tp, pp = est.getOrDefault("tensorParallel"), est.getOrDefault("pipelineParallel")
     return [
+        (tp > 1 and pp > 1 and not isinstance(shape, torch.nn.Sequential),
+         "needs an nn.Sequential model (its stages keep their modules; torch's tracer, which cuts other models, turns "
+         "them into InterpreterModules that tensor parallelism cannot split)"),
         (lightning, "does not train a LightningModule yet: drop it"),
         (est.getOrDefault("strategy") == "hsdp", "acts with strategy='ddp' or 'fsdp' across the groups, not 'hsdp'"),
         (isinstance(est.getOrDefault("optimizer"), torch.optim.Optimizer),
@@ -209,10 +212,6 @@ def _check_pipeline(est, shape: torch.nn.Module) -> None:
     parallel = ModelParallel(est.getOrDefault("tensorParallel"), None, est.getOrDefault("pipelineParallel"),
                              tuple(est.getOrDefault("pipelineSplit") or ()), est.getOrDefault("pipelineSchedule"),
                              est.getOrDefault("microbatches"))
-    if parallel.tensor_parallel > 1 and not isinstance(shape, torch.nn.Sequential):
-        raise ConfigurationError("tensorParallel with pipelineParallel needs an nn.Sequential model (its stages keep "
-                                 "their modules; torch's tracer, which cuts other models, turns them into "
-                                 "InterpreterModules that tensor parallelism cannot split)")
     split = parallel.pipeline_split
     if split and len(split) + 1 != parallel.stages:
         per_rank = f" ({parallel.stages_per_rank} stages per rank with {parallel.schedule})" \

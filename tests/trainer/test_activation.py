@@ -41,8 +41,8 @@ def test_checkpointing_blocks_keeps_fewer_activations_for_the_same_gradients():
 
 
 def test_an_unknown_mode_is_refused_by_the_param_table():
-    from sparkring.estimator.params import check_values
     from sparkring.errors import ConfigurationError
+    from sparkring.estimator.params import check_values
 
     with pytest.raises(ConfigurationError, match="activationCheckpointing='some': use one of 'none', 'full'"):
         check_values({"activationCheckpointing": "some"})

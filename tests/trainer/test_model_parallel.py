@@ -11,13 +11,14 @@ import torch
 
 from sparkring import ConfigurationError, SparkRingEstimator, Store, run
 
-
 PLAN = dict(parallelizePlan=P.MLP_PLAN)
 
 
 def _fit(df, store, **kw):
+    # keepData: every fit of a test reads the one prepared copy (a fit that does not keep it deletes
+    # it, and a cluster's next preparation may order the rows otherwise)
     params = dict(model=P.mlp(width=64), optimizer=P.adam, loss="cross_entropy", batchSize=16, epochs=2,
-                  store=store, verbose=0, seed=3)
+                  store=store, verbose=0, seed=3, keepData=True)
     params.update(kw)
     return SparkRingEstimator(**params).fit(df)
 
@@ -39,7 +40,7 @@ def one_rank_reference(_spark_sessions, tmp_path_factory):
     read the same rows, so the group is one data-parallel replica)."""
     store = Store(str(tmp_path_factory.mktemp("tp-ref")))
     df = H.classification_df(_spark_sessions.get("local"), n=192)
-    return df, store, _fit(df, store, numProc=1, runId="whole", keepData=True)
+    return df, store, _fit(df, store, numProc=1, runId="whole")
 
 
 def test_tensor_parallel_fit_on_two_ranks_trains_the_weights_of_one_rank_holding_half_each(one_rank_reference):
@@ -86,19 +87,27 @@ def test_a_checkpoint_resumes_at_another_layout_to_the_uninterrupted_weights(one
     _same_weights(whole, resumed)
 
 
-def test_tp2_by_dp2_on_two_hosts_trains_the_weights_of_two_whole_ranks_replicated_or_sharded_across_groups(
+def test_every_composition_on_two_hosts_trains_the_weights_of_the_ranks_that_read_as_many_rows(
         spark_hosts, tmp_path):
     df = H.classification_df(spark_hosts, n=192)
     store = Store(str(tmp_path / "store"))
-    whole = _fit(df, store, numProc=2, runId="dp2", keepData=True)
+    one, two = (_fit(df, store, numProc=n, runId=f"whole{n}") for n in (1, 2))
     full = sum(p.numel() for p in P.mlp(width=64)().parameters())
     halved = 8 * 64 + 64 + 64 * 64
-    # ddp across the groups keeps what tp left; fsdp halves it: a quarter of the split layers, half of the rest
-    for strategy, kept in (("ddp", full - halved / 2), ("fsdp", halved / 4 + (full - halved) / 2)):
-        split = _fit(df, store, numProc=4, tensorParallel=2, strategy=strategy, runId=f"tp2-{strategy}", **PLAN)
-        _same_weights(whole, split)
+    # (Params, the fit reading as many rows per step, what the largest rank keeps in parameters)
+    compositions = [
+        (dict(tensorParallel=2, strategy="ddp", **PLAN), two, full - halved / 2),
+        # fsdp across the groups halves what tp left: a quarter of the split layers, half of the rest
+        (dict(tensorParallel=2, strategy="fsdp", **PLAN), two, halved / 4 + (full - halved) / 2),
+        # stage 0 (layers 0-1: 576) and stage 1 (layers 2-4: 4160 + 195), each split over tp
+        (dict(pipelineParallel=2, pipelineSplit=["2"], tensorParallel=2, **PLAN), one, (64 * 64) / 2 + 64 + 195),
+        (dict(pipelineParallel=2, pipelineSplit=["2"], strategy="fsdp"), two, (4160 + 195) / 2),
+    ]
+    for params, same_rows, kept in compositions:
+        split = _fit(df, store, numProc=4, runId=f"composition{compositions.index((params, same_rows, kept))}", **params)
+        _same_weights(same_rows, split)
         for h in split.history:
-            assert h["state_bytes"] == pytest.approx(kept * 4 * 3, rel=0.05), strategy
+            assert h["state_bytes"] == pytest.approx(kept * 4 * 3, rel=0.05), params
 
 
 def test_a_tensor_parallel_group_is_consecutive_local_ranks_of_one_host():
@@ -114,19 +123,39 @@ def test_a_tensor_parallel_group_is_consecutive_local_ranks_of_one_host():
         assert r["dp_group"] == ([0, 1] if rank in (0, 1) else [2, 3])  # one rank of each host
 
 
-def test_a_llama_style_decoder_trains_under_the_default_plan_to_the_weights_of_one_rank(spark, tmp_path):
-    df = P.counting_sequences_df(spark)
-    store = Store(str(tmp_path / "store"))
-    kw = dict(model=P.tiny_decoder, batchSize=32, epochs=3, fsdpWrap=["Block"])
-    whole = _fit(df, store, numProc=1, runId="whole", keepData=True, **kw)
-    split = _fit(df, store, numProc=2, tensorParallel=2, runId="tp2", activationCheckpointing="selective", **kw)
+@pytest.fixture(scope="module")
+def decoder_reference(_spark_sessions, tmp_path_factory):
+    """The Llama-style decoder on one rank, with validation: what its split fits must train."""
+    df = P.counting_sequences_df(_spark_sessions.get("local"))
+    store = Store(str(tmp_path_factory.mktemp("decoder")))
+    return df, store, _fit(df, store, numProc=1, runId="whole", **DECODER)
+
+
+DECODER = dict(model=P.tiny_decoder, batchSize=32, epochs=3, fsdpWrap=["Block"], validation=0.25)
+
+
+def test_a_llama_style_decoder_trains_under_the_default_plan_to_the_weights_of_one_rank(decoder_reference):
+    df, store, whole = decoder_reference
+    split = _fit(df, store, numProc=2, tensorParallel=2, runId="tp2", activationCheckpointing="selective", **DECODER)
     _same_weights(whole, split)
     assert split.history[-1]["loss"] < split.history[0]["loss"] * 0.7
+    assert [h["val_loss"] for h in split.history] == pytest.approx([h["val_loss"] for h in whole.history], abs=1e-4)
     # attention and MLP projections split (q/k/v/gate/up by rows, o/down by columns), the rest whole
     model = P.tiny_decoder()
     total = sum(p.numel() for p in model.parameters())
     projections = sum(p.numel() for n, p in model.named_parameters() if "_proj" in n)
     assert split.history[-1]["state_bytes"] == pytest.approx((total - projections / 2) * 4 * 3, rel=0.02)
+
+
+def test_an_interleaved_pipeline_cut_by_torchs_tracer_trains_the_decoder_to_the_weights_of_one_rank(
+        decoder_reference):
+    df, store, whole = decoder_reference
+    # four stages, two per rank (stages 0 and 2 on one, 1 and 3 on the other), cut inside the model
+    piped = _fit(df, store, numProc=2, pipelineParallel=2, pipelineSchedule="interleaved-1f1b",
+                 pipelineSplit=["layers.0", "layers.1", "norm"], runId="pp2-interleaved", **DECODER)
+    _same_weights(whole, piped)
+    assert [h["val_loss"] for h in piped.history] == pytest.approx([h["val_loss"] for h in whole.history], abs=1e-4)
+    assert piped.transform(df.limit(4)).count() == 4
 
 
 def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_per_rank(spark):
@@ -153,8 +182,18 @@ def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_
     (dict(tensorParallel=2, precision="16-mixed", **PLAN), r"bf16-mixed"),
     (dict(**PLAN), r"parallelizePlan applies with tensorParallel > 1"),
     (dict(activationCheckpointing="some"), r"activationCheckpointing='some'"),
+    (dict(pipelineParallel=3), r"pipelineParallel=3 does not divide numProc=2"),
+    (dict(pipelineParallel=2, pipelineSplit=["2", "4"]), r"makes 2 stages, which begin at 1 split point\(s\), but "
+                                                         r"pipelineSplit names 2"),
+    (dict(pipelineParallel=2, pipelineSchedule="interleaved-1f1b"), r"3 block\(s\) that hold parameters, fewer than "
+                                                                    r"its 4 stages"),
+    (dict(pipelineParallel=2, pipelineSplit=["fc9"]), r"does not have: \['fc9'\]"),
+    (dict(pipelineParallel=2, microbatches=3), r"microbatches=3 does not divide batchSize=16"),
+    (dict(pipelineParallel=2, tensorParallel=2, model=P.tiny_decoder), r"needs an nn.Sequential model"),
+    (dict(microbatches=2), r"microbatches applies with pipelineParallel > 1"),
+    (dict(pipelineParallel=2, labelCol=["label", "id"]), r"trains one head"),
 ])
-def test_what_tensor_parallelism_cannot_run_is_refused_before_any_spark_job(spark, tmp_path, params, message):
+def test_what_model_parallelism_cannot_run_is_refused_before_any_spark_job(spark, tmp_path, params, message):
     df = H.classification_df(spark, n=64)
     jobs = spark.sparkContext.statusTracker().getJobIdsForGroup()
     with pytest.raises(ConfigurationError, match=message):
