@@ -11,6 +11,8 @@ import torch
 
 from sparkring import ConfigurationError, SparkRingEstimator, Store, run
 
+pytestmark = pytest.mark.slow  # real fits (module-scoped reference fits included)
+
 PLAN = dict(parallelizePlan=P.MLP_PLAN)
 
 
