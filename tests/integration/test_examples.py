@@ -13,6 +13,7 @@ from paths import ROOT
     ("recommender.py", ["--fast"], r"held-out AUC: model (0\.\d+), popularity baseline (0\.\d+)"),
     ("images.py", ["--fast"], r"PNG bytes decoded in transformFn: 0\.9[5-9]"),
     ("lightning_digits.py", ["--epochs", "7"], r"held-out accuracy: (0\.9[5-9]|1\.0)"),
+    ("model_parallel.py", ["--fast"], r"pipelineParallel=2: .*accuracy (0\.\d+) \(most common character: (0\.\d+)\)"),
 ])
 def test_examples_run_offline_and_meet_their_goals(script, args, goal, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], capture_output=True,
@@ -23,3 +24,8 @@ def test_examples_run_offline_and_meet_their_goals(script, args, goal, tmp_path)
     if script == "recommender.py":  # its goal: the model ranks held-out clicks better than item popularity
         model_auc, baseline_auc = float(found.group(1)), float(found.group(2))
         assert model_auc > baseline_auc + 0.03, found.group(0)
+    if script == "model_parallel.py":  # both layouts train one model: beats always guessing the commonest
+        accuracy, common = float(found.group(1)), float(found.group(2))
+        assert accuracy > common + 0.05, found.group(0)
+        tp, pp = re.findall(r"training loss by epoch ([\d. ]+);", proc.stdout)
+        assert tp == pp  # the same weights, split two ways
