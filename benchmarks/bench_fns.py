@@ -623,3 +623,38 @@ def elastic_steps(stamps: str, steps: int = 4000):
                 time.sleep(0.005)
     train(state)
     return state.step
+
+
+def _tp_plan(layers):
+    """The layer stack's Linears in colwise/rowwise pairs (the last, odd one stays whole)."""
+    linears = [str(2 * i) for i in range(layers + 1)]
+    return {name: ("colwise" if i % 2 == 0 else "rowwise") for i, name in enumerate(linears[:layers - layers % 2])}
+
+
+def tp_parquet_training(files, epochs, batch_size, lr, width, layers, checkpoint_dir):
+    """Hand-written tensor parallelism under TorchDistributor: every rank of the group reads the same
+    rows (pyarrow), parallelize_module splits the Linears in colwise/rowwise pairs, Adam, a DCP
+    checkpoint after every epoch (what fit(tensorParallel=2) does)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    x, y, steps = _rank_rows([files] * size, batch_size)
+    mesh = init_device_mesh("cpu", (size,))
+    torch.manual_seed(0)
+    model = _layer_stack(x.shape[1], width, layers, 10)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, mesh, {name: styles[s]() for name, s in _tp_plan(layers).items()})
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        torch.manual_seed(epoch)  # the group's ranks take the same rows in the same order
+        _shuffled_epoch(model, opt, x, y, steps, batch_size)
+        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                 checkpoint_id=f"{checkpoint_dir}/epoch-{epoch}")
+    dist.destroy_process_group()
+    return steps * batch_size * epochs

@@ -529,6 +529,58 @@ def bench_sharding(spark, rows, reps, tmp, n=100_000):
                     f"sync {times['sync']:.2f} s", times["sync"] / times["async"], "> 1.0x", goal_value=1.0))
 
 
+def bench_model_parallel(spark, rows, reps, tmp, n=50_000):
+    """Model parallelism: fit(tensorParallel=2) against the same tensor parallelism written by hand
+    under Spark's TorchDistributor; a pipeline's 1F1B against GPipe; what each layout keeps per rank."""
+    import torch
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.torch.distributor import TorchDistributor
+
+    from sparkring import SparkRingEstimator, Store
+
+    src = os.path.join(tmp, "mp_source")
+    _vector_df(spark, n).write.mode("overwrite").parquet(src)
+    df = spark.read.parquet(src)
+    epochs, bs, lr, width, layers = 2, 256, 1e-3, 512, 4
+    model = lambda: bench_fns._layer_stack(64, width, layers, 10)  # noqa: E731
+    plan = bench_fns._tp_plan(layers)
+
+    def fit(**layout):
+        return SparkRingEstimator(model=model, optimizer=lambda p: torch.optim.Adam(p, lr=lr), loss="cross_entropy",
+                                  batchSize=bs, epochs=epochs, numProc=2, verbose=0,
+                                  store=Store(os.path.join(tmp, f"mp_store_{time.monotonic_ns()}")), **layout).fit(df)
+
+    def baseline():
+        path = os.path.join(tmp, "mp_parquet")
+        df.select(vector_to_array("features", "float32").alias("features"), "label") \
+            .write.mode("overwrite").parquet(path)
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".parquet"))
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
+            bench_fns.tp_parquet_training, files, epochs, bs, lr, width, layers,
+            os.path.join(tmp, f"mp_ckpt_{time.monotonic_ns()}"))
+
+    t_ours, t_td = alternate(lambda: fit(tensorParallel=2, parallelizePlan=plan), baseline, reps)
+    sps = lambda t: n * epochs / t  # noqa: E731
+    rows.append(Row("model parallel", f"fit(tensorParallel=2) throughput, {n // 1000}k rows x 64, {layers}-layer MLP "
+                    f"(width {width}) in colwise/rowwise pairs, 2 ranks (one tp group), {epochs} epochs, a DCP "
+                    "checkpoint per epoch (whole fit)", f"{sps(t_ours):,.0f} samples/s",
+                    f"TorchDistributor + hand-written parallelize_module + DCP + pyarrow {sps(t_td):,.0f} samples/s",
+                    t_td / t_ours, ">= 1.0x", goal_value=1.0))
+    t_1f1b, t_gpipe = alternate(lambda: fit(pipelineParallel=2, pipelineSchedule="1f1b", microbatches=4),
+                                lambda: fit(pipelineParallel=2, pipelineSchedule="gpipe", microbatches=4), reps)
+    rows.append(Row("model parallel", f"fit(pipelineParallel=2) throughput, 1F1B vs GPipe, 4 microbatches of "
+                    f"{bs // 4} rows (same model and rows; CPU ranks: the bubble is the same, 1F1B keeps fewer "
+                    "microbatches' activations)", f"1f1b {sps(t_1f1b):,.0f} samples/s", f"gpipe {sps(t_gpipe):,.0f} "
+                    "samples/s", t_gpipe / t_1f1b, "(reference)"))
+    kept = {name: fit(**layout).history[-1]["state_bytes"] for name, layout in (
+        ("ddp", {}), ("fsdp", dict(strategy="fsdp")), ("tp2", dict(tensorParallel=2, parallelizePlan=plan)),
+        ("pp2", dict(pipelineParallel=2)))}
+    for name in ("fsdp", "tp2", "pp2"):
+        rows.append(Row("model parallel", f"parameters + Adam state kept by the largest rank, {name} vs ddp, 2 ranks "
+                        f"({layers}-layer MLP, width {width}; storage bytes)", f"{name} {kept[name] / 1e6:.2f} MB",
+                        f"ddp {kept['ddp'] / 1e6:.2f} MB", kept["ddp"] / kept[name], "~2x (half per rank)"))
+
+
 def bench_transform(spark, rows, reps, tmp):
     import numpy as np
     import torch
@@ -592,7 +644,7 @@ def bench_transform(spark, rows, reps, tmp):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,speed,sharding,"
-                                          "transform,shm,versions,connect")
+                                          "model_parallel,transform,shm,versions,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -613,7 +665,7 @@ def main():
         all_rows = []
         for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                      "versions", "inputs",
-                     "training", "speed", "sharding", "elastic", "transform"):
+                     "training", "speed", "sharding", "model_parallel", "elastic", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -687,6 +739,11 @@ def main():
             rows = []
             bench_sharding(spark, rows, max(1, args.reps - 1), tmp)
             done("sharding", rows)
+        if "model_parallel" in only:
+            print("== model_parallel", flush=True)
+            rows = []
+            bench_model_parallel(spark, rows, max(1, args.reps - 1), tmp)
+            done("model_parallel", rows)
         if "elastic" in only:
             from bench_elastic import bench_elastic
 

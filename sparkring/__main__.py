@@ -14,6 +14,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run SCRIPT on -np ranks")
     r.add_argument("-np", "--num-proc", type=int, default=None, help="number of ranks (default: all task slots)")
+    hosts = r.add_mutually_exclusive_group()
+    hosts.add_argument("-H", "--hosts", default=None,
+                       help="horovodrun's host list, host:slots,... (one host: that many local ranks; several: "
+                            "executors on those hosts, --master)")
+    hosts.add_argument("--hostfile", default=None, help="horovodrun's hostfile: 'host slots=N' per line")
     r.add_argument("--master", default=None, help="Spark master when no session exists (default: local[NP])")
     r.add_argument("--remote", default=None,
                    help="Spark Connect URL, e.g. sc://host:15002 (default: $SPARK_REMOTE when set)")
@@ -80,23 +85,56 @@ def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[st
     return builder.getOrCreate(), True
 
 
+INTERPRETERS = ("python", "python3")
+
+
+def _without_interpreter(script: str, script_args: List[str]) -> tuple:
+    """``horovodrun ... python train.py``'s leading interpreter word dropped: the ranks run the
+    script with this interpreter (PYSPARK_PYTHON's) anyway.
+
+    >>> _without_interpreter("python", ["train.py", "--lr", "0.1"])
+    ('train.py', ['--lr', '0.1'])
+    """
+    words = set(INTERPRETERS) | {os.path.basename(sys.executable)}
+    if (os.path.basename(script) in words or script == sys.executable) and script_args:
+        return script_args[0], list(script_args[1:])
+    return script, list(script_args)
+
+
+def _host_list(args):
+    from sparkring.runner.driver.horovod_launch import parse_hosts, read_hostfile
+
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    return read_hostfile(args.hostfile) if args.hostfile else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
+    from sparkring.runner.driver.horovod_launch import ranks_from_hosts
     from sparkring.runner.driver.launch import launch_elastic
     from sparkring.runner.driver.plan import CLI_NAMES, check_timeouts
     from sparkring.runner.driver.script import ScriptMain
+    from sparkring.runner.driver.session import session_facts
 
     try:  # mistakes in the command line fail before a Spark session starts
         check_timeouts(args.timeout, args.start_timeout, CLI_NAMES)
-        script = ScriptMain(args.script, args.script_args)
+        script_path, script_args = _without_interpreter(args.script, args.script_args)
+        script = ScriptMain(script_path, script_args)
+        host_list = _host_list(args)
     except ConfigurationError as e:
         print(f"sparkring: {e}", file=sys.stderr)
         return 2
+    if host_list is not None and args.num_proc is None:
+        args.num_proc = sum(h.slots for h in host_list)
     spark, owned = _session(args.master, args.num_proc, args.remote)
     try:
+        if host_list is not None:
+            facts = session_facts(spark)
+            args.num_proc = ranks_from_hosts(host_list, args.num_proc, facts.single_host, facts.slots)
         launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
                            stream=args.stream, names=CLI_NAMES, registration_wait=args.start_timeout)
         if args.min_np is None:

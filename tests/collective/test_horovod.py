@@ -105,6 +105,24 @@ def test_horovod_mnist_script_runs_on_spark_with_only_its_import_changed_and_res
     assert os.path.getsize(tmp_path / "checkpoint-3.pt") > 10_000
 
 
+def test_horovods_own_mnist_example_trains_through_both_of_its_launch_lines(tmp_path):
+    """examples/pytorch/pytorch_mnist.py from Horovod, its import lines swapped: the seeds'
+    ``horovodrun -np 2 -H localhost:2 python train.py`` line and the script's own ``--num-proc``
+    path (horovod.run(main, args=..., np=..., hosts=..., use_gloo=..., use_mpi=...))."""
+    folder = os.path.join(ROOT, "tests", "horovod_examples")
+    script = os.path.join(folder, "pytorch_mnist.py")
+    env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
+               PYTHONPATH=os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")]), HOME=str(tmp_path))
+    lines = {"horovodrun": [sys.executable, "-m", "sparkring", "run", "-np", "2", "-H", "localhost:2", "python", script],
+             "--num-proc": [sys.executable, script, "--num-proc", "2", "--communication", "gloo"]}
+    for name, line in lines.items():
+        proc = subprocess.run(line + ["--epochs", "2", "--data-dir", str(tmp_path)], capture_output=True, text=True,
+                              env=env, timeout=300, cwd=tmp_path)
+        assert proc.returncode == 0, name + proc.stdout[-2000:] + proc.stderr[-3000:]
+        accuracy = [float(a) for a in re.findall(r"Accuracy: ([0-9.]+)%", proc.stdout)]
+        assert len(accuracy) == 2 and accuracy[-1] > 50, (name, proc.stdout[-2000:])
+
+
 def test_join_lets_ranks_with_uneven_steps_finish_with_horovods_semantics():
     steps = (2, 4, 6)
     results = _spawn_ranks("join_with_uneven_steps", 3, steps_by_rank=steps)

@@ -124,3 +124,11 @@ def test_a_ddp_model_dropped_right_after_destroy_process_group_never_hangs_the_r
     assert "all returned" in proc.stdout
     threads = int(proc.stdout.rsplit(":", 1)[1])  # each kept Gloo group holds 3 threads: 40 would be 120+
     assert threads < 30, proc.stdout
+
+
+def test_torch_distributor_says_its_input_params_and_refuses_gpus_without_the_task_conf(spark):
+    d = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)
+    assert d.input_params == {"num_processes": 2, "local_mode": False, "use_gpu": False, "num_tasks": 2}
+    assert spark.conf.get("spark.task.resource.gpu.amount", None) is None
+    with pytest.raises(RuntimeError, match="'spark.task.resource.gpu.amount' was unset"):
+        TorchDistributor(num_processes=2, local_mode=False, use_gpu=True)

@@ -51,6 +51,21 @@ class TorchDistributor:
         self.spark = spark
         if local_mode:
             local_backend(num_processes, use_gpu)  # refuses, before any process starts, what it cannot run
+        self.num_tasks = self._num_tasks()
+        self.input_params = {"num_processes": num_processes, "local_mode": local_mode, "use_gpu": use_gpu,
+                             "num_tasks": self.num_tasks}
+
+    def _num_tasks(self) -> int:
+        """Spark's rule: on a cluster with GPUs, one task holds spark.task.resource.gpu.amount of
+        them, so num_processes / that many tasks (refused, naming the conf, where it is unset)."""
+        if not self.use_gpu or self.local_mode:
+            return self.num_processes
+        key = "spark.task.resource.gpu.amount"
+        amount = float((self.spark or active_spark()).conf.get(key, "0") or 0)
+        if amount < 1:
+            raise RuntimeError(f"'{key}' was unset, so gpu usage is unavailable: set it (GPUs per task) on the "
+                               "session, or pass use_gpu=False")
+        return -(-self.num_processes // int(amount))
 
     def run(self, train_object: Union[Callable[..., Any], str], *args: Any, **kwargs: Any) -> Optional[Any]:
         """Run ``train_object`` on every process; rank 0's return value for a function, None

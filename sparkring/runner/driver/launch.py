@@ -21,11 +21,12 @@ from ..channel import DriverChannel
 from ..protocol import Abort, TaskSpec
 from ..versions import package_versions
 from .elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
+from .horovod_launch import parse_hosts, ranks_from_hosts, translate_run_keywords
 from .ledger import RunLedger
 from .outcome import raise_for_outcome
 from .plan import RUN_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
 from .script import ScriptMain
-from .session import JobTag, release_barrier_timer_at_exit, wait_for_slots
+from .session import JobTag, release_barrier_timer_at_exit, session_facts, wait_for_slots
 from .stage import Stage
 from .watch import Watch
 
@@ -48,7 +49,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         start_timeout: float = 120, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
         spark=None, shared_memory: bool = True, min_proc: Optional[int] = None, max_restarts: int = 3,
-        elastic_dir: Optional[str] = None) -> List[Any]:
+        elastic_dir: Optional[str] = None, **horovod_names: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
 
@@ -68,6 +69,11 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     executor reaches; a temporary one on this machine by default, where every task runs here).
     The results are those of the last launch's ranks.
 
+    Horovod's ``horovod.run()`` keywords are accepted too, so its examples' ``--num-proc`` paths run
+    as written: ``np`` (num_proc), ``min_np`` (min_proc), ``max_np`` (the elastic target, num_proc;
+    ``np`` then is min_proc unless ``min_np`` says), ``use_gloo``/``use_mpi`` (backend), ``verbose``
+    and ``hosts`` ("localhost:4": that many ranks; several hosts need a cluster on them).
+
     >>> import sparkring.collective as sr
     >>> def fn():
     ...     return sr.allreduce(torch.tensor([sr.rank()], dtype=torch.float32)).item()
@@ -80,6 +86,13 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     elif not callable(fn):
         raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
     spark = spark or active_spark()
+    if horovod_names:
+        ours = translate_run_keywords(horovod_names, dict(num_proc=num_proc, min_proc=min_proc, backend=backend,
+                                                          verbose=verbose))
+        num_proc, min_proc, backend, verbose = ours["num_proc"], ours["min_proc"], ours["backend"], ours["verbose"]
+        if horovod_names.get("hosts"):
+            facts = session_facts(spark)
+            num_proc = ranks_from_hosts(parse_hosts(horovod_names["hosts"]), num_proc, facts.single_host, facts.slots)
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
                        names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout)
     given = env or {}
