@@ -111,6 +111,10 @@ def test_horovods_own_mnist_example_trains_through_both_of_its_launch_lines(tmp_
     path (horovod.run(main, args=..., np=..., hosts=..., use_gloo=..., use_mpi=...))."""
     folder = os.path.join(ROOT, "tests", "horovod_examples")
     script = os.path.join(folder, "pytorch_mnist.py")
+    code = open(script).read().split("\n", 2)[2]  # below the two lines saying where it comes from
+    assert [line for line in code.splitlines() if "sparkring" in line] == [
+        "import sparkring as horovod  # was: import horovod",
+        "import sparkring.collective as hvd  # was: import horovod.torch as hvd"]
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")]), HOME=str(tmp_path))
     lines = {"horovodrun": [sys.executable, "-m", "sparkring", "run", "-np", "2", "-H", "localhost:2", "python", script],

@@ -2,6 +2,7 @@
 # written except its two horovod import lines; torchvision here is the test's offline stand-in.
 import argparse
 import os
+from packaging import version
 
 import torch.multiprocessing as mp
 import torch.nn as nn
@@ -9,7 +10,6 @@ import torch.nn.functional as F
 import torch.optim as optim
 import torch.utils.data.distributed
 from filelock import FileLock
-from packaging import version
 from torchvision import datasets, transforms
 
 import sparkring as horovod  # was: import horovod
