@@ -128,14 +128,6 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
 
-def grads_finite(model: torch.nn.Module) -> bool:
-    """Whether every rank's shards of every gradient are finite (the same answer on every rank)."""
-    sums = [p.grad.to_local().detach().float().abs().sum() if hasattr(p.grad, "to_local")
-            else p.grad.detach().float().abs().sum() for p in model.parameters() if p.grad is not None]
-    bad = 0.0 if not sums or bool(torch.isfinite(torch.stack(sums).sum())) else 1.0
-    return sr.allreduce(torch.tensor([bad]), op=sr.Max).item() == 0.0
-
-
 # -- checkpoints ------------------------------------------------------------------------------
 
 def _storage(store, path: str, writing: bool):

@@ -14,7 +14,7 @@ import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints, fsdp, pipeline, tensor_parallel
+from . import checkpoints, fsdp, gradients, pipeline, tensor_parallel
 from .activation import checkpoint_activations
 from .batches import run_batches
 from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
@@ -113,23 +113,6 @@ def scaled_update(opt: Any, scaler: torch.amp.GradScaler) -> int:
     return int(scaler.get_scale() < before)
 
 
-def grads_finite(model: torch.nn.Module) -> bool:
-    """Whether every gradient this rank holds is finite (one host sync for the whole model).
-
-    >>> m = torch.nn.Linear(2, 1); m(torch.ones(1, 2)).sum().backward(); grads_finite(m)
-    True
-    """
-    sums = []
-    for p in model.parameters():
-        g = p.grad
-        if g is None:
-            continue
-        if g.is_sparse:
-            g = g.coalesce().values()
-        sums.append(g.detach().float().abs().sum())
-    return not sums or bool(torch.isfinite(torch.stack(sums).sum()))
-
-
 class Replicated(Placement):
     """Every rank holds the whole model; DistributedOptimizer allreduces the gradients in
     buckets; rank 0 writes a checkpoint as one file and keeps the fitted state."""
@@ -186,7 +169,7 @@ class Replicated(Placement):
             return scaled_update(opt, scaler)
         opt.synchronize()
         # the reduced gradients are the same on every rank: so is the decision to skip
-        if skip_non_finite and not grads_finite(model):
+        if skip_non_finite and not gradients.finite_here(model):
             return 1
         with opt.skip_synchronize():
             opt.step()
@@ -237,7 +220,7 @@ class Sharded(Placement):
 
     def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
-        if skip_non_finite and not fsdp.grads_finite(model):
+        if skip_non_finite and not gradients.finite_everywhere(model):
             return 1
         opt.step()
         return 0
@@ -286,7 +269,7 @@ class TensorParallel(Sharded):
     def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if not self.sharding.sharded:
-            average_over(model, self.mesh["dp"])
+            gradients.average_over(model, self.mesh["dp"])
         return super().update(opt, model, skip_non_finite, scaler)
 
     def data_rank(self) -> int:
@@ -352,28 +335,6 @@ class Pipelined(TensorParallel):
         self.finish()
         owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
         return pipeline.gather_full_state(model, owner)
-
-
-def average_over(model: torch.nn.Module, dp_mesh: Any) -> None:
-    """Average every gradient's local part over the data-parallel ranks (one allreduce per dtype):
-    the ranks at one tp position hold the same slice, so the local parts line up."""
-    import torch.distributed as dist
-
-    if dp_mesh.size() == 1:
-        return
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-             for p in model.parameters() if p.grad is not None]
-    by_dtype: Dict[torch.dtype, list] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=dp_mesh.get_group())
-        flat /= dp_mesh.size()
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 def placement_for(cfg: TrainConfig) -> Placement:
