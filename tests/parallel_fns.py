@@ -155,3 +155,24 @@ def counting_sequences_df(spark, n=256, length=8, vocab=16, seed=0):
     rows = [(i, Vectors.dense([(s + k) % vocab for k in range(length)]), float((s + length) % vocab))
             for i, s in enumerate(starts.tolist())]
     return spark.createDataFrame(rows, ["id", "features", "label"]).repartition(2, "id")
+
+
+class NaNAtCall(torch.nn.Module):
+    """No parameters: its input, turned NaN at the given forward calls (0-based, training only)."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls, self.n = set(calls), 0
+
+    def forward(self, x):
+        if self.training:
+            x = x * float("nan") if self.n in self.calls else x
+            self.n += 1
+        return x
+
+
+def mlp_nan_at(calls):
+    """mlp() whose output (computed by a pipeline's last stage) turns NaN at ``calls``."""
+    def build():
+        return torch.nn.Sequential(*mlp(width=64)(), NaNAtCall(calls))
+    return build

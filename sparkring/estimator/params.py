@@ -244,8 +244,8 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("timeline", "str | None", None, "write a Chrome-trace JSON of every rank's spans (start-up, data wait, "
               "forward, backward, each gradient allreduce with its bytes, optimizer step, checkpoint, validation) "
               "to this path on the driver; open it in Perfetto or chrome://tracing", _to_optional_string),
-    ParamSpec("startTimeout", "float", 120.0, "seconds the ranks have to start (and an elastic fit waits for numProc "
-              "slots before going on with fewer)", TypeConverters.toFloat),
+    ParamSpec("startTimeout", "float", 120.0, "seconds the ranks have to start (and an elastic fit that lost ranks "
+              "waits for minProc slots; with at least minProc it goes on at once)", TypeConverters.toFloat),
     ParamSpec("minProc", "int | None", None, "elastic fit: when ranks are lost, go on with as few as this many "
               "(default: numProc, no shrinking); batches stay batchSize x numProc rows, so the result does not "
               "depend on how many ranks trained", _to_optional_int, minimum=1),

@@ -73,10 +73,21 @@ def test_a_two_stage_pipeline_trains_the_weights_of_one_rank_holding_its_stage(o
         assert h["state_bytes"] < w["state_bytes"]
 
 
+def test_a_non_finite_loss_on_the_last_stage_stops_every_stage_at_that_step(one_rank_reference):
+    from sparkring import TrainingError
+
+    df, store, _ = one_rank_reference
+    # two microbatches a step: the last stage's 7th forward call is step 3's second microbatch
+    with pytest.raises(TrainingError, match=r"non-finite loss nan at epoch 0, step 3 on rank [01]"):
+        _fit(df, store, numProc=2, pipelineParallel=2, pipelineSplit=["2"], model=P.mlp_nan_at([7]), runId="pp-nan",
+             timeout=60)
+
+
 @pytest.mark.parametrize("first, then", [
     (dict(numProc=2, tensorParallel=2, **PLAN), dict(numProc=1)),                        # DCP -> one file
     (dict(numProc=1), dict(numProc=2, tensorParallel=2, strategy="fsdp", **PLAN)),       # one file -> DCP shards
-], ids=["tp2-then-whole", "whole-then-tp2-fsdp"])
+    (dict(numProc=2, pipelineParallel=2), dict(numProc=2, tensorParallel=2, **PLAN)),    # stages -> tp slices
+], ids=["tp2-then-whole", "whole-then-tp2-fsdp", "pp2-then-tp2"])
 def test_a_checkpoint_resumes_at_another_layout_to_the_uninterrupted_weights(one_rank_reference, first, then):
     df, store, whole = one_rank_reference
     run_id = "layout-" + "-".join(f"{k}{v}" for k, v in sorted(first.items()) if k != "parallelizePlan")

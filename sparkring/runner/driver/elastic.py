@@ -1,5 +1,5 @@
 """The driver's elastic loop, shared by run(min_proc=...) and an elastic fit(): launch; when
-ranks are lost, launch again from the last checkpoint or commit with the slots the cluster
+ranks are lost, launch again at once from the last checkpoint or commit with the slots the cluster
 offers (at least min_proc); while fewer ranks than wanted run, watch for the slots to come back
 and for executors being decommissioned, and ask the ranks to stop (``StopRequest``) so the next
 launch has the ranks there are.
@@ -150,8 +150,8 @@ class ElasticPolicy:
 
 def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, request: StopRequest) -> List[Any]:
     """Launch; when ranks are lost (a rank failed or did not start, an executor was lost), launch
-    again with ``min(target, the slots the cluster offers within start_timeout)`` ranks, as the
-    policy decides; fewer slots than ``min_size``: RankTimeoutError. Ranks the driver asked to
+    again at once with ``min(target, the slots the cluster offers)`` ranks, as the policy decides
+    (waiting up to start_timeout only while fewer than ``min_size`` are there: then RankTimeoutError). Ranks the driver asked to
     stop end paused: the run goes on with more ranks (the slots came back), or at once with the
     slots left (an executor decommissioned). The console line says where the next launch starts
     ("lost rank 2 (executor 10.0.0.7:41113): going on with 2 of 3 ranks from step 138 of epoch 2").
@@ -184,9 +184,11 @@ def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, r
 
 
 def _size_for_next_launch(spark, how: ElasticLaunch, cause: str, lost: Optional[BaseException], wait: bool) -> int:
-    """The slots the cluster offers within start_timeout (at once after a decommission: that
-    executor is not coming back), at most the target; fewer than min_size: RankTimeoutError."""
-    wait_for_slots(spark, how.target_size, how.start_timeout if wait else 0.0)
+    """The slots the cluster offers now, at most the target: a loss for good costs no wait (the
+    watcher grows the run back when the slots return, as for a start with fewer); only fewer than
+    min_size waits, up to start_timeout (not at all after a decommission: that executor is not
+    coming back), then raises RankTimeoutError."""
+    wait_for_slots(spark, how.min_size, how.start_timeout if wait else 0.0)
     slots = registered_slots(spark)
     size = how.target_size if slots is None else min(slots, how.target_size)  # None: the launch finds out
     if size < how.min_size:
