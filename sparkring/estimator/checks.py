@@ -250,6 +250,9 @@ def check_training(est, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:
             raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
                                      "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
     check_timeouts(est.getOrDefault("timeout"), None, ESTIMATOR_NAMES)
+    clip = est.getOrDefault("gradientClipNorm")
+    if clip is not None and not clip > 0:
+        raise ConfigurationError(f"gradientClipNorm={clip}: give a positive norm (e.g. 1.0), or leave it unset")
     # what ships to the ranks, checked here so that a lock or an open file in the model
     # is named before the data is written
     check_picklable({name: est.getOrDefault(name) for name in OBJECT_PARAMS

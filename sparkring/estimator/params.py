@@ -74,6 +74,10 @@ def _to_optional_int(value: Any):
     return None if value is None else TypeConverters.toInt(value)
 
 
+def _to_optional_float(value: Any):
+    return None if value is None else TypeConverters.toFloat(value)
+
+
 def _to_optional_names(value: Any):
     if value is None:
         return None
@@ -200,6 +204,9 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "backward instead of keeping them) | selective (every other block); blocks are fsdpWrap's units "
               "(default: every layer of the model's top-level children that holds parameters); any strategy",
               TypeConverters.toString, choices=ACTIVATION_MODES),
+    ParamSpec("gradientClipNorm", "float | None", None, "clip the gradients' global 2-norm to this before each step "
+              "(the norm over every rank's part: tensor-parallel slices, fsdp shards, pipeline stages; after "
+              "16-mixed's unscaling)", _to_optional_float, field="gradient_clip_norm"),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
               TypeConverters.toInt, minimum=1, field="backward_passes_per_step"),
     ParamSpec("compile", "bool | dict", False, "torch.compile each rank's module (True, or a dict of torch.compile "

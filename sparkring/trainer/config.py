@@ -144,6 +144,7 @@ class TrainConfig:
     reader: str = "arrow"             # data.READERS
     multi_head: bool = False
     skip_non_finite: bool = False
+    gradient_clip_norm: Optional[float] = None  # the gradients' global norm at most this before each step
     lightning: bool = False           # model is a LightningModule (trainer.lightning)
     sharding: Sharding = field(default_factory=Sharding)
     parallel: ModelParallel = field(default_factory=ModelParallel)

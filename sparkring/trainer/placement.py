@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -34,6 +34,7 @@ class Placement:
     """
 
     sharded = False
+    clip: Optional[float] = None  # gradientClipNorm (placement_for sets it)
 
     def __init__(self, store: Any, run_id: str):
         self.store, self.run_id = store, run_id
@@ -59,6 +60,15 @@ class Placement:
     def blocked_seconds(self, opt: Any) -> float:
         """Seconds blocked in gradient exchanges so far (counted apart from compute)."""
         return 0.0
+
+    def clip_gradients(self, model: torch.nn.Module) -> None:
+        """Clip the gradients' global norm to gradientClipNorm, where set (every rank alike)."""
+        if self.clip is not None:
+            gradients.clip_norm(model, self.clip, self.norm_group())
+
+    def norm_group(self) -> Any:
+        """The process group whose ranks hold other parameters than this rank's DTensors say (a pipeline's)."""
+        return None
 
     def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
         """A checkpoint at the position ``state`` holds (its "epoch" and "step")."""
@@ -97,15 +107,16 @@ def whole_model(model: ModelOrFactory, device: torch.device, seed: int) -> torch
     return model.to(device)
 
 
-def scaled_update(opt: Any, scaler: torch.amp.GradScaler) -> int:
-    """16-mixed: unscale the reduced gradients, step unless they overflowed; the reduced
-    gradients are the same on every rank, so is the decision. 1 where the step was skipped.
+def scaled_update(opt: Any, scaler: torch.amp.GradScaler, clip: Callable[[], None] = lambda: None) -> int:
+    """16-mixed: unscale the reduced gradients, clip them where asked, step unless they overflowed;
+    the reduced gradients are the same on every rank, so is the decision. 1 where the step was skipped.
 
     >>> scaled_update(distributed_optimizer, torch.amp.GradScaler("cpu"))  # doctest: +SKIP
     0
     """
     opt.synchronize()
     scaler.unscale_(opt)
+    clip()
     before = scaler.get_scale()
     with opt.skip_synchronize():
         scaler.step(opt)
@@ -166,11 +177,12 @@ class Replicated(Placement):
     def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if scaler is not None:
-            return scaled_update(opt, scaler)
+            return scaled_update(opt, scaler, lambda: self.clip_gradients(model))
         opt.synchronize()
         # the reduced gradients are the same on every rank: so is the decision to skip
         if skip_non_finite and not gradients.finite_here(model):
             return 1
+        self.clip_gradients(model)
         with opt.skip_synchronize():
             opt.step()
         return 0
@@ -222,6 +234,7 @@ class Sharded(Placement):
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if skip_non_finite and not gradients.finite_everywhere(model):
             return 1
+        self.clip_gradients(model)
         opt.step()
         return 0
 
@@ -331,6 +344,9 @@ class Pipelined(TensorParallel):
         step.schedule = pipeline.schedule_for(self.stages, self.parallel, step.loss)
         return step
 
+    def norm_group(self) -> Any:
+        return self.mesh["pp"].get_group()
+
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         self.finish()
         owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
@@ -343,10 +359,14 @@ def placement_for(cfg: TrainConfig) -> Placement:
     >>> type(placement_for(cfg)).__name__  # strategy="fsdp"  # doctest: +SKIP
     'Sharded'
     """
+    placement: Placement
     if cfg.parallel.pipeline_parallel > 1:
-        return Pipelined(cfg)
-    if cfg.parallel.enabled:
-        return TensorParallel(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
-    if cfg.sharding.sharded:
-        return Sharded(cfg.store, cfg.run_id, cfg.sharding)
-    return Replicated(cfg.store, cfg.run_id, cfg.compression, cfg.backward_passes_per_step, cfg.sharding)
+        placement = Pipelined(cfg)
+    elif cfg.parallel.enabled:
+        placement = TensorParallel(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
+    elif cfg.sharding.sharded:
+        placement = Sharded(cfg.store, cfg.run_id, cfg.sharding)
+    else:
+        placement = Replicated(cfg.store, cfg.run_id, cfg.compression, cfg.backward_passes_per_step, cfg.sharding)
+    placement.clip = cfg.gradient_clip_norm
+    return placement

@@ -73,6 +73,16 @@ def test_a_two_stage_pipeline_trains_the_weights_of_one_rank_holding_its_stage(o
         assert h["state_bytes"] < w["state_bytes"]
 
 
+def test_gradient_clipping_clips_the_norm_over_every_ranks_slices_and_stages(one_rank_reference):
+    df, store, unclipped = one_rank_reference
+    clip = dict(gradientClipNorm=0.05)
+    whole = _fit(df, store, numProc=1, runId="clip-whole", **clip)
+    with pytest.raises(AssertionError):
+        _same_weights(unclipped, whole)  # the clip bites
+    for layout in (dict(tensorParallel=2, strategy="fsdp", **PLAN), dict(pipelineParallel=2, pipelineSplit=["2"])):
+        _same_weights(whole, _fit(df, store, numProc=2, runId=f"clip-{len(layout)}", **clip, **layout))
+
+
 def test_a_non_finite_loss_on_the_last_stage_stops_every_stage_at_that_step(one_rank_reference):
     from sparkring import TrainingError
 
@@ -205,6 +215,7 @@ def test_device_mesh_with_tp_in_run_trains_as_one_process_with_half_the_weights_
     (dict(pipelineParallel=2, tensorParallel=2, model=P.tiny_decoder), r"needs an nn.Sequential model"),
     (dict(microbatches=2), r"microbatches applies with pipelineParallel > 1"),
     (dict(pipelineParallel=2, labelCol=["label", "id"]), r"trains one head"),
+    (dict(gradientClipNorm=0.0), r"gradientClipNorm=0.0: give a positive norm"),
 ])
 def test_what_model_parallelism_cannot_run_is_refused_before_any_spark_job(spark, tmp_path, params, message):
     df = H.classification_df(spark, n=64)
