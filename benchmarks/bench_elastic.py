@@ -46,6 +46,7 @@ def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
     _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks)
     _lost_executor_row(rows, tmp)
     _decommission_row(rows, tmp)
+    _lost_for_good_row(rows, tmp)
     rates = {"elastic": [], "plain": []}
     for _ in range(reps):  # alternating: an elastic fit (global batches, a stop check every step) vs a plain one
         for name, kw in (("elastic", {}), ("plain", {"minProc": None})):
@@ -159,3 +160,28 @@ def _decommission_row(rows, tmp):
                     f"the launch of 3 ranks ({first}) and of 2 ({second}) less the uninterrupted fit's ({whole}); "
                     "ratio: redone steps over checkpointEvery", f"{redone} steps", "goal 0 (a loss: at most 10)",
                     redone / 10, "0.00x", higher_is_better=False, goal_value=0.0))
+
+
+def _lost_for_good_row(rows, tmp):
+    """``lost_for_good.py``: a worker killed for good at the first checkpoint inside epoch 1 of an
+    elastic fit on three standalone workers (minProc=2): seconds from the kill to the next launch's
+    first step (the fit goes on at once with 2 ranks), and the fit's wall time against the same fit
+    uninterrupted."""
+    scratch = os.path.join(tmp, "elastic_lost_for_good")
+    os.makedirs(scratch, exist_ok=True)
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lost_for_good.py"), scratch],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"the lost-for-good run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    plain, lost = out["uninterrupted"], out["lost"]
+    if lost["num_proc"][-1] != 2 or lost["restarts"] != 1:
+        raise RuntimeError(f"the fit did not go on with 2 ranks after one restart: {lost}")
+    rows.append(Row("elastic", "a worker lost for good (one of three standalone one-core workers killed with its "
+                    "executor at the first checkpoint inside epoch 1, minProc=2): seconds from the kill to the next "
+                    "launch's first step, Spark's detection of the loss included", f"{lost['kill_to_first_step']:.1f} s",
+                    "goal 10 s", lost["kill_to_first_step"] / 10, "<= 1.00x", higher_is_better=False, goal_value=1.0))
+    rows.append(Row("elastic", "that fit's seconds from its first step to its last (3 epochs of 40 global batches, 100 ms "
+                    "steps; the epochs after the loss on 2 ranks) against the same fit uninterrupted on three workers",
+                    f"{lost['training']:.1f} s", f"uninterrupted {plain['training']:.1f} s",
+                    lost["training"] / plain["training"], "(reference)", higher_is_better=False))
