@@ -139,17 +139,21 @@ def _is_executor(process) -> bool:
         return False
 
 
+def _cluster_script(script: str, scratch: str) -> dict:
+    """Run one of the standalone-cluster driver scripts beside this file; the JSON its last line prints."""
+    os.makedirs(scratch, exist_ok=True)
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script), scratch],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _decommission_row(rows, tmp):
     """``decommission.py``: an elastic fit on a standalone cluster of three one-core workers, one
     decommissioned (SIGPWR) at the first checkpoint inside epoch 1, beside the same fit
     uninterrupted: the steps the two launches took together, less the uninterrupted fit's."""
-    scratch = os.path.join(tmp, "elastic_decommission")
-    os.makedirs(scratch, exist_ok=True)
-    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "decommission.py"), scratch],
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"the decommission run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _cluster_script("decommission.py", os.path.join(tmp, "elastic_decommission"))
     plain, left = out["uninterrupted"], out["decommissioned"]
     if left["num_proc"] != [3, 2, 2] or left["decommissions"] != 1 or left["restarts"] != 0:
         raise RuntimeError(f"the decommissioned fit did not go on with 2 ranks once: {left}")
@@ -167,13 +171,7 @@ def _lost_for_good_row(rows, tmp):
     elastic fit on three standalone workers (minProc=2): seconds from the kill to the next launch's
     first step (the fit goes on at once with 2 ranks), and the fit's wall time against the same fit
     uninterrupted."""
-    scratch = os.path.join(tmp, "elastic_lost_for_good")
-    os.makedirs(scratch, exist_ok=True)
-    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "lost_for_good.py"), scratch],
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"the lost-for-good run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = _cluster_script("lost_for_good.py", os.path.join(tmp, "elastic_lost_for_good"))
     plain, lost = out["uninterrupted"], out["lost"]
     if lost["num_proc"][-1] != 2 or lost["restarts"] != 1:
         raise RuntimeError(f"the fit did not go on with 2 ranks after one restart: {lost}")

@@ -69,3 +69,24 @@ def write_table(rows: List[Row], path: str, header: str, footer: str = "") -> No
         lines += ["", footer.rstrip()]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def standalone_session(master: str, ranks: int, **conf: str):
+    """A session on a loopback standalone cluster (the driver-side scripts' setup), once ``ranks``
+    task slots have registered; ``conf``: extra Spark settings."""
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    from sparkring.runner.driver.session import wait_for_slots
+
+    builder = (SparkSession.builder.master(master).config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.ui.enabled", "false")
+               .config("spark.executor.memory", "900m")
+               .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path[:2] + [os.environ.get("PYTHONPATH", "")]))
+               .config("spark.executorEnv.OMP_NUM_THREADS", "1"))
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    assert wait_for_slots(spark, ranks, timeout=90), "the executors did not register"
+    return spark

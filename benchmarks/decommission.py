@@ -30,23 +30,16 @@ def _steps_by_launch(audit: str, sizes):
 def main(scratch: str) -> None:
     import bench_fns
     import torch
-    from common import vector_df
-    from pyspark.sql import SparkSession
+    from common import standalone_session, vector_df
     from standalone_cluster import StandaloneCluster
 
     from sparkring import SparkRingEstimator, Store
-    from sparkring.runner.driver.session import wait_for_slots
 
     cluster = StandaloneCluster(tempfile.mkdtemp(dir=scratch), dict(
         os.environ, SPARK_WORKER_OPTS="-Dspark.decommission.enabled=true")).start(
         ["127.0.0.2", "127.0.0.3", "127.0.0.4"], cores=1)
     try:
-        spark = (SparkSession.builder.master(cluster.master).config("spark.driver.host", "127.0.0.1")
-                 .config("spark.driver.bindAddress", "127.0.0.1").config("spark.ui.enabled", "false")
-                 .config("spark.executor.memory", "900m").config("spark.decommission.enabled", "true")
-                 .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path[:2] + [os.environ.get("PYTHONPATH", "")]))
-                 .config("spark.executorEnv.OMP_NUM_THREADS", "1").getOrCreate())
-        assert wait_for_slots(spark, RANKS, timeout=90), "the executors did not register"
+        spark = standalone_session(cluster.master, RANKS, **{"spark.decommission.enabled": "true"})
         df = vector_df(spark, ROWS).cache()
         store = Store(os.path.join(scratch, "store"))
         out = {}

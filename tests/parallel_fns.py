@@ -103,6 +103,15 @@ def tensor_parallel_in_run(steps=3):
     torch.manual_seed(0)
     model = mlp(d=8, width=64)()
     model = parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    losses = _train_on_reference_batch(model, steps)
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    return {"names": mesh.mesh_dim_names, "mesh": mesh.mesh.tolist(), "local": local, "losses": losses,
+            "weights": full}
+
+
+def _train_on_reference_batch(model, steps):
+    """``steps`` SGD steps on reference_batch(); the losses."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = reference_batch()
     losses = []
@@ -112,10 +121,7 @@ def tensor_parallel_in_run(steps=3):
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
-    return {"names": mesh.mesh_dim_names, "mesh": mesh.mesh.tolist(), "local": local, "losses": losses,
-            "weights": full}
+    return losses
 
 
 def reference_batch():
@@ -127,15 +133,7 @@ def tensor_parallel_reference(steps=3):
     """What tensor_parallel_in_run trains, in one process."""
     torch.manual_seed(0)
     model = mlp(d=8, width=64)()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = reference_batch()
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = _train_on_reference_batch(model, steps)
     return losses, {k: v.detach() for k, v in model.state_dict().items()}
 
 
