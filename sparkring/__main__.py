@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-v", "--verbose", type=int, default=1, help="0: quiet, 1: rank 0 output, 2: every rank")
     r.add_argument("--min-np", type=int, default=None,
                    help="elastic: go on with at least this many ranks when some are lost (hvd.elastic in the script)")
+    r.add_argument("--ranks-per-task", type=int, default=None,
+                   help="ranks each Spark task runs (default: one per GPU of a task holding several, else 1)")
     r.add_argument("--max-restarts", type=int, default=3, help="elastic: launches after a loss, at most")
     r.add_argument("--elastic-dir", default=None,
                    help="elastic: where rank 0 persists commits (every executor reaches it; default: a temporary "
@@ -136,7 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             facts = session_facts(spark)
             args.num_proc = ranks_from_hosts(host_list, args.num_proc, facts.single_host, facts.slots)
         launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
-                           stream=args.stream, names=CLI_NAMES, registration_wait=args.start_timeout)
+                           stream=args.stream, names=CLI_NAMES, registration_wait=args.start_timeout,
+                           ranks_per_task=args.ranks_per_task)
         if args.min_np is None:
             launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
                    verbose=args.verbose)

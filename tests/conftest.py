@@ -32,6 +32,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 FAKE_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "fake_gpus.sh")
+FAKE_GPUS_PER_WORKER_SCRIPT = os.path.join(TESTS_DIR, "helpers", "fake_gpus_per_worker.sh")
 REAL_GPU_SCRIPT = os.path.join(TESTS_DIR, "helpers", "cuda_gpus.sh")
 
 MASTERS = {
@@ -39,12 +40,13 @@ MASTERS = {
     "retry": "local[2,3]",
     "wide": "local[3]",
     "cluster": "local-cluster[2,1,1024]",
+    "multigpu": "local-cluster[2,1,1024]",
     "gpu": "local[2]",
     "hosts": None,  # a standalone cluster of two workers on 127.0.0.2 and 127.0.0.3 (two "hosts"), two cores each
     "elastic": None,  # a standalone cluster of three one-core workers (127.0.0.2-4), which its test kills
     # and decommissions
 }
-ORDER = ["local", "retry", "wide", "cluster", "hosts", "elastic", "gpu", "connect"]
+ORDER = ["local", "retry", "wide", "cluster", "multigpu", "hosts", "elastic", "gpu", "connect"]
 CLUSTERS = {"hosts": (["127.0.0.2", "127.0.0.3"], 2), "elastic": (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 1)}
 
 
@@ -126,6 +128,18 @@ class _Sessions:
                        .config("spark.worker.resource.gpu.discoveryScript", FAKE_GPU_SCRIPT)
                        .config("spark.executor.resource.gpu.amount", "1")
                        .config("spark.task.resource.gpu.amount", "1"))
+        if kind == "multigpu":
+            import shutil
+            import tempfile
+
+            # one host with four GPUs, two per executor: a copy of the script in a directory of
+            # its own, where the first worker leaves its mark
+            script = shutil.copy(FAKE_GPUS_PER_WORKER_SCRIPT, tempfile.mkdtemp(prefix="sparkring-gpus-", dir=log_dir))
+            builder = (builder.config("spark.executor.memory", "768m")
+                       .config("spark.worker.resource.gpu.amount", "2")
+                       .config("spark.worker.resource.gpu.discoveryScript", script)
+                       .config("spark.executor.resource.gpu.amount", "2")
+                       .config("spark.task.resource.gpu.amount", "1"))
         self.spark = builder.getOrCreate()
         self.kind = kind
         if kind in CLUSTERS:  # the executors register after the session starts
@@ -193,6 +207,13 @@ def spark_cluster(_spark_sessions):
 
 
 @pytest.fixture
+def spark_multigpu(_spark_sessions, tmp_path_factory):
+    """local-cluster[2,1,1024] as one host with four fake GPUs: two per executor (0-1 and 2-3),
+    one per task unless a stage asks for more (spark.task.resource.gpu.amount=1)."""
+    return _spark_sessions.get("multigpu", str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture
 def spark_gpu(_spark_sessions):
     """local[2] on the machine's real GPUs (skipped where torch sees none)."""
     import torch
@@ -230,7 +251,7 @@ def spark_elastic(_spark_sessions, tmp_path_factory):
     _spark_sessions.stop()
 
 
-SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster",
+SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster", "spark_multigpu": "multigpu",
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
@@ -254,7 +275,7 @@ def pytest_collection_modifyitems(config, items):
         sessions = {SESSION_FIXTURES[n] for n in names if n in SESSION_FIXTURES}
         if sessions or item.module.__name__ in PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
-        if sessions & {"cluster", "hosts", "elastic"}:
+        if sessions & {"cluster", "multigpu", "hosts", "elastic"}:
             item.add_marker(pytest.mark.cluster)
         if "connect" in sessions:
             item.add_marker(pytest.mark.connect)
@@ -267,7 +288,7 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
             fixture = {"local": "spark", "retry": "spark_retry", "wide": "spark_wide", "cluster": "spark_cluster",
-                       "hosts": "spark_hosts", "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
+                       "multigpu": "spark_multigpu", "hosts": "spark_hosts", "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

@@ -134,7 +134,8 @@ def whoami():
     return {"rank": sr.rank(), "size": sr.size(), "local_rank": sr.local_rank(),
             "local_size": sr.local_size(), "pid": os.getpid(),
             "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "backend": sr.backend(),
-            "omp": os.environ.get("OMP_NUM_THREADS")}
+            "omp": os.environ.get("OMP_NUM_THREADS"), "gpu": os.environ.get("SPARKRING_GPU"),
+            "sum": sr.allreduce(torch.tensor([float(sr.rank())]), op=sr.Sum).item()}
 
 
 def big_result(mb):

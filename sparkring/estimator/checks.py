@@ -87,7 +87,8 @@ def plan_launch(est, spark, num_proc: Optional[int]) -> LaunchPlan:
     """The launch the estimator's Params ask for on this session (refused where it cannot run)."""
     return plan(spark, num_proc=num_proc, use_gpu=est.getOrDefault("useGpu"), backend=est.getOrDefault("backend"),
                 stream=est.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
-                shared_memory=est.getOrDefault("sharedMemory"), registration_wait=est.getOrDefault("startTimeout"))
+                shared_memory=est.getOrDefault("sharedMemory"), registration_wait=est.getOrDefault("startTimeout"),
+                ranks_per_task=est.getOrDefault("ranksPerTask"), resource_profile=est.getOrDefault("resourceProfile"))
 
 
 def elastic_plan(est, num_proc: int) -> Optional[ElasticPlan]:
@@ -105,6 +106,9 @@ def check_elastic(est, launch_plan: LaunchPlan, lightning: bool) -> None:
     if min_proc is not None and min_proc > launch_plan.num_proc:
         raise ConfigurationError(f"minProc={min_proc} is more than numProc={launch_plan.num_proc}: the fit starts "
                                  "with numProc ranks and may go on with as few as minProc; lower minProc")
+    if min_proc is not None and min_proc % launch_plan.ranks_per_task:
+        raise ConfigurationError(f"minProc={min_proc} is not a multiple of ranksPerTask={launch_plan.ranks_per_task}: "
+                                 "a lost task takes all its ranks with it")
     if elastic_plan(est, launch_plan.num_proc) is None:
         return
     what = "minProc" if min_proc is not None else "checkpointEvery"

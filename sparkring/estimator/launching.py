@@ -136,7 +136,8 @@ def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Ca
             return launch_once(decided.plan, None)[0]
         # the driver launches again when ranks are lost, not Spark's stage retry (same size only)
         how = ElasticLaunch(cfg.elastic.target_size, cfg.elastic.min_size, values["maxRestarts"],
-                            values["startTimeout"], start_timeout_name="startTimeout", min_size_name="minProc")
+                            values["startTimeout"], start_timeout_name="startTimeout", min_size_name="minProc",
+                            ranks_per_task=decided.plan.ranks_per_task)
         policy = _FitPolicy(how, launch_once, lambda n: dataclasses.replace(plan_launch(est, spark, n), attempts=1),
                             say, cfg.store, cfg.run_id)
         return relaunch_until_done(spark, dataclasses.replace(decided.plan, attempts=1), policy,

@@ -93,6 +93,12 @@ def _to_compile(value: Any):
     raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {value!r}")
 
 
+def _to_resource_profile(value: Any):
+    if value in ("auto", "off") or (not isinstance(value, str) and hasattr(value, "taskResources")):
+        return value
+    raise TypeError(f"resourceProfile must be 'auto', 'off' or a pyspark.resource.ResourceProfile, got {value!r}")
+
+
 def _to_optional_string(value: Any):
     return None if value is None else TypeConverters.toString(value)
 
@@ -166,6 +172,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("backend", "str", "auto", "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
               TypeConverters.toString, choices=BACKENDS),
     ParamSpec("useGpu", "bool | None", None, "train on GPUs (default: when Spark schedules GPUs)"),
+    ParamSpec("ranksPerTask", "int | None", None,
+              "ranks each Spark task runs, one per GPU where it holds several (default: the task's whole GPUs, else "
+              "1); numProc counts ranks", _to_optional_int, minimum=1),
+    ParamSpec("resourceProfile", "str | ResourceProfile", "auto",
+              "the training stage's own task resources (stage-level scheduling): auto (asks for ranksPerTask GPUs "
+              "per task where spark.task.resource.gpu.amount is less), off, or a pyspark ResourceProfile",
+              _to_resource_profile, is_object=True),
     ParamSpec("store", "Store | str | None", None,
               "sparkring.Store for data, checkpoints, logs (default: a temporary local one)", is_object=True),
     ParamSpec("runId", "str | None", None, "name of the run in the store; fitting again with the same runId resumes"),

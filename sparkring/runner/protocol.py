@@ -278,6 +278,7 @@ class TaskSpec:
     chunk_bytes: int = 8 * 1024 * 1024
     backend_from_auto: bool = False  # nccl chosen by backend="auto": gloo where ranks share a GPU
     driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
+    ranks_per_task: int = 1         # ranks each task starts: task t runs ranks t*k .. t*k+k-1
 
 
 RESULT, MESSAGE = "result", "message"  # OutputRecord.kind

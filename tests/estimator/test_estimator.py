@@ -143,14 +143,16 @@ def _reference_fit(cache, spark):
     return cache["model"], cache["df"], cache["store"]
 
 
-@pytest.mark.parametrize("interruption", [
-    pytest.param(H.FailOnce, id="a-rank-raises-at-epoch-2", marks=pytest.mark.compat),
-    pytest.param(H.KillOnce, id="a-rank-is-killed-at-epoch-2")])
+@pytest.mark.parametrize("interruption, layout", [
+    pytest.param(H.FailOnce, {}, id="a-rank-raises-at-epoch-2", marks=pytest.mark.compat),
+    pytest.param(H.KillOnce, {}, id="a-rank-is-killed-at-epoch-2"),
+    # the same two ranks as one task: the killed rank's task mate stops, and Spark reruns the task
+    pytest.param(H.KillOnce, {"ranksPerTask": 2}, id="a-rank-of-a-two-rank-task-is-killed-at-epoch-2")])
 def test_fit_resumes_with_the_uninterrupted_weights_after_spark_retries_the_stage(spark_retry, retried_reference,
-                                                                                 tmp_path, interruption):
+                                                                                 tmp_path, interruption, layout):
     reference, df, store = _reference_fit(retried_reference, spark_retry)
-    interrupted = _estimator(store, runId=f"retried-{interruption.__name__}", keepData=True,
-                             callbacks=[interruption(str(tmp_path / "once"), epoch=2)])
+    interrupted = _estimator(store, runId=f"retried-{interruption.__name__}-{len(layout)}", keepData=True,
+                             callbacks=[interruption(str(tmp_path / "once"), epoch=2)], **layout)
     resumed = interrupted.fit(df)  # Spark retries the barrier stage; training resumes at epoch 2
     assert (tmp_path / "once").exists()
     assert [h["epoch"] for h in resumed.history] == [0, 1, 2, 3]

@@ -32,6 +32,7 @@ def test_doctor_names_each_executor_whose_gpus_torch_cannot_see(spark_cluster):
         for e in report.executors]
     assert "install a CUDA build of torch" in report.problems[0].fix
     assert "2 problem(s) would break a fit" in str(report)
+    assert "1 GPU(s) per task: 1 rank(s) per task by default" in str(report)
 
 
 def test_doctor_names_the_executor_whose_versions_differ_from_the_driver(spark, monkeypatch):

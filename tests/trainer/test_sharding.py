@@ -20,13 +20,13 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in model.getModel().state_dict().items()}
 
 
-def _sharded_equals_ddp(spark, tmp_path, num_proc, strategy="fsdp", **kw):
+def _sharded_equals_ddp(spark, tmp_path, num_proc, strategy="fsdp", sharded_kw=None, **kw):
     df = H.classification_df(spark, n=192)
     # one store: both fits read the same prepared Parquet (on a cluster a DataFrame's row order
     # can differ between two materializations)
     store = Store(str(tmp_path / "store"))
     ddp = _fit(df, store, numProc=num_proc, strategy="ddp", runId="ddp", keepData=True, **kw)
-    fsdp = _fit(df, store, numProc=num_proc, strategy=strategy, runId=strategy, **kw)
+    fsdp = _fit(df, store, numProc=num_proc, strategy=strategy, runId=strategy, **kw, **(sharded_kw or {}))
     _same_training(ddp, fsdp)
     # the fitted model is a plain module: it predicts and saves like a replicated fit's
     assert fsdp.transform(df.limit(8)).count() == 8
@@ -66,8 +66,11 @@ def test_fsdp_fit_on_three_ranks_trains_ddps_weights_keeping_a_third_of_the_stat
         assert h["state_bytes"] >= params * 4 * 3 > budget  # replicated: every rank keeps it all
 
 
-def test_hsdp_fit_on_two_hosts_trains_ddps_weights_sharding_within_each_host(spark_hosts, tmp_path):
-    ddp, hsdp = _sharded_equals_ddp(spark_hosts, tmp_path, 4, strategy="hsdp")
+def test_hsdp_fit_of_two_ranks_per_task_on_two_hosts_trains_ddps_weights_sharding_within_each_host(
+        spark_hosts, tmp_path):
+    # ddp: four tasks of one rank; hsdp: two tasks of two ranks, one task per host (the world's
+    # layout, hosts x local ranks, comes from the tasks' places)
+    ddp, hsdp = _sharded_equals_ddp(spark_hosts, tmp_path, 4, strategy="hsdp", sharded_kw={"ranksPerTask": 2})
     # two ranks per host: each keeps half of the state, the other host a replica of it
     for d, h in zip(ddp.history, hsdp.history):
         assert h["state_bytes"] == pytest.approx(d["state_bytes"] / 2, rel=0.1)

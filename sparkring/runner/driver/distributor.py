@@ -65,7 +65,11 @@ class TorchDistributor:
         if amount < 1:
             raise RuntimeError(f"'{key}' was unset, so gpu usage is unavailable: set it (GPUs per task) on the "
                                "session, or pass use_gpu=False")
-        return -(-self.num_processes // int(amount))
+        if not float(amount).is_integer() or self.num_processes % int(amount):
+            raise ConfigurationError(
+                f"num_processes={self.num_processes} with {key}={amount:g}: each task runs one process per GPU it "
+                f"holds, so num_processes must be a multiple of a whole {key}")
+        return self.num_processes // int(amount)
 
     def run(self, train_object: Union[Callable[..., Any], str], *args: Any, **kwargs: Any) -> Optional[Any]:
         """Run ``train_object`` on every process; rank 0's return value for a function, None
@@ -85,7 +89,9 @@ class TorchDistributor:
         if self.local_mode:
             results = run_local(fn, args, kwargs, self.num_processes, self.use_gpu, self.timeout, self.verbose)
         else:
+            # Spark 4.2's layout: a task holding several GPUs runs a process on each
             results = run(fn, args=args, kwargs=kwargs, num_proc=self.num_processes, use_gpu=self.use_gpu,
+                          ranks_per_task=self.num_processes // self.num_tasks,
                           start_timeout=self.start_timeout, timeout=self.timeout, verbose=self.verbose,
                           spark=self.spark or active_spark())
         return None if script else results[0]

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from .. import _probe
 from ..versions import package_versions, skew
+from .resources import default_ranks_per_task
 from .session import JobTag, session_facts, settled_slots
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class DoctorReport:
     slots_wanted: int
     executors: List[ExecutorReport]
     problems: List[Problem]
+    gpus_per_task: float = 0.0      # spark.task.resource.gpu.amount
+    ranks_per_task: int = 1         # what a fit with GPUs runs in each task by default
+
 
     @property
     def ok(self) -> bool:
@@ -68,6 +72,7 @@ class DoctorReport:
     def __str__(self) -> str:
         d = self.driver_versions
         lines = [f"sparkring doctor: master {self.master}, {self.slots_wanted} task slot(s) in one barrier stage",
+                 f"{self.gpus_per_task:g} GPU(s) per task: {self.ranks_per_task} rank(s) per task by default",
                  "driver: " + ", ".join(f"{k} {v}" for k, v in d.items())]
         for e in self.executors:
             f = e.facts
@@ -185,7 +190,8 @@ def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0) 
     for e in executors.values():
         problems += _verdicts(e, driver)
     return DoctorReport(master=facts.master, driver_versions=driver, slots_wanted=wanted,
-                        executors=list(executors.values()), problems=problems)
+                        executors=list(executors.values()), problems=problems, gpus_per_task=facts.task_gpus,
+                        ranks_per_task=default_ranks_per_task(facts.task_gpus > 0, facts.task_gpus))
 
 
 def _verdicts(e: ExecutorReport, driver: Dict[str, str]) -> List[Problem]:

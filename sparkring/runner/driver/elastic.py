@@ -37,6 +37,11 @@ class ElasticLaunch:
     start_timeout: float
     start_timeout_name: str = "start_timeout"
     min_size_name: str = "min_proc"
+    ranks_per_task: int = 1         # a task slot runs this many ranks; sizes are multiples of it
+
+    def ranks_in(self, slots: int) -> int:
+        """The ranks ``slots`` task slots run, at most the target."""
+        return min(slots * self.ranks_per_task, self.target_size)
 
 
 class _ClusterWatcher:
@@ -44,9 +49,10 @@ class _ClusterWatcher:
     or (``GROW``) when there are fewer ranks than wanted and the cluster registers ``wanted``
     task slots again (the running ranks' included)."""
 
-    def __init__(self, spark, running: int, wanted: int, request: StopRequest, say: Callable[[str], None],
+    def __init__(self, spark, running: int, how: ElasticLaunch, request: StopRequest, say: Callable[[str], None],
                  every: float = 1.0):
-        self.spark, self.running, self.wanted, self.request, self.say = spark, running, wanted, request, say
+        self.spark, self.running, self.request, self.say = spark, running, request, say
+        self.how, self.wanted = how, how.target_size
         self.every = every
         # executors decommissioned before this launch run none of its ranks (the scheduler offers them no task)
         self.leaving_before = set(decommissioning_executors(spark) or ())
@@ -65,7 +71,7 @@ class _ClusterWatcher:
                          "and go on without it")
                 return
             slots = registered_slots(self.spark)
-            if self.running < self.wanted and slots is not None and slots >= self.wanted:
+            if self.running < self.wanted and slots is not None and self.how.ranks_in(slots) >= self.wanted:
                 self.asked = StopAsk.GROW
                 self.request.make(StopAsk.GROW)
                 self.say(f"{slots} task slots again: the ranks stop at their next checkpoint and go on "
@@ -163,7 +169,7 @@ def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, r
         while True:
             if request.read():
                 request.clear()  # an earlier run's, or the launch that ended on it
-            watcher = _ClusterWatcher(spark, launch_plan.num_proc, how.target_size, request, policy.say)
+            watcher = _ClusterWatcher(spark, launch_plan.num_proc, how, request, policy.say)
             decision: Union[Done, Relaunch]
             try:
                 results = policy.launch(launch_plan, counts)
@@ -188,12 +194,12 @@ def _size_for_next_launch(spark, how: ElasticLaunch, cause: str, lost: Optional[
     watcher grows the run back when the slots return, as for a start with fewer); only fewer than
     min_size waits, up to start_timeout (not at all after a decommission: that executor is not
     coming back), then raises RankTimeoutError."""
-    wait_for_slots(spark, how.min_size, how.start_timeout if wait else 0.0)
+    wait_for_slots(spark, -(-how.min_size // how.ranks_per_task), how.start_timeout if wait else 0.0)
     slots = registered_slots(spark)
-    size = how.target_size if slots is None else min(slots, how.target_size)  # None: the launch finds out
+    size = how.target_size if slots is None else how.ranks_in(slots)  # None: the launch finds out
     if size < how.min_size:
         raise RankTimeoutError(
-            f"{cause}; the cluster offers {size} task slot(s) within {how.start_timeout_name}="
+            f"{cause}; the cluster offers {size} rank(s) within {how.start_timeout_name}="
             f"{how.start_timeout:g}s, fewer than {how.min_size_name}={how.min_size}: add executors, or lower "
             f"{how.min_size_name}", list(range(size, how.target_size))) from lost
     return size

@@ -49,7 +49,8 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         start_timeout: float = 120, timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
         spark=None, shared_memory: bool = True, min_proc: Optional[int] = None, max_restarts: int = 3,
-        elastic_dir: Optional[str] = None, **horovod_names: Any) -> List[Any]:
+        elastic_dir: Optional[str] = None, ranks_per_task: Optional[int] = None, resource_profile: Any = "auto",
+        **horovod_names: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
 
@@ -68,6 +69,12 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     the last ``state.commit()``, which rank 0 persists under ``elastic_dir`` (a directory every
     executor reaches; a temporary one on this machine by default, where every task runs here).
     The results are those of the last launch's ranks.
+
+    ``ranks_per_task`` ranks run in each Spark task (by default one per GPU of a task that holds
+    several, else one); ``num_proc`` counts ranks. ``resource_profile`` gives the training stage
+    its own task resources: "auto" asks for ``ranks_per_task`` GPUs per task through a Spark
+    ResourceProfile where spark.task.resource.gpu.amount is less (stage-level scheduling,
+    Spark 4 on standalone, YARN or Kubernetes), "off" never does, or pass a ResourceProfile.
 
     Horovod's ``horovod.run()`` keywords are accepted too, so its examples' ``--num-proc`` paths run
     as written: ``np`` (num_proc), ``min_np`` (min_proc), ``max_np`` (the elastic target, num_proc;
@@ -94,7 +101,8 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             facts = session_facts(spark)
             num_proc = ranks_from_hosts(parse_hosts(horovod_names["hosts"]), num_proc, facts.single_host, facts.slots)
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
-                       names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout)
+                       names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout,
+                       ranks_per_task=ranks_per_task, resource_profile=resource_profile)
     given = env or {}
     trace = given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE) or timeline.requested()
     if trace:  # every rank records its spans; launch() merges them into this file on the driver
@@ -120,6 +128,9 @@ def check_elastic(launch_plan: LaunchPlan, min_proc: int, max_restarts: int, ela
     if not 1 <= min_proc <= launch_plan.num_proc:
         raise ConfigurationError(f"{names.min_proc}={min_proc}: it must be between 1 and {names.num_proc}="
                                  f"{launch_plan.num_proc} (the ranks the run trains with when the cluster has them)")
+    if min_proc % launch_plan.ranks_per_task:
+        raise ConfigurationError(f"{names.min_proc}={min_proc} is not a multiple of {names.ranks_per_task}="
+                                 f"{launch_plan.ranks_per_task}: a lost task takes all its ranks with it")
     if max_restarts < 0:
         raise ConfigurationError(f"max_restarts={max_restarts}: it must be 0 or more")
     if elastic_dir is None and not launch_plan.facts.single_host:
@@ -145,13 +156,16 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
     rank_env = {**(env or {}), environment.ELASTIC_DIR: directory}
 
     how = ElasticLaunch(launch_plan.num_proc, min_proc, max_restarts, start_timeout,
-                        start_timeout_name=names.start_timeout, min_size_name=names.min_proc)
+                        start_timeout_name=names.start_timeout, min_size_name=names.min_proc,
+                        ranks_per_task=launch_plan.ranks_per_task)
     policy = _RunPolicy(how, lambda now: launch(spark, now, fn, args, kwargs, start_timeout=start_timeout,
                                                 timeout=timeout, env=rank_env, verbose=verbose, on_event=on_event),
                         lambda size: dataclasses.replace(plan(
                             spark, num_proc=size, use_gpu=launch_plan.use_gpu,
                             backend="auto" if launch_plan.backend_from_auto else launch_plan.backend,
-                            stream=launch_plan.stream, names=names, shared_memory=launch_plan.shared_memory),
+                            stream=launch_plan.stream, names=names, shared_memory=launch_plan.shared_memory,
+                            ranks_per_task=launch_plan.ranks_per_task,
+                            resource_profile=launch_plan.profile if launch_plan.profile is not None else "off"),
                             attempts=1), verbose)
     try:
         return relaunch_until_done(spark, dataclasses.replace(launch_plan, attempts=1), policy,
@@ -224,8 +238,9 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     named.update({f"args[{i}]": arg for i, arg in enumerate(args)})
     named.update({f"kwargs[{key!r}]": value for key, value in (kwargs or {}).items()})
     payload = pickling.dumps((fn, tuple(args), kwargs or {}), named)
-    if not facts.connect and not facts.local and not wait_for_slots(spark, num_proc, start_timeout):
-        raise RankTimeoutError(f"the cluster did not offer {num_proc} concurrent task slots within "
+    if (not facts.connect and not facts.local and launch_plan.profile is None
+            and not wait_for_slots(spark, launch_plan.num_tasks, start_timeout)):
+        raise RankTimeoutError(f"the cluster did not offer {launch_plan.num_tasks} concurrent task slots within "
                                f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
                                "number of ranks", list(range(num_proc)))
     trace_path = (env or {}).get(environment.TIMELINE)
@@ -239,7 +254,8 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     driver_gpus=list(launch_plan.driver_gpus), driver_gpu_script=launch_plan.driver_gpu_script,
                     start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
                     stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus,
-                    backend_from_auto=launch_plan.backend_from_auto, driver_versions=package_versions())
+                    backend_from_auto=launch_plan.backend_from_auto, driver_versions=package_versions(),
+                    ranks_per_task=launch_plan.ranks_per_task)
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     stage = Stage(spark, spec, launch_plan, tag, start_timeout)
     log.info("launching %d ranks (driver channel %s:%d)", num_proc, *channel.address)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from ...collective.hosting import TRANSPORTS, transport
 from ...errors import ConfigurationError
 from ..gpus import backend_on_shared_gpus
+from .resources import StageResources, profile_task_amounts, stage_resources
 from .session import ACCEPT_PLAIN_TRAFFIC, SessionFacts, registered_slots, session_facts, wait_for_slots
 
 log = logging.getLogger(__name__)
@@ -29,13 +31,17 @@ class ParamNames:
     start_timeout: str = "start_timeout"
     min_proc: str = "min_proc"
     elastic_dir: str = "elastic_dir"
+    ranks_per_task: str = "ranks_per_task"
+    resource_profile: str = "resource_profile"
 
 
 RUN_NAMES = ParamNames()
-ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend")
+ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend", min_proc="minProc",
+                             ranks_per_task="ranksPerTask", resource_profile="resourceProfile")
 DISTRIBUTOR_NAMES = ParamNames(num_proc="num_processes", use_gpu="use_gpu", backend="backend")
 CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", timeout="--timeout",
-                       start_timeout="--start-timeout", min_proc="--min-np", elastic_dir="--elastic-dir")
+                       start_timeout="--start-timeout", min_proc="--min-np", elastic_dir="--elastic-dir",
+                       ranks_per_task="--ranks-per-task")
 
 
 def check_timeouts(timeout: Optional[float], start_timeout: Optional[float], names: ParamNames) -> None:
@@ -67,6 +73,13 @@ class LaunchPlan:
     facts: SessionFacts
     shared_memory: bool = True      # CPU allreduce between ranks of one host through /dev/shm
     backend_from_auto: bool = False  # backend="auto" chose it: the tasks may still fall back to gloo
+    ranks_per_task: int = 1         # ranks each task runs (one per GPU of a task holding several)
+    profile: Any = None             # the training stage's pyspark ResourceProfile (None: the application's)
+
+    @property
+    def num_tasks(self) -> int:
+        """Tasks of the barrier stage."""
+        return self.num_proc // self.ranks_per_task
 
 
 def _check_mpi_installed() -> None:
@@ -99,11 +112,11 @@ def nccl_available() -> bool:
     return dist.is_available() and dist.is_nccl_available()
 
 
-def _ranks_share_gpus(facts: SessionFacts, num_proc: int) -> bool:
+def _ranks_share_gpus(facts: SessionFacts, num_proc: int, task_gpus: float) -> bool:
     """Spark would give two ranks of one host the same GPU: a fractional
     spark.task.resource.gpu.amount (in every mode: local mode hands a GPU's address to as many
     tasks as the fraction allows), or local mode with fewer driver GPUs than ranks."""
-    fractional = 0 < facts.task_gpus < 1
+    fractional = 0 < task_gpus < 1
     if facts.local:
         known = len(facts.driver_gpus) if not facts.connect else int(facts.driver_gpu_amount)
         return fractional or num_proc > known
@@ -169,13 +182,59 @@ def _slots_once_registered(spark, facts: SessionFacts, wanted: int, slots: int, 
     return registered_slots(spark) or slots
 
 
+def _task_slots(facts: SessionFacts, use_gpu: bool, resources: StageResources) -> Optional[int]:
+    """Concurrent tasks of the training stage: the application's slots, or under a profile what a
+    local-cluster's executors hold (None elsewhere: Spark refuses a barrier stage it cannot place)."""
+    if resources.profile is None:
+        return facts.gpu_slots if use_gpu else facts.slots
+    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", facts.master)
+    if not cluster:
+        return None
+    cpus = profile_task_amounts(resources.profile)[0] or facts.task_cpus
+    per_executor = int(cluster.group(2)) // cpus
+    if resources.task_gpus > 0:
+        per_executor = min(per_executor, int(facts.executor_gpus // resources.task_gpus))
+    return int(cluster.group(1)) * per_executor
+
+
+def _check_slots(spark, facts: SessionFacts, use_gpu: bool, resources: StageResources, num_proc: Optional[int],
+                 registration_wait: float, names: ParamNames) -> int:
+    """The number of ranks, checked against the tasks the session can run at once."""
+    k = resources.ranks_per_task
+    slots = _task_slots(facts, use_gpu, resources)
+    if num_proc is None:
+        if slots is None:
+            raise ConfigurationError(
+                f"this session does not say how many task slots it has (master {facts.master!r}, no "
+                f"spark.executor.instances/spark.executor.cores): pass {names.num_proc}=<number of ranks>")
+        return slots * k
+    tasks = num_proc // k
+    if slots is not None and tasks > slots and registration_wait > 0 and resources.profile is None:
+        slots = _slots_once_registered(spark, facts, tasks, slots, registration_wait)
+    if slots is not None and tasks > slots:
+        what = "GPU task slots" if use_gpu else "task slots"
+        per_task = f" ({k} ranks per task: {tasks} tasks)" if k > 1 else ""
+        raise ConfigurationError(
+            f"{names.num_proc}={num_proc}{per_task} is larger than the {slots} concurrent {what} of this session "
+            f"(master {facts.master}, spark.task.cpus={facts.task_cpus}); a barrier stage needs all its "
+            f"tasks running at once: lower {names.num_proc} to at most {slots * k} or add executors/cores")
+    if slots is None:
+        log.info("session %s does not report its slots; Spark itself refuses a barrier stage larger than "
+                 "the cluster", facts.master)
+    return num_proc
+
+
 def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
          stream: bool = True, names: ParamNames = RUN_NAMES, shared_memory: bool = True,
-         registration_wait: float = 0.0) -> LaunchPlan:
+         registration_wait: float = 0.0, ranks_per_task: Optional[int] = None,
+         resource_profile: Any = "auto") -> LaunchPlan:
     """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
     raises ConfigurationError naming the caller's parameter before any Spark job. On a cluster
     whose executors are still registering (an application that just started), waits up to
-    ``registration_wait`` seconds for ``num_proc`` slots before refusing.
+    ``registration_wait`` seconds for ``num_proc`` slots before refusing. ``ranks_per_task``
+    ranks run in each task (by default one per GPU of a task holding several); the training
+    stage asks for its own task resources through ``resource_profile`` ("auto": where ranks per
+    task need more GPUs than spark.task.resource.gpu.amount; "off"; or a ResourceProfile).
 
     >>> p = plan(spark, num_proc=2, backend="gloo")  # doctest: +SKIP
     """
@@ -197,35 +256,22 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
             "allocation; set spark.dynamicAllocation.enabled=false for this application")
     if use_gpu:
         _check_gpus(facts, names)
-        if facts.task_gpus > 1:
-            log.info("spark.task.resource.gpu.amount=%g: each rank sees its GPUs, the first one is current; "
-                     "sparkring's collectives and the estimator use that one", facts.task_gpus)
-    slots = facts.gpu_slots if use_gpu else facts.slots
-    if num_proc is None:
-        if slots is None:
-            raise ConfigurationError(
-                f"this session does not say how many task slots it has (master {facts.master!r}, no "
-                f"spark.executor.instances/spark.executor.cores): pass {names.num_proc}=<number of ranks>")
-        num_proc = slots
-    if slots is not None and num_proc > slots and registration_wait > 0:
-        slots = _slots_once_registered(spark, facts, num_proc, slots, registration_wait)
-    if slots is not None and num_proc > slots:
-        what = "GPU task slots" if use_gpu else "task slots"
-        raise ConfigurationError(
-            f"{names.num_proc}={num_proc} is larger than the {slots} concurrent {what} of this session "
-            f"(master {facts.master}, spark.task.cpus={facts.task_cpus}); a barrier stage needs all its "
-            f"tasks running at once: lower {names.num_proc} to at most {slots} or add executors/cores")
-    if slots is None:
-        log.info("session %s does not report its slots; Spark itself refuses a barrier stage larger than "
-                 "the cluster", facts.master)
+    resources = stage_resources(facts, bool(use_gpu), num_proc, ranks_per_task, resource_profile, names)
+    if use_gpu and resources.task_gpus > resources.ranks_per_task:
+        log.info("%g GPUs per task for %d rank(s): each rank sees its share, the first one is current; "
+                 "sparkring's collectives and the estimator use that one", resources.task_gpus,
+                 resources.ranks_per_task)
+    num_proc = _check_slots(spark, facts, bool(use_gpu), resources, num_proc, registration_wait, names)
     _check_security(facts)
     attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
-    chosen = _decide_backend(backend, bool(use_gpu), bool(use_gpu) and _ranks_share_gpus(facts, num_proc), names)
+    shared = bool(use_gpu) and _ranks_share_gpus(facts, num_proc, resources.task_gpus / resources.ranks_per_task)
+    chosen = _decide_backend(backend, bool(use_gpu), shared, names)
     result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=chosen, attempts=attempts,
                         stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
                         driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts,
-                        shared_memory=bool(shared_memory), backend_from_auto=backend == "auto")
-    log.info("launch plan: %d ranks, backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
-             result.num_proc, chosen, result.use_gpu, attempts, result.driver_host,
+                        shared_memory=bool(shared_memory), backend_from_auto=backend == "auto",
+                        ranks_per_task=resources.ranks_per_task, profile=resources.profile)
+    log.info("launch plan: %d ranks (%d per task), backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
+             result.num_proc, result.ranks_per_task, chosen, result.use_gpu, attempts, result.driver_host,
              "Connect" if facts.connect else "classic", facts.master)
     return result

@@ -64,9 +64,11 @@ class Stage:
         self.thread = threading.Thread(target=self._collect, name="sparkring-collect", daemon=True)
 
     def _frame(self):
-        num_proc = self.plan.num_proc
-        df = self.spark.range(0, num_proc, 1, num_proc).mapInArrow(stage_function(self.spec), RECORD_SCHEMA,
-                                                                    barrier=True)
+        tasks = self.plan.num_tasks
+        # the profile keyword only where there is one: Spark 3.5's mapInArrow has none
+        profile = {"profile": self.plan.profile} if self.plan.profile is not None else {}
+        df = self.spark.range(0, tasks, 1, tasks).mapInArrow(stage_function(self.spec), RECORD_SCHEMA,
+                                                             barrier=True, **profile)
         if self.plan.attempts > 1:
             # Spark never retries a failed barrier *result* stage, only a barrier map stage: a
             # shuffle after the ranks lets it rerun them.

@@ -7,7 +7,6 @@ driver; otherwise the run is *detached*: task 0 hosts a relay through which the 
 other, and logs, events and errors come back in the output records when the stage ends."""
 from __future__ import annotations
 
-import collections
 import os
 import shutil
 import sys
@@ -35,8 +34,6 @@ from ..protocol import (
     Detached,
     Done,
     Error,
-    Event,
-    Frame,
     Hello,
     Log,
     OutputRecord,
@@ -46,68 +43,14 @@ from ..protocol import (
     TaskSpec,
 )
 from ..versions import package_versions, skew, skew_message
+from .gang import STOPPED_MARK, TaskRanks
 from .mpi import mpi_network_env, mpi_shm_segments, remove_orphan_segments
 from .network import free_ports, interface_of, resolve
+from .outbox import Outbox, Relay
 from .rank import RankProcess, supervise
 from .workdir import WorkDir
 
-MAX_LOG_LINES = 5000
-
-
-class _Outbox:
-    """Where a task's messages go: the live channel, and the output records for what must
-    survive without it (errors and stack dumps always; logs and events when detached)."""
-
-    def __init__(self, live: Optional[channel.Connection], control: Optional[channel.Connection]):
-        self.live = live
-        self.control = control  # the relay of a detached run: errors stop the other ranks
-        self.records: List[Frame] = []
-        self.logs: collections.deque = collections.deque(maxlen=MAX_LOG_LINES)
-        self.lock = threading.Lock()
-
-    def send(self, frame: Frame) -> None:
-        if self.live is not None:
-            self.live.send(frame)
-        if isinstance(frame, Error) and self.control is not None:
-            self.control.send(frame)
-        if isinstance(frame, Log):
-            if self.live is None:
-                self.logs.append(frame)
-        elif isinstance(frame, (Error, Stacks)) or (self.live is None and isinstance(frame, (Event, Started))):
-            with self.lock:
-                self.records.append(frame)
-
-    def drain(self) -> List[Frame]:
-        with self.lock:
-            return list(self.logs) + self.records
-
-
-class _Relay:
-    """Task 0's hub for a detached run: the first error of the stage stops every other rank
-    (asking them for their stacks when it was a timeout)."""
-
-    def __init__(self, host: str, secret: bytes):
-        self.failed = False
-        self.caused = False
-        self.lock = threading.Lock()
-        self.server = channel.DriverChannel(host, secret, self.handle)
-
-    def handle(self, frame: Frame, conn: channel.Connection) -> None:
-        if isinstance(frame, Hello):
-            conn.info["rank"] = frame.rank
-        elif isinstance(frame, Error):
-            with self.lock:
-                first, self.failed = not self.failed, True
-                cause = not frame.secondary and not self.caused
-                self.caused = self.caused or cause
-            if cause:  # every task reports this one: the others only lost their peer
-                self.server.broadcast(Cause(error=frame))
-            if first:
-                rank = frame.rank
-                timed_out = frame.kind == protocol.TIMEOUT
-                reason = f"rank {rank} exceeded its timeout" if timed_out else f"rank {rank} failed"
-                self.server.broadcast(Abort(reason=reason, dump=timed_out),
-                                      where=lambda c: c.info.get("rank") != rank)
+_STARTING = threading.Lock()
 
 
 def _all_gather(ctx, message: str, timeout: float, num_proc: int) -> List[str]:
@@ -238,7 +181,7 @@ def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workd
     return env
 
 
-def _records(rank: int, outbox: _Outbox, result: Optional[bytes], chunk: int) -> Iterator[OutputRecord]:
+def _records(rank: int, outbox: Outbox, result: Optional[bytes], chunk: int) -> Iterator[OutputRecord]:
     for frame in outbox.drain():
         yield OutputRecord.message(rank, frame)
     if result is not None:
@@ -260,7 +203,7 @@ class _Joined:
     live: bool
     driver: Optional[channel.Connection]
     control: Optional[channel.Connection] = None  # the relay of a detached run
-    relay: Optional[_Relay] = None                # task 0's, on a detached run
+    relay: Optional[Relay] = None                # task 0's, on a detached run
 
     def close(self) -> None:
         for conn in (self.driver, self.control):
@@ -309,7 +252,7 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
             driver.send(Detached(rank=rank, attempt=attempt))
             driver.close()
             joined.driver = None
-        joined.relay = _Relay(my_ip, spec.secret) if rank == 0 else None
+        joined.relay = Relay(my_ip, spec.secret) if rank == 0 else None
         relay_port = int(_all_gather(ctx, str(joined.relay.server.address[1] if joined.relay else 0),
                                      spec.start_timeout, spec.num_proc)[0])
         joined.control = channel.connect(resolve(addresses[0]), relay_port, spec.secret, timeout=spec.start_timeout)
@@ -339,7 +282,7 @@ def _gather_through_driver(ctx, driver: channel.Connection, mine: Rendezvous,
         driver.sock.settimeout(None)
 
 
-def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: _Outbox) -> Optional[RingGpus]:
+def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: Outbox) -> Optional[RingGpus]:
     """Version skew and GPU layout, decided alike on every task: a refusal fails every task."""
     rank, attempt = joined.rank, joined.attempt
     try:
@@ -360,7 +303,7 @@ class _Supervisor:
     """Follows a running rank: relays its output, obeys Abort and Cause frames from the driver
     or the relay, and kills it past the run's timeout."""
 
-    def __init__(self, spec: TaskSpec, joined: _Joined, outbox: _Outbox):
+    def __init__(self, spec: TaskSpec, joined: _Joined, outbox: Outbox):
         self.spec, self.joined, self.outbox = spec, joined, outbox
         self.aborted: Dict[str, str] = {}
         self.cause: List[Error] = []
@@ -414,7 +357,7 @@ class _Supervisor:
                          traceback=(f"rank {rank} exceeded timeout={self.spec.timeout:g}s and was killed; "
                                     f"where its threads were:\n{worker.stacks}"))
         if self.aborted and self.spec.attempts > 1 and not self.died_first.is_set():
-            raise RuntimeError(f"rank {rank} was stopped: {self.aborted['reason']}")
+            raise RuntimeError(f"rank {rank} {STOPPED_MARK}: {self.aborted['reason']}")
         if (not self.aborted or self.died_first.is_set()) and worker.failed():
             tb = worker.failure()
             raised, message = worker.raised()
@@ -433,13 +376,22 @@ class _Supervisor:
 
 
 def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
-    """Run one rank; yields the stage's output records."""
+    """Run this task's ranks (one, or ``spec.ranks_per_task`` side by side); yields the stage's
+    output records."""
     from pyspark import BarrierTaskContext
 
     ctx = BarrierTaskContext.get()
+    if spec.ranks_per_task == 1:
+        yield from _run_rank(ctx, spec)
+    else:
+        yield from TaskRanks(ctx, spec.ranks_per_task).run(lambda view: list(_run_rank(view, spec)))
+
+
+def _run_rank(ctx, spec: TaskSpec) -> Iterator[OutputRecord]:
+    """Run one rank: ``ctx`` is the barrier task's context, or one rank's view of it."""
     joined = _rendezvous(ctx, spec)
     rank, attempt = joined.rank, joined.attempt
-    outbox = _Outbox(joined.driver, joined.control)
+    outbox = Outbox(joined.driver, joined.control)
     outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank], executor=joined.executors[rank]))
     gpus = _ring_checks(spec, joined, outbox)
     workdir = WorkDir.create(rank)
@@ -451,7 +403,8 @@ def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
         shm_before = mpi_shm_segments()
     try:
         supervisor = _Supervisor(spec, joined, outbox)
-        worker = RankProcess(rank, workdir, spec.payload, env, supervisor.relay)
+        with _STARTING:  # a task's ranks fork one at a time
+            worker = RankProcess(rank, workdir, spec.payload, env, supervisor.relay)
         outbox.send(Started(rank=rank, attempt=attempt, pid=worker.pid))
         supervisor.follow(worker)
         error = supervisor.error(worker)
@@ -485,7 +438,7 @@ def _clean_up(worker: Optional[RankProcess], shm_before, workdir: WorkDir) -> No
 
 
 def stage_function(spec: TaskSpec):
-    """The function ``mapInArrow(..., barrier=True)`` runs: one task, one rank."""
+    """The function ``mapInArrow(..., barrier=True)`` runs: one task, its ranks."""
 
     def task(batches):
         for _ in batches:  # the input is spark.range: nothing to read
