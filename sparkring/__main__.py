@@ -139,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.num_proc = ranks_from_hosts(host_list, args.num_proc, facts.single_host, facts.slots)
         launch_plan = plan(spark, num_proc=args.num_proc, use_gpu=args.use_gpu, backend=args.backend,
                            stream=args.stream, names=CLI_NAMES, registration_wait=args.start_timeout,
-                           ranks_per_task=args.ranks_per_task)
+                           ranks_per_task=args.ranks_per_task, min_proc=args.min_np)
         if args.min_np is None:
             launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
                    verbose=args.verbose)

@@ -45,9 +45,11 @@ MASTERS = {
     "hosts": None,  # a standalone cluster of two workers on 127.0.0.2 and 127.0.0.3 (two "hosts"), two cores each
     "elastic": None,  # a standalone cluster of three one-core workers (127.0.0.2-4), which its test kills
     # and decommissions
+    "autoscale": None,  # three one-core workers (127.0.0.2-4) under dynamic allocation: 0 to 2 executors
 }
-ORDER = ["local", "retry", "wide", "cluster", "multigpu", "hosts", "elastic", "gpu", "connect"]
-CLUSTERS = {"hosts": (["127.0.0.2", "127.0.0.3"], 2), "elastic": (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 1)}
+ORDER = ["local", "retry", "wide", "cluster", "multigpu", "hosts", "elastic", "autoscale", "gpu", "connect"]
+CLUSTERS = {"hosts": (["127.0.0.2", "127.0.0.3"], 2), "elastic": (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 1),
+            "autoscale": (["127.0.0.2", "127.0.0.3", "127.0.0.4"], 1)}
 
 
 def _spark_major() -> int:
@@ -109,6 +111,14 @@ class _Sessions:
             builder = builder.config("spark.executor.memory", "900m")
         if kind == "elastic":
             builder = builder.config("spark.decommission.enabled", "true")
+        if kind == "autoscale":  # no executor until a job asks; an idle one goes after 2 s
+            builder = (builder.config("spark.dynamicAllocation.enabled", "true")
+                       .config("spark.dynamicAllocation.shuffleTracking.enabled", "true")
+                       .config("spark.dynamicAllocation.minExecutors", "0")
+                       .config("spark.dynamicAllocation.initialExecutors", "0")
+                       .config("spark.dynamicAllocation.maxExecutors", "2")
+                       .config("spark.dynamicAllocation.executorIdleTimeout", "2s")
+                       .config("spark.executor.cores", "1"))
         if kind == "local":
             # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
             builder = (builder.config("spark.driver.resource.gpu.amount", "2")
@@ -142,7 +152,7 @@ class _Sessions:
                        .config("spark.task.resource.gpu.amount", "1"))
         self.spark = builder.getOrCreate()
         self.kind = kind
-        if kind in CLUSTERS:  # the executors register after the session starts
+        if kind in CLUSTERS and kind != "autoscale":  # the executors register after the session starts
             from sparkring.runner.driver.session import wait_for_slots
 
             hosts, cores = CLUSTERS[kind]
@@ -244,6 +254,13 @@ def spark_hosts(_spark_sessions, tmp_path_factory):
 
 
 @pytest.fixture
+def spark_autoscale(_spark_sessions, tmp_path_factory):
+    """A standalone cluster of three one-core workers under dynamic allocation (shuffle tracking,
+    0 to 2 executors, released after 2 idle seconds): the application starts with no executor."""
+    return _spark_sessions.get("autoscale", str(tmp_path_factory.getbasetemp()))
+
+
+@pytest.fixture
 def spark_elastic(_spark_sessions, tmp_path_factory):
     """A standalone cluster of three one-core workers (three ranks, one per host); the test may
     kill workers, so the session ends with it."""
@@ -251,7 +268,7 @@ def spark_elastic(_spark_sessions, tmp_path_factory):
     _spark_sessions.stop()
 
 
-SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster", "spark_multigpu": "multigpu",
+SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster", "spark_multigpu": "multigpu", "spark_autoscale": "autoscale",
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
@@ -275,7 +292,7 @@ def pytest_collection_modifyitems(config, items):
         sessions = {SESSION_FIXTURES[n] for n in names if n in SESSION_FIXTURES}
         if sessions or item.module.__name__ in PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
-        if sessions & {"cluster", "multigpu", "hosts", "elastic"}:
+        if sessions & {"cluster", "multigpu", "hosts", "elastic", "autoscale"}:
             item.add_marker(pytest.mark.cluster)
         if "connect" in sessions:
             item.add_marker(pytest.mark.connect)
@@ -288,7 +305,7 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
             fixture = {"local": "spark", "retry": "spark_retry", "wide": "spark_wide", "cluster": "spark_cluster",
-                       "multigpu": "spark_multigpu", "hosts": "spark_hosts", "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
+                       "multigpu": "spark_multigpu", "hosts": "spark_hosts", "autoscale": "spark_autoscale", "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

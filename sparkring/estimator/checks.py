@@ -88,7 +88,8 @@ def plan_launch(est, spark, num_proc: Optional[int]) -> LaunchPlan:
     return plan(spark, num_proc=num_proc, use_gpu=est.getOrDefault("useGpu"), backend=est.getOrDefault("backend"),
                 stream=est.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
                 shared_memory=est.getOrDefault("sharedMemory"), registration_wait=est.getOrDefault("startTimeout"),
-                ranks_per_task=est.getOrDefault("ranksPerTask"), resource_profile=est.getOrDefault("resourceProfile"))
+                ranks_per_task=est.getOrDefault("ranksPerTask"), resource_profile=est.getOrDefault("resourceProfile"),
+                min_proc=est.getOrDefault("minProc"))
 
 
 def elastic_plan(est, num_proc: int) -> Optional[ElasticPlan]:

@@ -246,6 +246,7 @@ class Rendezvous:
     gpus: Optional[List[str]] = None   # the CUDA names Spark gave this task (None: local mode)
     gpu_error: Optional[str] = None    # why this task's GPU addresses cannot be used
     host_id: Optional[str] = None      # SPARKRING_HOST_ID of its executor: the host it groups with (else its address)
+    address: Optional[str] = None      # where it is reached, said by a task of an ordinary stage (no task infos)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -279,6 +280,7 @@ class TaskSpec:
     backend_from_auto: bool = False  # nccl chosen by backend="auto": gloo where ranks share a GPU
     driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
     ranks_per_task: int = 1         # ranks each task starts: task t runs ranks t*k .. t*k+k-1
+    gang: bool = False              # an ordinary stage (dynamic allocation): the tasks meet only at the driver
 
 
 RESULT, MESSAGE = "result", "message"  # OutputRecord.kind

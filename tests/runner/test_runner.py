@@ -131,13 +131,24 @@ def _fake_session(master, **conf):
     """A classic-looking session that only answers spark.conf.get (what plan() reads)."""
     conf = dict(conf, **{"spark.master": master})
     return types.SimpleNamespace(conf=types.SimpleNamespace(get=lambda k, d=None: conf.get(k, d)),
-                                 sparkContext=types.SimpleNamespace(resources={}))
+                                 sparkContext=types.SimpleNamespace(resources={}, defaultParallelism=0))
 
 
-def test_dynamic_allocation_and_unscheduled_gpus_are_refused_with_the_fix():
-    session = _fake_session("local-cluster[2,1,1024]", **{"spark.dynamicAllocation.enabled": "true"})
-    with pytest.raises(ConfigurationError, match="spark.dynamicAllocation.enabled=false"):
-        plan(session, 2, use_gpu=False)
+def test_dynamic_allocation_plans_an_ordinary_stage_and_refuses_what_its_bound_cannot_run():
+    autoscaling = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.maxExecutors": "2",
+                   "spark.executor.cores": "1"}
+    session = _fake_session("spark://127.0.0.1:7077", **autoscaling)
+    planned = plan(session, 2, use_gpu=False)
+    assert planned.gang and planned.attempts == 1  # a lost task is a lost rank: Spark never reruns it alone
+    with pytest.raises(ConfigurationError, match=r"num_proc=3 needs 3 tasks at once, more than dynamic allocation "
+                                                 r"can give \(spark.dynamicAllocation.maxExecutors=2"):
+        plan(session, 3, use_gpu=False)
+    assert plan(session, 3, use_gpu=False, min_proc=2).num_proc == 3  # elastic: it may start with 2
+    with pytest.raises(ConfigurationError, match="keep the live channel on"):
+        plan(session, 2, use_gpu=False, stream=False)
+
+
+def test_unscheduled_gpus_are_refused_with_the_fix():
     with pytest.raises(ConfigurationError, match="spark.task.resource.gpu.amount is not set"):
         plan(_fake_session("local-cluster[2,1,1024]"), 2, use_gpu=True)
     assert plan(_fake_session("local[4,3]")).num_proc == 4

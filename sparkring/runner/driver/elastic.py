@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, List, Optional, Union
 
 from ...collective.elastic import Relaunches, StopAsk, StopRequest
 from ...errors import RankFailedError, RankTimeoutError, StageLostError
 from .plan import LaunchPlan
-from .session import decommissioning_executors, registered_slots, wait_for_slots
+from .session import decommissioning_executors, registered_slots, request_executors, wait_for_slots
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,9 @@ def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, r
     >>> relaunch_until_done(spark, plan, policy, request)  # doctest: +SKIP
     """
     counts, how = Relaunches(), policy.how
+    if launch_plan.gang:
+        size = _autoscaled_size(spark, launch_plan, how, policy.say)
+        launch_plan = launch_plan if size == launch_plan.num_proc else policy.replan(size)
     try:
         while True:
             if request.read():
@@ -187,6 +191,44 @@ def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, r
     finally:
         if request.read():
             request.clear()
+
+
+def _autoscaled_size(spark, launch_plan: LaunchPlan, how: ElasticLaunch, say: Callable[[str], None]) -> int:
+    """Under dynamic allocation, before the first launch: ask for the executors the target needs
+    (as many as the bound allows), wait up to start_timeout for them, and start with what came (at
+    least min_size); the watcher grows the run as more register."""
+    facts = launch_plan.facts
+    wanted = how.target_size // how.ranks_per_task
+    bound, why = facts.autoscaling_bound()
+    reachable = wanted if bound is None else min(wanted, bound)
+    per_executor = max(1, (facts.executor_cores or facts.task_cpus) // facts.task_cpus)
+    request_executors(spark, -(-reachable // per_executor))
+    slots = _most_slots_seen(spark, reachable, how.start_timeout)
+    size = how.target_size if slots is None else how.ranks_in(slots)
+    if size < how.min_size:
+        raise RankTimeoutError(
+            f"dynamic allocation gave {size} rank(s) within {how.start_timeout_name}={how.start_timeout:g}s, fewer "
+            f"than {how.min_size_name}={how.min_size} ({why}): raise the executors' limit or lower "
+            f"{how.min_size_name}", list(range(size, how.target_size)))
+    if size < how.target_size:
+        say(f"dynamic allocation gave {slots} task slot(s) of the {wanted} wanted ({why}): going on with {size} "
+            f"of {how.target_size} ranks; the run grows when more executors register")
+    return size
+
+
+def _most_slots_seen(spark, wanted: int, timeout: float) -> Optional[int]:
+    """The most task slots registered at once while waiting up to ``timeout`` for ``wanted`` (an
+    executor that came may go idle again before the ranks' tasks are pending: its slot counts,
+    the pending tasks ask for it back)."""
+    deadline, most = time.monotonic() + timeout, None
+    while True:
+        slots = registered_slots(spark)
+        if slots is None:
+            return None
+        most = max(most or 0, slots)
+        if most >= wanted or time.monotonic() > deadline:
+            return most
+        time.sleep(0.25)
 
 
 def _size_for_next_launch(spark, how: ElasticLaunch, cause: str, lost: Optional[BaseException], wait: bool) -> int:

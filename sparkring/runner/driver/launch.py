@@ -102,7 +102,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
             num_proc = ranks_from_hosts(parse_hosts(horovod_names["hosts"]), num_proc, facts.single_host, facts.slots)
     launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
                        names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout,
-                       ranks_per_task=ranks_per_task, resource_profile=resource_profile)
+                       ranks_per_task=ranks_per_task, resource_profile=resource_profile, min_proc=min_proc)
     given = env or {}
     trace = given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE) or timeline.requested()
     if trace:  # every rank records its spans; launch() merges them into this file on the driver
@@ -238,7 +238,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     named.update({f"args[{i}]": arg for i, arg in enumerate(args)})
     named.update({f"kwargs[{key!r}]": value for key, value in (kwargs or {}).items()})
     payload = pickling.dumps((fn, tuple(args), kwargs or {}), named)
-    if (not facts.connect and not facts.local and launch_plan.profile is None
+    if (not facts.connect and not facts.local and launch_plan.profile is None and not launch_plan.gang
             and not wait_for_slots(spark, launch_plan.num_tasks, start_timeout)):
         raise RankTimeoutError(f"the cluster did not offer {launch_plan.num_tasks} concurrent task slots within "
                                f"start_timeout={start_timeout:g}s: add executors/cores or lower the "
@@ -255,7 +255,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
                     stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus,
                     backend_from_auto=launch_plan.backend_from_auto, driver_versions=package_versions(),
-                    ranks_per_task=launch_plan.ranks_per_task)
+                    ranks_per_task=launch_plan.ranks_per_task, gang=launch_plan.gang)
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     stage = Stage(spark, spec, launch_plan, tag, start_timeout)
     log.info("launching %d ranks (driver channel %s:%d)", num_proc, *channel.address)

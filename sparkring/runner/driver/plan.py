@@ -75,6 +75,8 @@ class LaunchPlan:
     backend_from_auto: bool = False  # backend="auto" chose it: the tasks may still fall back to gloo
     ranks_per_task: int = 1         # ranks each task runs (one per GPU of a task holding several)
     profile: Any = None             # the training stage's pyspark ResourceProfile (None: the application's)
+    gang: bool = False              # dynamic allocation: an ordinary stage whose tasks meet at the driver
+    limits: str = ""                # the settings that bound an autoscaling cluster, for messages
 
     @property
     def num_tasks(self) -> int:
@@ -224,10 +226,28 @@ def _check_slots(spark, facts: SessionFacts, use_gpu: bool, resources: StageReso
     return num_proc
 
 
+def _check_autoscaling(facts: SessionFacts, ranks_per_task: int, num_proc: Optional[int],
+                       min_proc: Optional[int], names: ParamNames) -> int:
+    """The number of ranks under dynamic allocation: refused where the bound on executors cannot
+    ever run them (or ``min_proc`` of them) at once."""
+    bound, why = facts.autoscaling_bound()
+    if num_proc is None:
+        if bound is None:
+            raise ConfigurationError(f"under dynamic allocation the session has no fixed number of task slots "
+                                     f"({why}): pass {names.num_proc}=<number of ranks>")
+        return bound * ranks_per_task
+    needed = -(-(min_proc or num_proc) // ranks_per_task)
+    if bound is not None and needed > bound:
+        raise ConfigurationError(
+            f"{names.num_proc}={num_proc} needs {needed} tasks at once, more than dynamic allocation can give "
+            f"({why}: {bound} tasks): raise spark.dynamicAllocation.maxExecutors or lower {names.num_proc}")
+    return num_proc
+
+
 def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
          stream: bool = True, names: ParamNames = RUN_NAMES, shared_memory: bool = True,
          registration_wait: float = 0.0, ranks_per_task: Optional[int] = None,
-         resource_profile: Any = "auto") -> LaunchPlan:
+         resource_profile: Any = "auto", min_proc: Optional[int] = None) -> LaunchPlan:
     """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
     raises ConfigurationError naming the caller's parameter before any Spark job. On a cluster
     whose executors are still registering (an application that just started), waits up to
@@ -235,6 +255,8 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     ranks run in each task (by default one per GPU of a task holding several); the training
     stage asks for its own task resources through ``resource_profile`` ("auto": where ranks per
     task need more GPUs than spark.task.resource.gpu.amount; "off"; or a ResourceProfile).
+    Under dynamic allocation the ranks run as an ordinary stage whose tasks meet at the driver
+    (``gang``); an elastic caller's ``min_proc`` is what the autoscaling bound must allow.
 
     >>> p = plan(spark, num_proc=2, backend="gloo")  # doctest: +SKIP
     """
@@ -250,10 +272,11 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     if backend != "auto" and transport(backend).needs_gpus and not use_gpu:
         raise ConfigurationError(f"{names.backend}='nccl' needs GPUs: pass {names.use_gpu}=True (and schedule "
                                  "GPUs with spark.task.resource.gpu.amount), or use backend='gloo'")
-    if facts.dynamic_allocation and not facts.local:
+    if facts.autoscaling and not stream:
         raise ConfigurationError(
-            "spark.dynamicAllocation.enabled=true: Spark's barrier mode does not support dynamic "
-            "allocation; set spark.dynamicAllocation.enabled=false for this application")
+            "spark.dynamicAllocation.enabled=true: the ranks then run as an ordinary stage (Spark has no barrier "
+            "stage under dynamic allocation) and meet only at the driver; keep the live channel on (drop "
+            "stream=False / streamLogs=False)")
     if use_gpu:
         _check_gpus(facts, names)
     resources = stage_resources(facts, bool(use_gpu), num_proc, ranks_per_task, resource_profile, names)
@@ -261,16 +284,21 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
         log.info("%g GPUs per task for %d rank(s): each rank sees its share, the first one is current; "
                  "sparkring's collectives and the estimator use that one", resources.task_gpus,
                  resources.ranks_per_task)
-    num_proc = _check_slots(spark, facts, bool(use_gpu), resources, num_proc, registration_wait, names)
+    if facts.autoscaling:
+        num_proc = _check_autoscaling(facts, resources.ranks_per_task, num_proc, min_proc, names)
+    else:
+        num_proc = _check_slots(spark, facts, bool(use_gpu), resources, num_proc, registration_wait, names)
     _check_security(facts)
-    attempts = max(1, min(facts.max_failures, facts.max_stage_attempts))
+    # an ordinary stage is never rerun as a whole: a lost task is a lost rank (elastic, or the run fails)
+    attempts = 1 if facts.autoscaling else max(1, min(facts.max_failures, facts.max_stage_attempts))
     shared = bool(use_gpu) and _ranks_share_gpus(facts, num_proc, resources.task_gpus / resources.ranks_per_task)
     chosen = _decide_backend(backend, bool(use_gpu), shared, names)
     result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=chosen, attempts=attempts,
                         stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
                         driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts,
                         shared_memory=bool(shared_memory), backend_from_auto=backend == "auto",
-                        ranks_per_task=resources.ranks_per_task, profile=resources.profile)
+                        ranks_per_task=resources.ranks_per_task, profile=resources.profile,
+                        gang=facts.autoscaling, limits=facts.autoscaling_bound()[1] if facts.autoscaling else "")
     log.info("launch plan: %d ranks (%d per task), backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
              result.num_proc, result.ranks_per_task, chosen, result.use_gpu, attempts, result.driver_host,
              "Connect" if facts.connect else "classic", facts.master)

@@ -70,6 +70,25 @@ class SessionFacts:
     driver_host: str                # where tasks reach the process that called run()
     secured_by: Tuple[str, ...]     # the security settings that are on (SECURITY_SETTINGS)
     plain_traffic_accepted: bool    # ACCEPT_PLAIN_TRAFFIC=true: the user accepts unencrypted rank traffic
+    max_executors: Optional[int] = None   # spark.dynamicAllocation.maxExecutors (None: no bound)
+    executor_cores: Optional[int] = None  # spark.executor.cores (None: as the cluster manager decides)
+
+    @property
+    def autoscaling(self) -> bool:
+        """Dynamic allocation on a cluster: executors come and go with the pending tasks."""
+        return self.dynamic_allocation and not self.local
+
+    def autoscaling_bound(self) -> Tuple[Optional[int], str]:
+        """The most concurrent tasks dynamic allocation can give (None: unknown) and the settings
+        that bound it, for messages."""
+        if self.max_executors is None:
+            return None, "no spark.dynamicAllocation.maxExecutors"
+        setting = f"spark.dynamicAllocation.maxExecutors={self.max_executors}"
+        if self.executor_cores is None:
+            return None, setting
+        per_executor = self.executor_cores // self.task_cpus
+        return self.max_executors * per_executor, (f"{setting}, spark.executor.cores={self.executor_cores}, "
+                                                   f"spark.task.cpus={self.task_cpus}")
 
     @property
     def local(self) -> bool:
@@ -230,7 +249,26 @@ def session_facts(spark) -> SessionFacts:
         slots=slots, gpu_slots=gpu_slots, driver_gpus=driver_gpus, driver_gpu_script=script,
         driver_host=_driver_host(spark, connect),
         secured_by=tuple(key for key in SECURITY_SETTINGS if _flag(spark, key)),
-        plain_traffic_accepted=_flag(spark, ACCEPT_PLAIN_TRAFFIC))
+        plain_traffic_accepted=_flag(spark, ACCEPT_PLAIN_TRAFFIC),
+        max_executors=_optional_int(_conf(spark, "spark.dynamicAllocation.maxExecutors")),
+        executor_cores=_optional_int(_conf(spark, "spark.executor.cores")))
+
+
+def _optional_int(text: Optional[str]) -> Optional[int]:
+    return int(text) if text and text.strip().isdigit() else None
+
+
+def request_executors(spark, total: int) -> bool:
+    """Ask the cluster manager for ``total`` executors now (a classic session under dynamic
+    allocation: before the ranks' tasks are pending, to learn what the cluster gives); False
+    where the session offers no way to ask (Connect, an older Spark)."""
+    try:
+        sc = spark.sparkContext
+        nothing_local = sc._jvm.PythonUtils.toScalaMap(sc._jvm.java.util.HashMap())
+        return bool(sc._jsc.sc().requestTotalExecutors(int(total), 0, nothing_local))
+    except Exception as exc:  # noqa: BLE001 - the pending tasks ask for executors anyway
+        log.debug("could not request %d executors: %s", total, exc)
+        return False
 
 
 class JobTag:

@@ -68,7 +68,7 @@ class Stage:
         # the profile keyword only where there is one: Spark 3.5's mapInArrow has none
         profile = {"profile": self.plan.profile} if self.plan.profile is not None else {}
         df = self.spark.range(0, tasks, 1, tasks).mapInArrow(stage_function(self.spec), RECORD_SCHEMA,
-                                                             barrier=True, **profile)
+                                                             barrier=not self.plan.gang, **profile)
         if self.plan.attempts > 1:
             # Spark never retries a failed barrier *result* stage, only a barrier map stage: a
             # shuffle after the ranks lets it rerun them.

@@ -35,7 +35,8 @@ class Watch:
 
     def failure(self) -> Optional[BaseException]:
         state, num_proc, now = self.state, self.plan.num_proc, time.monotonic()
-        state.expire_joins(JOIN_WINDOW_S)
+        if not self.plan.gang:  # an ordinary stage's tasks have no allGather to fall back on
+            state.expire_joins(JOIN_WINDOW_S)
         with state.lock:
             attempt = state.attempt
             greeted = state.hello.get(attempt, set())
@@ -47,9 +48,11 @@ class Watch:
         failure: Optional[BaseException] = None
         if late and self.watches_start and not state.detached:
             missing = sorted(set(range(num_proc)) - (arrived if len(arrived) < num_proc else greeted))
+            why = ("the cluster may lack free slots (other jobs running?) or executors are still starting"
+                   if not self.plan.gang else
+                   f"dynamic allocation gave {num_proc - len(missing)} of them executors ({self.plan.limits})")
             failure = RankTimeoutError(
-                f"ranks {missing} did not start within start_timeout={self.start_timeout:g}s; the "
-                "cluster may lack free slots (other jobs running?) or executors are still starting", missing)
+                f"ranks {missing} did not start within start_timeout={self.start_timeout:g}s; {why}", missing)
         elif late and not arrived and not self.warned:
             self.warned = True
             log.warning("no rank has reached this process (%s) within %gs: the cluster may lack free "

@@ -12,7 +12,7 @@ import shutil
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ...collective import environment
 from ...collective.hosting import transport
@@ -43,7 +43,7 @@ from ..protocol import (
     TaskSpec,
 )
 from ..versions import package_versions, skew, skew_message
-from .gang import STOPPED_MARK, TaskRanks
+from .gang import STOPPED_MARK, GangContext, TaskRanks
 from .mpi import mpi_network_env, mpi_shm_segments, remove_orphan_segments
 from .network import free_ports, interface_of, resolve
 from .outbox import Outbox, Relay
@@ -217,10 +217,16 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
     """Meet the other tasks: each says what the others need (Rendezvous), all go live or all go
     detached (then task 0 hosts a relay)."""
     rank = ctx.partitionId()
-    executors = [info.address for info in ctx.getTaskInfos()]
-    addresses = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
-    my_ip = resolve(addresses[rank])
     driver = _connect_driver(spec)
+    if spec.gang:  # no task infos: each task says where it is reached, the address it reached the driver from
+        if driver is None:
+            raise RuntimeError(f"rank {rank} cannot reach the driver at {spec.driver_host}:{spec.driver_port}; "
+                               "under dynamic allocation the ranks meet only there")
+        my_ip = driver.sock.getsockname()[0]
+    else:
+        executors = [info.address for info in ctx.getTaskInfos()]
+        addresses = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
+        my_ip = resolve(addresses[rank])
     if driver is not None:
         driver.send(protocol.Arrived(rank=rank))
     gpu_error: Optional[str] = None
@@ -233,8 +239,11 @@ def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
     # user code that calls init_process_group itself (env://, the torchrun way)
     mine = Rendezvous(ports=free_ports(my_ip, 2) if rank == 0 else None, task_attempt_id=ctx.taskAttemptId(),
                       live=driver is not None, versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error,
-                      host_id=os.environ.get(environment.HOST_ID) or None)
+                      host_id=os.environ.get(environment.HOST_ID) or None, address=my_ip if spec.gang else None)
     gathered = _gather_through_driver(ctx, driver, mine, spec) if driver is not None else None
+    if gathered is not None and spec.gang:
+        addresses = [str(g.address) for g in gathered]
+        executors = list(addresses)
     if gathered is None:
         gathered = [Rendezvous.from_json(text)
                     for text in _all_gather(ctx, mine.to_json(), spec.start_timeout, spec.num_proc)]
@@ -380,7 +389,13 @@ def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
     output records."""
     from pyspark import BarrierTaskContext
 
-    ctx = BarrierTaskContext.get()
+    ctx: Any
+    if spec.gang:
+        from pyspark import TaskContext
+
+        ctx = GangContext(TaskContext.get())
+    else:
+        ctx = BarrierTaskContext.get()
     if spec.ranks_per_task == 1:
         yield from _run_rank(ctx, spec)
     else:
@@ -438,7 +453,8 @@ def _clean_up(worker: Optional[RankProcess], shm_before, workdir: WorkDir) -> No
 
 
 def stage_function(spec: TaskSpec):
-    """The function ``mapInArrow(..., barrier=True)`` runs: one task, its ranks."""
+    """The function ``mapInArrow`` runs (a barrier stage, or an ordinary one under dynamic
+    allocation): one task, its ranks."""
 
     def task(batches):
         for _ in batches:  # the input is spark.range: nothing to read

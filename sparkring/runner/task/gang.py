@@ -99,6 +99,40 @@ class TaskRanks:
             yield from outputs[local]
 
 
+class GangContext:
+    """A task of an ordinary stage (dynamic allocation, where Spark runs no barrier stage) seen
+    as a barrier task: the tasks meet through the driver's rendezvous only, each saying where it
+    is reached; a task Spark retries alone refuses to run (a lost task is a lost rank)."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        if ctx.attemptNumber() > 0:
+            raise RuntimeError(f"task {ctx.partitionId()} was retried by Spark on its own: a lost rank ends "
+                               "this launch (an elastic run launches again with the ranks there are)")
+
+    def partitionId(self) -> int:  # noqa: N802 - BarrierTaskContext's names
+        return self._ctx.partitionId()
+
+    def taskAttemptId(self) -> int:  # noqa: N802
+        return self._ctx.taskAttemptId()
+
+    def stageId(self) -> int:  # noqa: N802
+        return self._ctx.stageId()
+
+    def resources(self) -> Dict[str, Any]:
+        return self._ctx.resources()
+
+    def getTaskInfos(self) -> List[Any]:  # noqa: N802
+        raise RuntimeError("an ordinary stage's tasks learn each other's places from the driver's rendezvous")
+
+    def allGather(self, message: str = "") -> List[str]:  # noqa: N802
+        raise RuntimeError("the ranks could not all reach the driver, and without a barrier stage (dynamic "
+                           "allocation) they have no other place to meet: let the executors reach the driver")
+
+    def barrier(self) -> None:
+        self.allGather()
+
+
 class RankContext:
     """One rank's view of its barrier task, with the calls of BarrierTaskContext the task body
     makes: its rank as ``partitionId``, every rank's task info, its share of the task's GPUs, and
