@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from common import Row, vector_df
+from common import Row, cluster_script, vector_df
 
 
 def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
@@ -139,21 +139,11 @@ def _is_executor(process) -> bool:
         return False
 
 
-def _cluster_script(script: str, scratch: str) -> dict:
-    """Run one of the standalone-cluster driver scripts beside this file; the JSON its last line prints."""
-    os.makedirs(scratch, exist_ok=True)
-    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script), scratch],
-                          capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def _decommission_row(rows, tmp):
     """``decommission.py``: an elastic fit on a standalone cluster of three one-core workers, one
     decommissioned (SIGPWR) at the first checkpoint inside epoch 1, beside the same fit
     uninterrupted: the steps the two launches took together, less the uninterrupted fit's."""
-    out = _cluster_script("decommission.py", os.path.join(tmp, "elastic_decommission"))
+    out = cluster_script("decommission.py", os.path.join(tmp, "elastic_decommission"))
     plain, left = out["uninterrupted"], out["decommissioned"]
     if left["num_proc"] != [3, 2, 2] or left["decommissions"] != 1 or left["restarts"] != 0:
         raise RuntimeError(f"the decommissioned fit did not go on with 2 ranks once: {left}")
@@ -171,7 +161,7 @@ def _lost_for_good_row(rows, tmp):
     elastic fit on three standalone workers (minProc=2): seconds from the kill to the next launch's
     first step (the fit goes on at once with 2 ranks), and the fit's wall time against the same fit
     uninterrupted."""
-    out = _cluster_script("lost_for_good.py", os.path.join(tmp, "elastic_lost_for_good"))
+    out = cluster_script("lost_for_good.py", os.path.join(tmp, "elastic_lost_for_good"))
     plain, lost = out["uninterrupted"], out["lost"]
     if lost["num_proc"][-1] != 2 or lost["restarts"] != 1:
         raise RuntimeError(f"the fit did not go on with 2 ranks after one restart: {lost}")
@@ -183,3 +173,17 @@ def _lost_for_good_row(rows, tmp):
                     "steps; the epochs after the loss on 2 ranks) against the same fit uninterrupted on three workers",
                     f"{lost['training']:.1f} s", f"uninterrupted {plain['training']:.1f} s",
                     lost["training"] / plain["training"], "(reference)", higher_is_better=False))
+
+
+def bench_autoscaling(rows, tmp):
+    """``autoscaling.py``: 4 ranks as 2 tasks x 2 beside 4 tasks x 1 (run() wall time), and a fit's
+    seconds to its first step under dynamic allocation from no executor beside a fixed-size cluster."""
+    out = cluster_script("autoscaling.py", os.path.join(tmp, "autoscaling"))
+    two, four = out["launch"]["2x2"], out["launch"]["4x1"]
+    rows.append(Row("autoscaling", "run() of 4 ranks as 2 tasks x 2 ranks vs 4 tasks x 1 rank (two standalone workers "
+                    "of two cores), wall time", f"{two:.2f} s", f"4 x 1: {four:.2f} s", two / four, "<= 1.10x",
+                    higher_is_better=False, goal_value=1.10))
+    cold, fixed = out["autoscaled_first_step"], out["fixed_first_step"]
+    rows.append(Row("autoscaling", "fit(numProc=2): seconds from fit() to the first step under dynamic allocation "
+                    "started with no executor (their start included) vs a fixed-size cluster with its executors up",
+                    f"{cold:.1f} s", f"fixed size: {fixed:.1f} s", cold / fixed, "(reference)", higher_is_better=False))

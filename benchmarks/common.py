@@ -90,3 +90,18 @@ def standalone_session(master: str, ranks: int, **conf: str):
     spark = builder.getOrCreate()
     assert wait_for_slots(spark, ranks, timeout=90), "the executors did not register"
     return spark
+
+
+def cluster_script(script: str, scratch: str) -> dict:
+    """Run one of the standalone-cluster driver scripts beside this file (each in a process of its
+    own: one SparkContext per process); the JSON its last line prints."""
+    import json
+    import subprocess
+    import sys
+
+    os.makedirs(scratch, exist_ok=True)
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), script), scratch],
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

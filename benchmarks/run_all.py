@@ -665,7 +665,7 @@ def main():
         all_rows = []
         for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                      "versions", "inputs",
-                     "training", "speed", "sharding", "model_parallel", "elastic", "transform"):
+                     "training", "speed", "sharding", "model_parallel", "elastic", "autoscaling", "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -751,6 +751,13 @@ def main():
             rows = []
             bench_elastic(spark, rows, max(1, args.reps - 1), tmp)
             done("elastic", rows)
+        if "autoscaling" in only:
+            from bench_elastic import bench_autoscaling
+
+            print("== autoscaling", flush=True)
+            rows = []
+            bench_autoscaling(rows, tmp)
+            done("autoscaling", rows)
         if "transform" in only:
             print("== transform", flush=True)
             rows = []
