@@ -12,10 +12,11 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import prepare
+from ..data.text import Encoder, tokenize
 from ..runner import to_bytes
 from ..trainer import is_factory
 from ..trainer.events import TrainingEvent, from_payload
-from . import checks, tracking
+from . import checks, text, tracking
 from .console import Progress, SparkBarPause
 from .launching import launch_fit, train_config
 from .model import SparkRingModel
@@ -70,6 +71,8 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             return self._fit_paused(dataset)
 
     def _fit_paused(self, dataset):
+        if self.getOrDefault("textCol") is not None:
+            return self._fit_text(dataset)
         decided = checks.decide(self, dataset)
         # one run directory holds this fit's prepared data and its checkpoints
         run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
@@ -84,6 +87,21 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
                 ds.delete()
+
+    def _fit_text(self, dataset):
+        """Tokenize textCol on the executors, fit on the token columns, add the language-model figures."""
+        layout = text.text_layout(self, dataset)
+        tokenized, counts = tokenize(dataset, Encoder(self.getOrDefault("tokenizer")), layout)
+        try:
+            on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(layout).items()})
+            on_tokens._hold_data, on_tokens._grid_point = self._hold_data, self._grid_point
+            model = on_tokens._fit_paused(tokenized)
+        finally:
+            tokenized.unpersist()
+        model.history = text.with_figures(model.history, counts, text.parameters(self.getOrDefault("model")),
+                                          self.getOrDefault("peakFlops"),
+                                          self.getOrDefault("tensorParallel") * self.getOrDefault("pipelineParallel"))
+        return model
 
     def _fit_tracked(self, dataset, ds, decided: checks.FitDecisions, run_id: str) -> SparkRingModel:
         parent, index = self._grid_point or (None, None)

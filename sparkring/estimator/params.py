@@ -114,7 +114,7 @@ class ParamSpec:
     default: Any
     doc: str
     converter: Callable[[Any], Any] = _identity
-    choices: Tuple[str, ...] = ()             # the allowed values of a string Param
+    choices: Tuple[Optional[str], ...] = ()   # the allowed values of a string Param
     minimum: Optional[int] = None             # an int Param's least value (None also allowed if default is)
     is_object: bool = False                   # a Python object: persisted with cloudpickle, not JSON
     shared: bool = False                      # pyspark's own shared Param (HasSeed, HasProbabilityCol, ...)
@@ -150,6 +150,22 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("inputShapes", "list[int] | dict | None", None,
               "a row's shape per input (dict input name -> shape, or one shape for a single input), applied after "
               "transformFn", _to_input_shapes),
+    ParamSpec("textCol", "str | None", None,
+              "a string column of documents, tokenized on the executors with tokenizer (then task says what to "
+              "train; featuresCol, labelCol and loss follow from it)", _to_optional_string),
+    ParamSpec("tokenizer", "tokenizers.Tokenizer | PreTrainedTokenizer | str | None", None,
+              "textCol's tokenizer: a tokenizers.Tokenizer, a transformers tokenizer, or the local directory of one "
+              "(never downloaded)", is_object=True),
+    ParamSpec("sequenceLength", "int", 512, "tokens per training row of textCol", TypeConverters.toInt, minimum=2),
+    ParamSpec("packSequences", "bool", True,
+              "concatenate documents (each closed by end-of-sequence) and cut them to sequenceLength, position ids "
+              "restarting per document; False: one document per row, cut and padded", TypeConverters.toBoolean),
+    ParamSpec("task", "str | None", None,
+              "what a textCol fit trains: causal-lm (next-token prediction, labels are the shifted inputs, padding "
+              "ignored)", _to_optional_string, choices=(None, "causal-lm")),
+    ParamSpec("peakFlops", "float | None", None,
+              "one rank's peak FLOP/s (e.g. 989e12 for an H100's bf16): a textCol fit's history then has mfu, "
+              "6 x parameters x tokens/s over it", _to_optional_float),
     ParamSpec("transformFn", "Callable[[dict], dict] | None", None,
               "transformFn(batch: dict) -> dict run on every batch before the model (e.g. decode image bytes); "
               "picklable", is_object=True, field="transform_fn"),

@@ -256,8 +256,9 @@ class Trainer:
             logs["skipped_steps"] = skipped
         if cfg.compile is not None and epoch == self.start_epoch:
             logs["first_step_seconds"] = self.first_step_s
+        logs["num_proc"] = self.size
         if cfg.elastic is not None:
-            logs.update(num_proc=self.size, **dataclasses.asdict(cfg.elastic.relaunches))
+            logs.update(**dataclasses.asdict(cfg.elastic.relaunches))
         logs.update(self._time_split(float(totals[1])))
         logs.update(self.step.train_epoch_ended(self.model))
         if self.val_steps:

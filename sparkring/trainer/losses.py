@@ -16,11 +16,30 @@ LOSSES: Dict[str, Tuple[Callable, str]] = {
     "bce_with_logits": (lambda out, y: F.binary_cross_entropy_with_logits(out, y, reduction="none"), "binary"),
 }
 CLASSIFICATION = ("cross_entropy", "nll", "bce_with_logits")
+# next-token prediction over a row of token ids: labels are the inputs (IGNORED where padding)
+CAUSAL_LM, IGNORED = "causal_lm", -100
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean next-token cross entropy over the real tokens of a batch: position t predicts
+    label t+1 (Hugging Face's shift); padding (-100) counts for nothing.
+
+    >>> round(float(causal_lm_loss(torch.zeros(1, 3, 5), torch.tensor([[1, 2, -100]]))), 4)  # log(5)
+    1.6094
+    """
+    shifted = logits[:, :-1, :].reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(shifted, labels[:, 1:].reshape(-1).long(), ignore_index=IGNORED)
+
+
+def tensor_output(out):
+    """A model's output as the loss sees it: a Hugging Face ModelOutput gives its logits."""
+    logits = getattr(out, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) and not isinstance(out, torch.Tensor) else out
 
 
 def check_loss(loss) -> None:
     if isinstance(loss, str):
-        if loss not in LOSSES:
+        if loss not in LOSSES and loss != CAUSAL_LM:
             raise ValueError(f"loss={loss!r} is not a known loss name; use one of {sorted(LOSSES)} "
                              "or pass a callable(output, label) -> scalar")
     elif not callable(loss):
@@ -28,13 +47,17 @@ def check_loss(loss) -> None:
 
 
 def label_kind(loss) -> str:
-    """'class' (int64 indices), 'binary' (float 0/1) or 'regression' (float)."""
+    """'class' (int64 indices), 'binary' (float 0/1), 'tokens' (token ids) or 'regression' (float)."""
+    if loss == CAUSAL_LM:
+        return "tokens"
     return LOSSES[loss][1] if isinstance(loss, str) else "regression"
 
 
 def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torch.Tensor:
     """Cast labels as the loss wants them; on the first batch, check shapes and ranges."""
     kind = label_kind(loss)
+    if kind == "tokens":
+        return y.long()
     if kind == "class":
         if first and torch.is_floating_point(y) and not torch.equal(y, torch.floor(y)):
             raise ValueError("labelCol holds non-integral values but loss "
@@ -60,13 +83,17 @@ def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torc
 
 def per_sample_loss(loss, out: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
     """Per-sample losses of a named loss; None for a user callable (it returns a scalar)."""
-    if not isinstance(loss, str):
+    if not isinstance(loss, str) or loss == CAUSAL_LM:
         return None
     values = LOSSES[loss][0](out, y)
     return values.reshape(values.shape[0], -1).mean(dim=1) if values.dim() > 1 else values
 
 
 def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    if loss == CAUSAL_LM:
+        if weight is not None:
+            raise ValueError("sampleWeightCol does not apply to task='causal-lm' (every real token counts once)")
+        return causal_lm_loss(out, y)
     values = per_sample_loss(loss, out, y)
     if values is None:
         if weight is not None:

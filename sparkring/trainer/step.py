@@ -92,7 +92,7 @@ class PlainStep:
             args = tuple(a.to(device, non_blocking=True) for a in args)
             kwargs = {k: v.to(device, non_blocking=True) for k, v in kwargs.items()}
             with self.autocast():
-                out = model(*args, **kwargs)
+                out = losses.tensor_output(model(*args, **kwargs))
                 heads = self._heads(out)
                 ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, self.first)
                       for label, head, loss in zip(labels, heads, cfg.losses)]

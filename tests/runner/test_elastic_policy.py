@@ -46,3 +46,17 @@ def test_a_stop_request_reads_back_what_the_driver_asked(tmp_path):
     assert request.read() is StopAsk.LEAVE and int(request.read()) == 2  # an int on the wire and in the broadcast
     request.clear()
     assert request.read() is StopAsk.NOTHING
+
+
+def test_with_several_ranks_per_task_a_relaunch_counts_whole_tasks(monkeypatch):
+    from sparkring.runner.driver import elastic
+
+    how = ElasticLaunch(target_size=6, min_size=2, max_restarts=2, start_timeout=5, ranks_per_task=2)
+    assert [how.ranks_in(slots) for slots in (0, 1, 2, 3, 4)] == [0, 2, 4, 6, 6]
+    # a lost task of two ranks leaves two task slots: the next launch has four ranks, at once
+    monkeypatch.setattr(elastic, "registered_slots", lambda spark: 2)
+    monkeypatch.setattr(elastic, "wait_for_slots", lambda spark, wanted, timeout: True)
+    assert elastic._size_for_next_launch(None, how, "lost ranks 4, 5", None, wait=True) == 4
+    monkeypatch.setattr(elastic, "registered_slots", lambda spark: 0)
+    with pytest.raises(elastic.RankTimeoutError, match="offers 0 rank"):
+        elastic._size_for_next_launch(None, how, "lost ranks 0-5", None, wait=False)

@@ -1,0 +1,171 @@
+"""Text columns tokenized on the executors: each document's token ids (int32) packed into, or
+padded to, rows of ``sequence_length`` with position ids, an attention mask and next-token labels,
+and the counts of tokens kept and cut off (nothing is dropped silently).
+
+Packing concatenates a partition's documents, each closed by the end-of-sequence token, and cuts
+them into rows; the position ids restart at every document (the attention does not: that needs a
+varlen attention kernel). Without packing each document is one row, cut to the length and padded.
+The tokenizer is a ``tokenizers.Tokenizer``, a transformers tokenizer, or a local directory
+(``AutoTokenizer.from_pretrained(path, local_files_only=True)``: never a download)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Tuple
+
+from ..errors import DataError
+
+TOKEN_COLUMNS = ("input_ids", "position_ids", "attention_mask", "labels")
+IGNORED = -100  # a label that counts for nothing (padding)
+_END_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|eos|>", "[EOS]", "[SEP]")
+_PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
+SCHEMA = ("input_ids array<int>, position_ids array<int>, attention_mask array<int>, labels array<int>, "
+          "tokens int, cut int, documents int")
+
+
+class Encoder:
+    """The user's tokenizer as the executors use it: picklable, loaded where it runs.
+
+    >>> Encoder(tokenizers.Tokenizer.from_file("tok.json")).encode(["a b"])  # doctest: +SKIP
+    [[17, 18]]
+    """
+
+    def __init__(self, tokenizer: Any):
+        if tokenizer is None:
+            raise DataError("textCol needs a tokenizer: a tokenizers.Tokenizer, a transformers tokenizer, or the "
+                            "local directory of one")
+        self.source = tokenizer
+        self._loaded: Any = None
+
+    def __getstate__(self):
+        return {"source": self.source, "_loaded": None}
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._loaded is None:
+            if isinstance(self.source, str):
+                from transformers import AutoTokenizer
+
+                self._loaded = AutoTokenizer.from_pretrained(self.source, local_files_only=True)
+            else:
+                self._loaded = self.source
+        return self._loaded
+
+    def encode(self, texts: List[str]) -> List[List[int]]:
+        tok = self.tokenizer
+        if hasattr(tok, "encode_batch"):  # tokenizers.Tokenizer
+            return [e.ids for e in tok.encode_batch(texts)]
+        return list(tok(texts, add_special_tokens=False)["input_ids"])
+
+    def special_ids(self) -> Tuple[int, int]:
+        """(end of sequence, padding): the tokenizer's own, else one of the usual token names."""
+        tok = self.tokenizer
+        eos = getattr(tok, "eos_token_id", None)
+        pad = getattr(tok, "pad_token_id", None)
+        lookup = getattr(tok, "token_to_id", None) or getattr(tok, "convert_tokens_to_ids", None)
+        if eos is None and lookup is not None:
+            eos = next((i for i in (lookup(n) for n in _END_NAMES) if isinstance(i, int)), None)
+        if pad is None and lookup is not None:
+            pad = next((i for i in (lookup(n) for n in _PAD_NAMES) if isinstance(i, int)), None)
+        if eos is None:
+            raise DataError(f"the tokenizer has no end-of-sequence token: add one of {list(_END_NAMES)} to its "
+                            "special tokens (documents are closed by it)")
+        return int(eos), int(eos if pad is None else pad)
+
+
+@dataclass(frozen=True)
+class TextLayout:
+    """How documents become rows of token ids.
+
+    >>> TextLayout("text", sequence_length=8, pack=True, eos_id=0, pad_id=1).sequence_length
+    8
+    """
+
+    column: str
+    sequence_length: int
+    pack: bool
+    eos_id: int
+    pad_id: int
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """What tokenizing made of the DataFrame: rows (sequences), documents, real tokens kept, and
+    tokens cut off (documents longer than the length, without packing)."""
+
+    rows: int
+    documents: int
+    kept: int
+    cut: int
+
+
+def _row(ids: List[int], positions: List[int], documents: int, cut: int, layout: TextLayout) -> dict:
+    real, length = len(ids), layout.sequence_length
+    pad = length - real
+    return {"input_ids": ids + [layout.pad_id] * pad, "position_ids": positions + [0] * pad,
+            "attention_mask": [1] * real + [0] * pad, "labels": ids + [IGNORED] * pad,
+            "tokens": real, "cut": cut, "documents": documents}
+
+
+def sequences(documents: List[List[int]], layout: TextLayout) -> Iterator[dict]:
+    """The rows made of one partition's documents (each already closed by end of sequence).
+
+    >>> layout = TextLayout("t", sequence_length=4, pack=True, eos_id=9, pad_id=0)
+    >>> [r["input_ids"] for r in sequences([[1, 2, 9], [3, 9], [4, 5, 6, 9]], layout)]
+    [[1, 2, 9, 3], [9, 4, 5, 6], [9, 0, 0, 0]]
+    """
+    length = layout.sequence_length
+    if not layout.pack:
+        for doc in documents:
+            yield _row(doc[:length], list(range(min(len(doc), length))), 1, max(0, len(doc) - length), layout)
+        return
+    ids: List[int] = []
+    positions: List[int] = []
+    starts = 0
+    for doc in documents:
+        ids += doc
+        positions += range(len(doc))
+        starts += 1
+        while len(ids) >= length:
+            yield _row(ids[:length], positions[:length], starts, 0, layout)
+            ids, positions, starts = ids[length:], positions[length:], 0
+    if ids:
+        yield _row(ids, positions, starts, 0, layout)
+
+
+def tokenize_partitions(encoder: Encoder, layout: TextLayout, chunk_rows: int = 1024):
+    """The function ``mapInArrow`` runs on each partition: text in, rows of token ids out."""
+    def run(batches):
+        import pyarrow as pa
+
+        for batch in batches:
+            texts = batch.column(layout.column).to_pylist()
+            if any(t is None for t in texts):
+                raise DataError(f"textCol {layout.column!r} has null values: drop or fill them before fit()")
+            docs = [ids + [layout.eos_id] for ids in encoder.encode(texts)]
+            rows = list(sequences(docs, layout)) if docs else []
+            for start in range(0, len(rows), chunk_rows):
+                part = rows[start:start + chunk_rows]
+                yield pa.RecordBatch.from_pydict({
+                    **{name: pa.array([r[name] for r in part], pa.list_(pa.int32())) for name in TOKEN_COLUMNS},
+                    **{name: pa.array([r[name] for r in part], pa.int32()) for name in ("tokens", "cut", "documents")}})
+    return run
+
+
+def tokenize(df, encoder: Encoder, layout: TextLayout) -> Tuple[Any, TokenCounts]:
+    """``df``'s text column as rows of token ids (cached: the counts and prepare read it once each;
+    the caller unpersists it) and what tokenizing made of it. Packing runs within each partition:
+    a row never spans two."""
+    from pyspark.sql import functions as F
+
+    tokenized = df.select(layout.column).mapInArrow(tokenize_partitions(encoder, layout), SCHEMA).cache()
+    got = tokenized.agg(F.count("*"), F.sum("documents"), F.sum("tokens"), F.sum("cut")).collect()[0]
+    counts = TokenCounts(rows=int(got[0]), documents=int(got[1] or 0), kept=int(got[2] or 0), cut=int(got[3] or 0))
+    if counts.rows == 0:
+        raise DataError(f"textCol {layout.column!r}: the DataFrame has no rows to train on")
+    return tokenized, counts
+
+
+def mean_tokens(counts: TokenCounts) -> float:
+    """Real tokens per row, on average."""
+    return counts.kept / counts.rows if counts.rows else 0.0
+

@@ -1,0 +1,36 @@
+"""Tiny language models and text for the text tests: a BPE tokenizer trained on the tests' own
+sentences and a 2-layer Llama built from its config (nothing is downloaded)."""
+import random
+
+WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "tree", "big", "small", "red", "blue"]
+
+
+def sentences(n=240, seed=0):
+    """Short documents with a structure a tiny model learns in two epochs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        subject = f"the {rng.choice(['big', 'small'])} {rng.choice(['cat', 'dog'])}"
+        out.append(f"{subject} {rng.choice(['sat', 'ran'])} {rng.choice(['on', 'under'])} the "
+                   f"{rng.choice(['red', 'blue'])} {rng.choice(['mat', 'tree'])} .")
+    return out
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"])
+    tok.train_from_iterator(sentences(), trainer)
+    return tok
+
+
+def llama(vocab_size, seed=0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(config)
