@@ -34,3 +34,19 @@ def llama(vocab_size, seed=0):
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     return LlamaForCausalLM(config)
+
+
+def labelled(n=200, seed=0):
+    """(text, label) rows: 1 where the sentence is about a cat, 0 about a dog."""
+    return [(s, float("cat" in s.split())) for s in sentences(n, seed)]
+
+
+def llama_classifier(vocab_size, pad_id, seed=0):
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=2,
+                         pad_token_id=pad_id)
+    return LlamaForSequenceClassification(config)

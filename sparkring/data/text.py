@@ -56,6 +56,12 @@ class Encoder:
             return [e.ids for e in tok.encode_batch(texts)]
         return list(tok(texts, add_special_tokens=False)["input_ids"])
 
+    def decode(self, ids: List[int]) -> str:
+        tok = self.tokenizer
+        if hasattr(tok, "encode_batch"):  # tokenizers.Tokenizer: its decoder, else the tokens with spaces
+            return tok.decode(ids) if tok.decoder is not None else " ".join(tok.id_to_token(i) for i in ids)
+        return tok.decode(ids, skip_special_tokens=True)
+
     def special_ids(self) -> Tuple[int, int]:
         """(end of sequence, padding): the tokenizer's own, else one of the usual token names."""
         tok = self.tokenizer
@@ -85,6 +91,7 @@ class TextLayout:
     pack: bool
     eos_id: int
     pad_id: int
+    keep: Tuple[str, ...] = ()      # columns carried to each document's row (labels): never with packing
 
 
 @dataclass(frozen=True)
@@ -145,9 +152,11 @@ def tokenize_partitions(encoder: Encoder, layout: TextLayout, chunk_rows: int = 
             rows = list(sequences(docs, layout)) if docs else []
             for start in range(0, len(rows), chunk_rows):
                 part = rows[start:start + chunk_rows]
+                kept = {name: batch.column(name).slice(start, len(part)) for name in layout.keep}
                 yield pa.RecordBatch.from_pydict({
                     **{name: pa.array([r[name] for r in part], pa.list_(pa.int32())) for name in TOKEN_COLUMNS},
-                    **{name: pa.array([r[name] for r in part], pa.int32()) for name in ("tokens", "cut", "documents")}})
+                    **{name: pa.array([r[name] for r in part], pa.int32()) for name in ("tokens", "cut", "documents")},
+                    **kept})
     return run
 
 
@@ -157,7 +166,12 @@ def tokenize(df, encoder: Encoder, layout: TextLayout) -> Tuple[Any, TokenCounts
     a row never spans two."""
     from pyspark.sql import functions as F
 
-    tokenized = df.select(layout.column).mapInArrow(tokenize_partitions(encoder, layout), SCHEMA).cache()
+    if layout.pack and layout.keep:
+        raise DataError(f"packing mixes documents in one row: columns {list(layout.keep)} cannot follow them")
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    schema = ", ".join([SCHEMA] + [f"`{name}` {fields[name].simpleString()}" for name in layout.keep])
+    tokenized = df.select(layout.column, *layout.keep).mapInArrow(tokenize_partitions(encoder, layout),
+                                                                  schema).cache()
     got = tokenized.agg(F.count("*"), F.sum("documents"), F.sum("tokens"), F.sum("cut")).collect()[0]
     counts = TokenCounts(rows=int(got[0]), documents=int(got[1] or 0), kept=int(got[2] or 0), cut=int(got[3] or 0))
     if counts.rows == 0:

@@ -71,6 +71,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             return self._fit_paused(dataset)
 
     def _fit_paused(self, dataset):
+        text.check_lora(self)
         if self.getOrDefault("textCol") is not None:
             return self._fit_text(dataset)
         decided = checks.decide(self, dataset)
@@ -93,14 +94,16 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         layout = text.text_layout(self, dataset)
         tokenized, counts = tokenize(dataset, Encoder(self.getOrDefault("tokenizer")), layout)
         try:
-            on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(layout).items()})
+            on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(self, layout).items()})
             on_tokens._hold_data, on_tokens._grid_point = self._hold_data, self._grid_point
             model = on_tokens._fit_paused(tokenized)
         finally:
             tokenized.unpersist()
+        model.set(model.getParam("textCol"), layout.column)  # transform(inference=...) reads the documents
         model.history = text.with_figures(model.history, counts, text.parameters(self.getOrDefault("model")),
                                           self.getOrDefault("peakFlops"),
-                                          self.getOrDefault("tensorParallel") * self.getOrDefault("pipelineParallel"))
+                                          self.getOrDefault("tensorParallel") * self.getOrDefault("pipelineParallel"),
+                                          language_model=self.getOrDefault("task") != text.CLASSIFY)
         return model
 
     def _fit_tracked(self, dataset, ds, decided: checks.FitDecisions, run_id: str) -> SparkRingModel:

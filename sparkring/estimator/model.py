@@ -15,6 +15,8 @@ from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import DataError, FeatureSpec, petastorm_codecs
+from ..data.text import Encoder
+from ..errors import ConfigurationError
 from ..runner import to_bytes
 from ..runner.gpus import device_ordinal
 from ..trainer import losses
@@ -22,6 +24,8 @@ from ..trainer.lightning import inference_call
 from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
+from .text import merged
+from .text_inference import TextInference
 
 _OUT = "__sparkring_out"
 _worker_models: Dict[Tuple[str, str], torch.nn.Module] = {}  # (transform, device) -> model
@@ -197,6 +201,56 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                          transform_fn=self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn"))
 
     def _transform(self, dataset):
+        if self.getOrDefault("inference") != "predict" or self.getOrDefault("textCol") is not None:
+            return self._transform_text(dataset)
+        return self._transform_predict(dataset)
+
+    def _transform_text(self, dataset):
+        """generate, embed or score textCol's documents, in inferenceBatchSize batches on the executors."""
+        from pyspark.sql import functions as F
+        from pyspark.sql.functions import pandas_udf
+
+        recipe = self._text_inference(dataset)
+        broadcast = _ship(dataset.sparkSession, to_bytes(self.getModel()))
+        key, use_gpu, batch = uuid.uuid4().hex, self.getOrDefault("useGpu"), self.getOrDefault("inferenceBatchSize")
+
+        def values(texts: pd.Series) -> List[Any]:
+            device = task_device(use_gpu)
+            model = _load_on_worker(key, broadcast, device)
+            docs = [str(t) for t in texts]
+            return [v for start in range(0, len(docs), batch) for v in recipe.run(model, device, docs[start:start + batch])]
+
+        def infer(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+            for texts in batches:
+                yield pd.Series(values(texts), dtype=object)
+
+        def infer_scores(batches: Iterator[pd.Series]) -> Iterator[pd.DataFrame]:
+            for texts in batches:
+                yield pd.DataFrame(values(texts), columns=["loss", "perplexity"])
+
+        udf = pandas_udf(infer_scores if recipe.mode == "score" else infer, recipe.spark_type)
+        return dataset.withColumn(self.getPredictionCol(), udf(F.col(self.getOrDefault("textCol"))))
+
+    def _text_inference(self, dataset) -> TextInference:
+        mode, column = self.getOrDefault("inference"), self.getOrDefault("textCol")
+        if column is None:
+            raise ConfigurationError(f"inference={mode!r} needs a model fitted on a text column (textCol, task); this "
+                                     "one reads numeric columns: use inference='predict'")
+        if column not in dataset.columns:
+            raise ConfigurationError(f"inference={mode!r} reads textCol={column!r}, which the DataFrame lacks "
+                                     f"(it has {dataset.columns})")
+        if mode == "predict" and self.getOrDefault("task") != "sequence-classification":
+            raise ConfigurationError("a language model fitted on textCol writes with inference='generate', 'embed' or "
+                                     "'score' (inference='predict' is a sequence classifier's)")
+        if mode == "generate" and not hasattr(self.getModel(), "generate"):
+            raise ConfigurationError(f"inference='generate' needs a model with generate() (a Hugging Face causal LM); "
+                                     f"{type(self.getModel()).__name__} has none: use 'embed' or 'score'")
+        encoder = Encoder(self.getOrDefault("tokenizer"))
+        eos, pad = encoder.special_ids()
+        return TextInference(encoder, mode, eos, pad, max_length=self.getOrDefault("sequenceLength"),
+                             generation=dict(self.getOrDefault("generation") or {}))
+
+    def _transform_predict(self, dataset):
         from pyspark.ml.functions import array_to_vector
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
@@ -248,11 +302,14 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
     # -- persistence ------------------------------------------------------------------
     def write(self):
+        saved = self
+        if self.getOrDefault("mergeAdapters") and hasattr(self.getModel(), "merge_and_unload"):
+            saved = self.copy({self.getParam("model"): merged(self.getModel()), self.getParam("lora"): None})
         buf = io.BytesIO()
-        torch.save(self.getModel().state_dict(), buf)
+        torch.save(saved.getModel().state_dict(), buf)
         extra = {"history": self.history, "outputShapes": self.outputShapes,
                  "featureSpec": self.featureSpec.to_dict() if self.featureSpec is not None else None}
-        return SparkRingWriter(self, extra=extra, blobs={"state_dict.pt": buf.getvalue()})
+        return SparkRingWriter(saved, extra=extra, blobs={"state_dict.pt": buf.getvalue()})
 
     @classmethod
     def read(cls):

@@ -15,6 +15,7 @@ from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
 from ..trainer.activation import MODES as ACTIVATION_MODES
 from ..trainer.config import PIPELINE_SCHEDULES, STRATEGIES
+from .text_inference import MODES as INFERENCE_MODES
 from .tracking import MODES as MLFLOW_MODES
 
 
@@ -162,7 +163,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "restarting per document; False: one document per row, cut and padded", TypeConverters.toBoolean),
     ParamSpec("task", "str | None", None,
               "what a textCol fit trains: causal-lm (next-token prediction, labels are the shifted inputs, padding "
-              "ignored)", _to_optional_string, choices=(None, "causal-lm")),
+              "ignored) or sequence-classification (labelCol's class per document, one unpacked document per row)",
+              _to_optional_string, choices=(None, "causal-lm", "sequence-classification")),
+    ParamSpec("lora", "peft.LoraConfig | None", None,
+              "a textCol fit trains only LoRA adapters on the model (peft): the base weights stay frozen and are not "
+              "exchanged; the fitted model keeps the adapters", is_object=True),
+    ParamSpec("mergeAdapters", "bool", False, "saving a LoRA-fitted model folds the adapters into the base weights "
+              "(a plain model, no peft needed to load it)", TypeConverters.toBoolean),
     ParamSpec("peakFlops", "float | None", None,
               "one rank's peak FLOP/s (e.g. 989e12 for an H100's bf16): a textCol fit's history then has mfu, "
               "6 x parameters x tokens/s over it", _to_optional_float),
@@ -269,6 +276,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
               choices=READERS, field="reader"),
     ParamSpec("verbose", "int", 1, "0 silent, 1 progress bar and epoch lines, 2 also every rank's output",
               TypeConverters.toInt),
+    ParamSpec("inference", "str", "predict",
+              "what transform() writes to predictionCol: predict (the model's outputs, as always) or, for a textCol "
+              "model, generate (the continuation of each document), embed (the last hidden state mean-pooled), "
+              "score (each row's loss and perplexity)", TypeConverters.toString, choices=INFERENCE_MODES),
+    ParamSpec("generation", "dict | None", None,
+              "inference='generate' settings passed to the model's generate() (default max_new_tokens=16, greedy; "
+              "e.g. {'do_sample': True, 'temperature': 0.8, 'top_p': 0.9})", is_object=True),
     ParamSpec("inferenceBatchSize", "int", 1024, "rows per forward pass in transform", TypeConverters.toInt,
               minimum=1),
     ParamSpec("readInPlace", "bool", True, "when the DataFrame only scans local Parquet files (spark.read.parquet, "

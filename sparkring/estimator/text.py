@@ -12,7 +12,8 @@ from ..data.text import Encoder, TextLayout, TokenCounts, mean_tokens
 from ..errors import ConfigurationError, DataError
 from ..trainer.losses import CAUSAL_LM
 
-TASKS = ("causal-lm",)
+TASKS = ("causal-lm", "sequence-classification")
+CLASSIFY = "sequence-classification"
 
 
 def text_layout(est, df) -> TextLayout:
@@ -29,25 +30,82 @@ def text_layout(est, df) -> TextLayout:
     if task not in TASKS:
         raise ConfigurationError(f"textCol needs task= one of {', '.join(map(repr, TASKS))} (what to train on the "
                                  f"text), got {task!r}")
-    if isinstance(est.getOrDefault("validation"), str) and est.getOrDefault("packSequences"):
+    # a classifier reads one document per row (its label beside it): never packed
+    pack = est.getOrDefault("packSequences") and task != CLASSIFY
+    validation = est.getOrDefault("validation")
+    keep = tuple(c for c in ([est.getOrDefault("labelCol")] if task == CLASSIFY else [])
+                 + ([validation] if isinstance(validation, str) else []))
+    if isinstance(validation, str) and pack:
         raise ConfigurationError("validation names a column, but packSequences=True mixes documents in one row: "
                                  "give validation as a fraction, or packSequences=False")
-    if est.getOrDefault("sampleWeightCol") is not None:
+    missing = [c for c in keep if c not in fields]
+    if missing:
+        raise ConfigurationError(f"task={task!r} reads column(s) {missing}, which the DataFrame lacks (it has "
+                                 f"{sorted(fields)}): set labelCol")
+    if est.getOrDefault("sampleWeightCol") is not None and task != CLASSIFY:
         raise ConfigurationError("sampleWeightCol does not apply to task='causal-lm': every real token counts once")
     try:
         encoder = Encoder(est.getOrDefault("tokenizer"))
         eos, pad = encoder.special_ids()
     except DataError as exc:
         raise ConfigurationError(str(exc)) from None
-    return TextLayout(column=column, sequence_length=est.getOrDefault("sequenceLength"),
-                      pack=est.getOrDefault("packSequences"), eos_id=eos, pad_id=pad)
+    return TextLayout(column=column, sequence_length=est.getOrDefault("sequenceLength"), pack=pack, eos_id=eos,
+                      pad_id=pad, keep=keep)
 
 
-def token_params(layout: TextLayout) -> Dict[str, Any]:
-    """The Params of the fit on the token columns a causal-lm text fit becomes."""
-    return {"textCol": None, "featuresCol": "input_ids", "labelCol": "labels", "loss": CAUSAL_LM,
-            "modelInputs": {"input_ids": "input_ids", "position_ids": "position_ids",
-                            "attention_mask": "attention_mask"}}
+def token_params(est, layout: TextLayout) -> Dict[str, Any]:
+    """The Params of the fit on the token columns a causal-lm text fit becomes (with LoRA, its
+    model is the adapted one every rank builds)."""
+    params: Dict[str, Any] = {"textCol": None, "featuresCol": "input_ids", "labelCol": "labels", "loss": CAUSAL_LM,
+                              "modelInputs": {"input_ids": "input_ids", "position_ids": "position_ids",
+                                              "attention_mask": "attention_mask"}}
+    if est.getOrDefault("task") == CLASSIFY:  # labelCol as it is, a class per document
+        params.update(labelCol=est.getOrDefault("labelCol"), loss="cross_entropy",
+                      modelInputs={"input_ids": "input_ids", "attention_mask": "attention_mask"})
+    if est.getOrDefault("lora") is not None:
+        params.update(model=WithLora(est.getOrDefault("model"), est.getOrDefault("lora")), lora=None)
+    return params
+
+
+class WithLora:
+    """A model factory that adds LoRA adapters (peft) to the user's model or factory: every rank
+    builds the same adapted module (the trainer seeds it), of which only the adapters train.
+
+    >>> WithLora(lambda: llama, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))()  # doctest: +SKIP
+    PeftModelForCausalLM(...)
+    """
+
+    def __init__(self, model: Any, config: Any):
+        self.model, self.config = model, config
+
+    def __call__(self) -> torch.nn.Module:
+        import copy
+
+        from peft import get_peft_model
+
+        base = copy.deepcopy(self.model) if isinstance(self.model, torch.nn.Module) else self.model()
+        return get_peft_model(base, copy.deepcopy(self.config))
+
+
+def check_lora(est) -> None:
+    """LoRA needs peft, and applies to textCol fits."""
+    if est.getOrDefault("lora") is None:
+        return
+    if est.getOrDefault("textCol") is None:
+        raise ConfigurationError("lora applies to a fit on a text column (textCol, task): set them, or drop lora")
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigurationError("lora needs peft: pip install 'sparkring[text]'") from None
+
+
+def merged(model: torch.nn.Module) -> torch.nn.Module:
+    """A LoRA-adapted model with its adapters folded into the base weights (a copy); others as they are."""
+    import copy
+
+    if not hasattr(model, "merge_and_unload"):
+        return model
+    return copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
 
 
 def parameters(model: Any) -> int:
@@ -58,10 +116,12 @@ def parameters(model: Any) -> int:
 
 
 def with_figures(history: List[Dict[str, Any]], counts: TokenCounts, params: int,
-                 peak_flops: Optional[float], model_parallel: int = 1) -> List[Dict[str, Any]]:
+                 peak_flops: Optional[float], model_parallel: int = 1,
+                 language_model: bool = True) -> List[Dict[str, Any]]:
     """Each epoch's tokens/s (per rank, and total over the data-parallel replicas: a tensor- or
     pipeline-parallel group of ``model_parallel`` ranks reads one replica's rows), perplexity (and
-    val_perplexity), the tokens kept and cut off, and the MFU against ``peak_flops`` (one rank's).
+    val_perplexity: a language model's), the tokens kept and cut off, and the MFU against
+    ``peak_flops`` (one rank's).
 
     >>> with_figures([{"loss": 0.0, "samples_per_second": 10.0, "num_proc": 2}], TokenCounts(4, 4, 32, 1), 10, 1e4)
     [{'loss': 0.0, 'samples_per_second': 10.0, 'num_proc': 2, 'tokens_per_second': 80.0, 'tokens_per_second_total': 160.0, 'perplexity': 1.0, 'tokens': 32, 'tokens_cut': 1, 'mfu': 0.48}]
@@ -73,9 +133,10 @@ def with_figures(history: List[Dict[str, Any]], counts: TokenCounts, params: int
         rate = epoch.get("samples_per_second", 0.0) * per_row
         figures["tokens_per_second"] = rate
         figures["tokens_per_second_total"] = rate * epoch.get("num_proc", 1) / model_parallel
-        figures["perplexity"] = math.exp(min(epoch["loss"], 700.0))
-        if "val_loss" in epoch:
-            figures["val_perplexity"] = math.exp(min(epoch["val_loss"], 700.0))
+        if language_model:
+            figures["perplexity"] = math.exp(min(epoch["loss"], 700.0))
+            if "val_loss" in epoch:
+                figures["val_perplexity"] = math.exp(min(epoch["val_loss"], 700.0))
         figures["tokens"], figures["tokens_cut"] = counts.kept, counts.cut
         if peak_flops:
             figures["mfu"] = 6 * params * rate / peak_flops

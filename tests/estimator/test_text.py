@@ -29,8 +29,16 @@ def _estimator(tokenizer, store, **kw):
     return SparkRingEstimator(**params)
 
 
-def test_a_causal_lm_trains_on_a_text_column_with_tokens_per_second_and_perplexity(spark, tokenizer, tmp_path):
-    fitted = _estimator(tokenizer, Store(str(tmp_path / "store"))).fit(_text_df(spark))
+@pytest.fixture(scope="module")
+def fitted_lm(_spark_sessions, tokenizer, tmp_path_factory):
+    """One causal LM trained on the sentences, every transform test reads it."""
+    spark = _spark_sessions.get("local")
+    store = Store(str(tmp_path_factory.mktemp("lm")))
+    return _estimator(tokenizer, store, epochs=3, runId="lm").fit(_text_df(spark))
+
+
+def test_a_causal_lm_trains_on_a_text_column_with_tokens_per_second_and_perplexity(fitted_lm):
+    fitted = fitted_lm
     first, last = fitted.history[0], fitted.history[-1]
     assert last["loss"] < first["loss"] * 0.8
     assert last["perplexity"] == pytest.approx(torch.tensor(last["loss"]).exp().item(), rel=1e-6)
@@ -66,3 +74,66 @@ def test_text_mistakes_are_refused_before_any_spark_job(spark, tokenizer, tmp_pa
         _estimator(tokenizer, store, task=None).fit(df)
     with pytest.raises(ConfigurationError, match=r"sequenceLength=1: it must be at least 2"):
         _estimator(tokenizer, store, sequenceLength=1).fit(df)
+
+
+def test_transform_generates_embeds_and_scores_text_and_the_tokenizer_survives_save_and_load(
+        spark, fitted_lm, tmp_path):
+    session = spark
+    prompts = session.createDataFrame([("the big cat",), ("the small dog",), ("zzz unknown",)], ["text"])
+    generated = [r.prediction for r in fitted_lm.copy({fitted_lm.getParam("inference"): "generate"})
+                 .transform(prompts).collect()]
+    # trained text continues "the big cat" with a verb the sentences use
+    assert generated[0].split()[0] in ("sat", "ran") and generated[1].split()[0] in ("sat", "ran"), generated
+    embedded = fitted_lm.copy({fitted_lm.getParam("inference"): "embed"}).transform(prompts).collect()
+    assert all(len(r.prediction) == 64 for r in embedded)  # the hidden size
+    scored = fitted_lm.copy({fitted_lm.getParam("inference"): "score"}).transform(
+        session.createDataFrame([(text_fns.sentences(1, seed=9)[0],), ("mat the under blue ran",)], ["text"])
+    ).collect()
+    trained, shuffled = (r.prediction for r in scored)
+    assert 1 <= trained.perplexity < shuffled.perplexity  # trained word order scores better than a shuffle
+    fitted_lm.write().overwrite().save(str(tmp_path / "lm"))
+    from sparkring import SparkRingModel
+
+    loaded = SparkRingModel.load(str(tmp_path / "lm"))
+    again = loaded.copy({loaded.getParam("inference"): "generate"}).transform(prompts).collect()
+    assert [r.prediction for r in again] == generated
+
+
+def test_lora_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(spark, tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    from sparkring import SparkRingModel
+
+    base = text_fns.llama(tokenizer.get_vocab_size())
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    fitted = _estimator(tokenizer, Store(str(tmp_path / "store")), model=base, lora=lora, epochs=1,
+                        mergeAdapters=True).fit(_text_df(spark, n=120))
+    adapted = fitted.getModel()
+    adapters = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
+    assert sum(p.numel() for p in adapters.values()) == 2 * 2 * (4 * 64 + 64 * 4)  # 2 layers x (q, v) x (A, B)
+    assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_B" in n)  # B starts at zero: it trained
+    for name, value in adapted.get_base_model().state_dict().items():
+        if "lora_" not in name:  # every base weight as it was
+            torch.testing.assert_close(value, before[name.replace(".base_layer", "")], atol=0, rtol=0)
+    texts = spark.createDataFrame([(s,) for s in text_fns.sentences(4, seed=5)], ["text"])
+    scored = [r.prediction.loss for r in fitted.copy({fitted.getParam("inference"): "score"}).transform(texts).collect()]
+    fitted.write().overwrite().save(str(tmp_path / "merged"))
+    loaded = SparkRingModel.load(str(tmp_path / "merged"))
+    assert type(loaded.getModel()).__name__ == "LlamaForCausalLM"  # adapters folded in: a plain model
+    again = [r.prediction.loss for r in loaded.copy({loaded.getParam("inference"): "score"}).transform(texts).collect()]
+    assert again == pytest.approx(scored, abs=1e-4)
+
+
+def test_a_sequence_classifier_on_labelled_text_beats_the_majority_class(spark, tokenizer, tmp_path):
+    pad = Encoder(tokenizer).special_ids()[1]
+    train = spark.createDataFrame(text_fns.labelled(200), ["text", "label"])
+    test = spark.createDataFrame(text_fns.labelled(60, seed=7), ["text", "label"])
+    fitted = _estimator(tokenizer, Store(str(tmp_path / "store")), task="sequence-classification", labelCol="label",
+                        model=text_fns.llama_classifier(tokenizer.get_vocab_size(), pad), epochs=3,
+                        sequenceLength=16).fit(train)
+    assert "perplexity" not in fitted.history[-1] and fitted.history[-1]["tokens_per_second"] > 0
+    rows = fitted.transform(test).collect()
+    accuracy = sum(r.prediction == r.label for r in rows) / len(rows)
+    majority = max(sum(r.label for r in rows), len(rows) - sum(r.label for r in rows)) / len(rows)
+    assert accuracy > majority, (accuracy, majority)

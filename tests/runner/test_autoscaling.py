@@ -48,10 +48,9 @@ def _estimator(store, **kw):
 
 def test_fit_from_no_executor_trains_the_weights_of_a_fit_on_executors_already_there(spark_autoscale, tmp_path):
     df, store = _ordered_df(spark_autoscale), Store(str(tmp_path / "store"))
-    _estimator(store, runId="prepare", epochs=1).fit(df)  # the rows prepared once, for both fits
     assert _released(spark_autoscale)
-    cold = _estimator(store, runId="cold").fit(df)  # the executors start for it
-    warm = _estimator(store, runId="warm").fit(df)  # right after: the executors are still there
+    cold = _estimator(store, runId="cold").fit(df)  # the executors start for it (its data job, then the ranks)
+    warm = _estimator(store, runId="warm").fit(df)  # right after, on its prepared rows: the executors still there
     for key, value in cold.getModel().state_dict().items():
         torch.testing.assert_close(warm.getModel().state_dict()[key], value, atol=1e-5, rtol=0)
     assert [h["epoch"] for h in cold.history] == [0, 1] and cold.history[-1]["loss"] < cold.history[0]["loss"]

@@ -1,0 +1,90 @@
+"""transform() of a model fitted on a text column, one batch of documents at a time on the
+executors: generate (greedy or sampled continuations, left padding, the KV cache), embed (the
+last hidden state mean-pooled over real tokens), score (each row's loss and perplexity), or a
+sequence classifier's predict (each document's most likely class)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..data.text import Encoder
+
+MODES = ("predict", "generate", "embed", "score")
+DEFAULT_GENERATION = {"max_new_tokens": 16, "do_sample": False}
+
+
+@dataclass(frozen=True)
+class TextInference:
+    """What a text transform runs on each batch of documents (the recipe, not the weights).
+
+    >>> TextInference(Encoder(tok), mode="generate", eos_id=1, pad_id=0).spark_type  # doctest: +SKIP
+    'string'
+    """
+
+    encoder: Encoder
+    mode: str
+    eos_id: int
+    pad_id: int
+    max_length: int = 512
+    generation: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def spark_type(self) -> str:
+        return {"generate": "string", "embed": "array<double>", "score": "struct<loss:double,perplexity:double>",
+                "predict": "double"}[self.mode]
+
+    def run(self, model: torch.nn.Module, device: torch.device, texts: List[str]) -> List[Any]:
+        """One value per document, as ``spark_type`` says."""
+        if self.mode == "generate":
+            return self._generate(model, device, texts)
+        with torch.no_grad():
+            # documents were closed by end of sequence in training: scoring and classifying see them so
+            ids, mask = self._batch(texts, left=False, device=device, close=self.mode in ("score", "predict"))
+            if self.mode == "predict":  # a classifier: the most likely class of each document
+                return [float(c) for c in model(input_ids=ids, attention_mask=mask).logits.argmax(-1).cpu()]
+            if self.mode == "embed":
+                hidden = _decoder(model)(input_ids=ids, attention_mask=mask).last_hidden_state
+                weights = mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+                return [row.tolist() for row in pooled.double().cpu()]
+            logits = model(input_ids=ids, attention_mask=mask).logits.float()
+            per_token = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:].long(),
+                                                          reduction="none")
+            real = mask[:, 1:].to(per_token.dtype)
+            losses = (per_token * real).sum(1) / real.sum(1).clamp_min(1.0)
+            return [{"loss": float(v), "perplexity": math.exp(min(float(v), 700.0))} for v in losses.cpu()]
+
+    def _batch(self, texts: List[str], left: bool, device: torch.device,
+               close: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Token ids padded to the longest document (on the left for generation: the new tokens
+        follow every prompt directly), and the attention mask."""
+        docs = [ids[-self.max_length:] for ids in self.encoder.encode(texts)]
+        if close:
+            docs = [(ids + [self.eos_id])[-self.max_length:] for ids in docs]
+        width = max(1, max(len(ids) for ids in docs))
+        ids = torch.full((len(docs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(docs), width), dtype=torch.long)
+        for i, doc in enumerate(docs):
+            span = slice(width - len(doc), width) if left else slice(0, len(doc))
+            ids[i, span] = torch.tensor(doc, dtype=torch.long)
+            mask[i, span] = 1
+        return ids.to(device), mask.to(device)
+
+    def _generate(self, model: torch.nn.Module, device: torch.device, texts: List[str]) -> List[str]:
+        ids, mask = self._batch(texts, left=True, device=device)
+        settings = {**DEFAULT_GENERATION, **self.generation}
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask,  # type: ignore[operator]
+                                 pad_token_id=self.pad_id, eos_token_id=self.eos_id, use_cache=True, **settings)
+        return [self.encoder.decode([t for t in row.tolist() if t not in (self.pad_id, self.eos_id)])
+                for row in out[:, ids.shape[1]:].cpu()]
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder without its head, which gives the last hidden state: a Hugging Face model's
+    base model (under a LoRA wrapper, the adapted model's)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
+    return getattr(inner, "base_model", inner)
