@@ -14,6 +14,7 @@ from paths import ROOT
     ("images.py", ["--fast"], r"PNG bytes decoded in transformFn: 0\.9[5-9]"),
     ("lightning_digits.py", ["--epochs", "7"], r"held-out accuracy: (0\.9[5-9]|1\.0)"),
     ("model_parallel.py", ["--fast"], r"pipelineParallel=2: .*accuracy (0\.\d+) \(most common character: (0\.\d+)\)"),
+    ("language_model.py", ["--fast"], r"generate: 'the big cat' -> '(sat|ran) "),
 ])
 def test_examples_run_offline_and_meet_their_goals(script, args, goal, tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args], capture_output=True,
