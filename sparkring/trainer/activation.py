@@ -13,19 +13,37 @@ MODES = ("none", "full", "selective")
 
 def named_blocks(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[Tuple[str, torch.nn.Module]]:
     """The model's blocks in forward order, with their names: the modules whose class is named in
-    ``wrap``, else every child (and every layer of a top-level ModuleList/Sequential) that holds parameters.
+    ``wrap`` (by default the blocks the model declares: declared_blocks), else every child (and
+    every layer of a top-level ModuleList/Sequential) that holds parameters.
 
     >>> [name for name, _ in named_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU()), ())]
     ['0']
     """
+    wrap = wrap or declared_blocks(model)
     if wrap:
-        return [(n, m) for n, m in model.named_modules() if type(m).__name__ in wrap and m is not model]
+        named = [(n, m) for n, m in model.named_modules() if type(m).__name__ in wrap and m is not model]
+        if named:
+            return named
     found: List[Tuple[str, torch.nn.Module]] = []
     for name, child in model.named_children():
         inner = list(child.named_children()) if isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) else []
         found += [(f"{name}.{n}" if inner else name, m) for n, m in (inner or [(name, child)])
                   if any(True for _ in m.parameters())]
     return found
+
+
+def declared_blocks(model: torch.nn.Module) -> Tuple[str, ...]:
+    """The block classes a model names itself: a Hugging Face model's ``_no_split_modules``
+    (its decoder layers, e.g. ``LlamaDecoderLayer``), found on it or on a module it wraps (LoRA).
+
+    >>> declared_blocks(torch.nn.Linear(2, 2))
+    ()
+    """
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if names:
+            return tuple(names)
+    return ()
 
 
 def blocks(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.Module]:

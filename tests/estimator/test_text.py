@@ -137,3 +137,11 @@ def test_a_sequence_classifier_on_labelled_text_beats_the_majority_class(spark, 
     accuracy = sum(r.prediction == r.label for r in rows) / len(rows)
     majority = max(sum(r.label for r in rows), len(rows) - sum(r.label for r in rows)) / len(rows)
     assert accuracy > majority, (accuracy, majority)
+
+
+def test_a_causal_lm_sharded_with_fsdp_at_its_decoder_layers_trains_the_ddp_weights(spark, fitted_lm, tokenizer,
+                                                                                    tmp_path):
+    sharded = _estimator(tokenizer, Store(str(tmp_path / "store")), epochs=3, strategy="fsdp").fit(_text_df(spark))
+    for name, value in fitted_lm.getModel().state_dict().items():
+        torch.testing.assert_close(sharded.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
+    assert sharded.history[-1]["state_bytes"] < fitted_lm.history[-1]["state_bytes"] * 0.6  # each rank keeps half

@@ -46,3 +46,13 @@ def test_an_unknown_mode_is_refused_by_the_param_table():
 
     with pytest.raises(ConfigurationError, match="activationCheckpointing='some': use one of 'none', 'full'"):
         check_values({"activationCheckpointing": "some"})
+
+
+def test_a_hugging_face_model_is_cut_at_the_decoder_layers_it_declares():
+    pytest.importorskip("transformers")
+    from text_fns import llama
+
+    from sparkring.trainer.activation import named_blocks
+
+    names = [name for name, _ in named_blocks(llama(64), ())]
+    assert names == ["model.layers.0", "model.layers.1"]  # the unit FSDP shards and checkpointing wraps
