@@ -25,7 +25,7 @@ from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 from .text import merged
-from .text_inference import TextInference
+from .text_inference import TextInference, TextPredictor
 
 _OUT = "__sparkring_out"
 _worker_models: Dict[Tuple[str, str], torch.nn.Module] = {}  # (transform, device) -> model
@@ -231,12 +231,12 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         udf = pandas_udf(infer_scores if recipe.mode == "score" else infer, recipe.spark_type)
         return dataset.withColumn(self.getPredictionCol(), udf(F.col(self.getOrDefault("textCol"))))
 
-    def _text_inference(self, dataset) -> TextInference:
+    def _text_inference(self, dataset=None) -> TextInference:
         mode, column = self.getOrDefault("inference"), self.getOrDefault("textCol")
         if column is None:
             raise ConfigurationError(f"inference={mode!r} needs a model fitted on a text column (textCol, task); this "
                                      "one reads numeric columns: use inference='predict'")
-        if column not in dataset.columns:
+        if dataset is not None and column not in dataset.columns:
             raise ConfigurationError(f"inference={mode!r} reads textCol={column!r}, which the DataFrame lacks "
                                      f"(it has {dataset.columns})")
         if mode == "predict" and self.getOrDefault("task") != "sequence-classification":
@@ -249,6 +249,11 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         eos, pad = encoder.special_ids()
         return TextInference(encoder, mode, eos, pad, max_length=self.getOrDefault("sequenceLength"),
                              generation=dict(self.getOrDefault("generation") or {}))
+
+    def _text_predictor(self) -> TextPredictor:
+        """A text model's recipe for a pandas DataFrame of documents (the MLflow pyfunc's)."""
+        return TextPredictor(self._text_inference(), self.getOrDefault("textCol"), self.getPredictionCol(),
+                             self.getOrDefault("inferenceBatchSize"))
 
     def _transform_predict(self, dataset):
         from pyspark.ml.functions import array_to_vector

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
+import pandas as pd
 import torch
 
 from ..data.text import Encoder
@@ -88,3 +89,24 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     base model (under a LoRA wrapper, the adapted model's)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # type: ignore[operator]
     return getattr(inner, "base_model", inner)
+
+
+@dataclass(frozen=True)
+class TextPredictor:
+    """A text model's pyfunc recipe (MLflow): a pandas column of documents in, the prediction
+    column transform() writes out.
+
+    >>> TextPredictor(recipe, "text", "prediction", 32).predict_pandas(net, torch.device("cpu"), frame)  # doctest: +SKIP
+    """
+
+    recipe: TextInference
+    column: str
+    prediction: str
+    batch_size: int
+
+    def predict_pandas(self, model: torch.nn.Module, device: torch.device, frame: pd.DataFrame) -> pd.DataFrame:
+        texts = frame[self.column] if self.column in frame.columns else frame.iloc[:, 0]
+        docs = [str(t) for t in texts]
+        values = [v for start in range(0, len(docs), self.batch_size)
+                  for v in self.recipe.run(model, device, docs[start:start + self.batch_size])]
+        return pd.DataFrame({self.prediction: values}, index=frame.index)

@@ -145,3 +145,25 @@ def test_a_causal_lm_sharded_with_fsdp_at_its_decoder_layers_trains_the_ddp_weig
     for name, value in fitted_lm.getModel().state_dict().items():
         torch.testing.assert_close(sharded.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
     assert sharded.history[-1]["state_bytes"] < fitted_lm.history[-1]["state_bytes"] * 0.6  # each rank keeps half
+
+
+def test_a_text_model_logged_to_mlflow_generates_from_text_with_its_tokenizer(spark, fitted_lm, tmp_path):
+    import mlflow
+    import pandas as pd
+
+    import sparkring.mlflow
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
+    try:
+        mlflow.set_experiment(experiment_id=mlflow.create_experiment("text", artifact_location=(tmp_path / "a").as_uri()))
+        generating = fitted_lm.copy({fitted_lm.getParam("inference"): "generate"})
+        prompts = spark.createDataFrame([("the big cat",), ("the small dog",)], ["text"])
+        with mlflow.start_run():
+            info = sparkring.mlflow.log_model(generating, "lm", df=prompts)
+        pyfunc = mlflow.pyfunc.load_model(info.model_uri)
+        served = pyfunc.predict(pd.DataFrame({"text": ["the big cat", "the small dog"]}))["prediction"].tolist()
+        assert served == [r.prediction for r in generating.transform(prompts).collect()]
+        assert type(sparkring.mlflow.load_model(info.model_uri).getOrDefault("tokenizer")).__name__ == "Tokenizer"
+    finally:
+        mlflow.set_tracking_uri(before)
