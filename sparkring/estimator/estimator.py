@@ -91,7 +91,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
     def _fit_text(self, dataset):
         """Tokenize textCol on the executors, fit on the token columns, add the language-model figures."""
-        layout = text.text_layout(self, dataset)
+        layout = text.text_layout(self, dataset, checks.model_shape(self))
         tokenized, counts = tokenize(dataset, Encoder(self.getOrDefault("tokenizer")), layout)
         try:
             on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(self, layout).items()})

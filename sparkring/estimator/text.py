@@ -16,7 +16,20 @@ TASKS = ("causal-lm", "sequence-classification")
 CLASSIFY = "sequence-classification"
 
 
-def text_layout(est, df) -> TextLayout:
+def _check_head(task: str, shape: torch.nn.Module) -> None:
+    """A Hugging Face model's head must do the task: a classifier cannot be trained as a language
+    model, nor a language model as a classifier."""
+    base = shape.get_base_model() if hasattr(shape, "get_base_model") else shape  # type: ignore[operator]
+    name = type(base).__name__
+    if task == "causal-lm" and "ForSequenceClassification" in name:
+        raise ConfigurationError(f"task='causal-lm' needs a language-model head; {name} classifies: use "
+                                 "task='sequence-classification', or an ...ForCausalLM model")
+    if task == CLASSIFY and ("ForCausalLM" in name or "LMHead" in name):
+        raise ConfigurationError(f"task='sequence-classification' needs a classification head; {name} predicts "
+                                 "tokens: use an ...ForSequenceClassification model, or task='causal-lm'")
+
+
+def text_layout(est, df, shape: torch.nn.Module) -> TextLayout:
     """textCol's checks (refused before any Spark job, naming the Param and the fix) and how its
     documents become rows."""
     column = est.getOrDefault("textCol")
@@ -30,6 +43,7 @@ def text_layout(est, df) -> TextLayout:
     if task not in TASKS:
         raise ConfigurationError(f"textCol needs task= one of {', '.join(map(repr, TASKS))} (what to train on the "
                                  f"text), got {task!r}")
+    _check_head(task, shape)
     # a classifier reads one document per row (its label beside it): never packed
     pack = est.getOrDefault("packSequences") and task != CLASSIFY
     validation = est.getOrDefault("validation")

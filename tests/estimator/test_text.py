@@ -74,6 +74,9 @@ def test_text_mistakes_are_refused_before_any_spark_job(spark, tokenizer, tmp_pa
         _estimator(tokenizer, store, task=None).fit(df)
     with pytest.raises(ConfigurationError, match=r"sequenceLength=1: it must be at least 2"):
         _estimator(tokenizer, store, sequenceLength=1).fit(df)
+    with pytest.raises(ConfigurationError, match=r"task='causal-lm' needs a language-model head; "
+                                                 r"LlamaForSequenceClassification classifies"):
+        _estimator(tokenizer, store, model=text_fns.llama_classifier(64, 0)).fit(df)
 
 
 def test_transform_generates_embeds_and_scores_text_and_the_tokenizer_survives_save_and_load(
