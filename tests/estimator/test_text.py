@@ -170,3 +170,14 @@ def test_a_text_model_logged_to_mlflow_generates_from_text_with_its_tokenizer(sp
         assert type(sparkring.mlflow.load_model(info.model_uri).getOrDefault("tokenizer")).__name__ == "Tokenizer"
     finally:
         mlflow.set_tracking_uri(before)
+
+
+def test_a_hugging_face_llama_split_by_the_default_tensor_parallel_plan_trains_the_one_rank_weights(
+        spark, tokenizer, tmp_path):
+    df, store = _text_df(spark, n=120), Store(str(tmp_path / "store"))
+    whole = _estimator(tokenizer, store, numProc=1, epochs=1, runId="whole", keepData=True).fit(df)
+    split = _estimator(tokenizer, store, numProc=2, tensorParallel=2, epochs=1, runId="tp2").fit(df)
+    for name, value in whole.getModel().state_dict().items():
+        torch.testing.assert_close(split.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
+    # q/k/v/gate/up split by rows, o/down by columns: the largest rank keeps about half the state
+    assert split.history[-1]["state_bytes"] < whole.history[-1]["state_bytes"] * 0.6
