@@ -70,6 +70,11 @@ def checkpoint_activations(model: torch.nn.Module, mode: str, wrap: Tuple[str, .
         checkpoint_wrapper,
     )
 
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            # a Hugging Face model keeps a KV cache by default: a recomputed block would append to it twice
+            config.use_cache = False
     chosen = blocks(model, wrap)
     if mode == "selective":
         chosen = chosen[::2]

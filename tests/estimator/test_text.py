@@ -102,7 +102,7 @@ def test_transform_generates_embeds_and_scores_text_and_the_tokenizer_survives_s
     assert [r.prediction for r in again] == generated
 
 
-def test_lora_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(spark, tokenizer, tmp_path):
+def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(spark, tokenizer, tmp_path):
     from peft import LoraConfig
 
     from sparkring import SparkRingModel
@@ -111,7 +111,7 @@ def test_lora_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapte
     before = {k: v.clone() for k, v in base.state_dict().items()}
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     fitted = _estimator(tokenizer, Store(str(tmp_path / "store")), model=base, lora=lora, epochs=1,
-                        mergeAdapters=True).fit(_text_df(spark, n=120))
+                        mergeAdapters=True, precision="bf16-mixed").fit(_text_df(spark, n=120))
     adapted = fitted.getModel()
     adapters = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
     assert sum(p.numel() for p in adapters.values()) == 2 * 2 * (4 * 64 + 64 * 4)  # 2 layers x (q, v) x (A, B)
@@ -142,9 +142,11 @@ def test_a_sequence_classifier_on_labelled_text_beats_the_majority_class(spark, 
     assert accuracy > majority, (accuracy, majority)
 
 
-def test_a_causal_lm_sharded_with_fsdp_at_its_decoder_layers_trains_the_ddp_weights(spark, fitted_lm, tokenizer,
+def test_a_causal_lm_sharded_with_fsdp_and_checkpointed_at_its_decoder_layers_trains_the_ddp_weights(spark, fitted_lm, tokenizer,
                                                                                     tmp_path):
-    sharded = _estimator(tokenizer, Store(str(tmp_path / "store")), epochs=3, strategy="fsdp").fit(_text_df(spark))
+    # with every decoder layer's activations recomputed in backward: the same weights, less memory
+    sharded = _estimator(tokenizer, Store(str(tmp_path / "store")), epochs=3, strategy="fsdp",
+                         activationCheckpointing="full").fit(_text_df(spark))
     for name, value in fitted_lm.getModel().state_dict().items():
         torch.testing.assert_close(sharded.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
     assert sharded.history[-1]["state_bytes"] < fitted_lm.history[-1]["state_bytes"] * 0.6  # each rank keeps half
