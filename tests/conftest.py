@@ -111,13 +111,13 @@ class _Sessions:
             builder = builder.config("spark.executor.memory", "900m")
         if kind == "elastic":
             builder = builder.config("spark.decommission.enabled", "true")
-        if kind == "autoscale":  # no executor until a job asks; an idle one goes after 2 s
+        if kind == "autoscale":  # no executor until a job asks; an idle one goes after 5 s
             builder = (builder.config("spark.dynamicAllocation.enabled", "true")
                        .config("spark.dynamicAllocation.shuffleTracking.enabled", "true")
                        .config("spark.dynamicAllocation.minExecutors", "0")
                        .config("spark.dynamicAllocation.initialExecutors", "0")
                        .config("spark.dynamicAllocation.maxExecutors", "2")
-                       .config("spark.dynamicAllocation.executorIdleTimeout", "2s")
+                       .config("spark.dynamicAllocation.executorIdleTimeout", "5s")
                        .config("spark.executor.cores", "1"))
         if kind == "local":
             # Fake driver GPUs, as Spark's own tests do: local-mode GPU assignment is testable.
@@ -256,7 +256,7 @@ def spark_hosts(_spark_sessions, tmp_path_factory):
 @pytest.fixture
 def spark_autoscale(_spark_sessions, tmp_path_factory):
     """A standalone cluster of three one-core workers under dynamic allocation (shuffle tracking,
-    0 to 2 executors, released after 2 idle seconds): the application starts with no executor."""
+    0 to 2 executors, released after 5 idle seconds): the application starts with no executor."""
     return _spark_sessions.get("autoscale", str(tmp_path_factory.getbasetemp()))
 
 

@@ -4,7 +4,7 @@ torch's checkpoint wrapper does the work (non-reentrant; its state_dict hooks ke
 from __future__ import annotations
 
 import functools
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -71,7 +71,7 @@ def checkpoint_activations(model: torch.nn.Module, mode: str, wrap: Tuple[str, .
     )
 
     for module in model.modules():
-        config = getattr(module, "config", None)
+        config: Any = getattr(module, "config", None)
         if getattr(config, "use_cache", False):
             # a Hugging Face model keeps a KV cache by default: a recomputed block would append to it twice
             config.use_cache = False

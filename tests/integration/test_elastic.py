@@ -177,6 +177,6 @@ def test_an_elastic_fit_shrinks_grows_back_and_leaves_a_decommissioned_worker_en
     _same_weights(plain, left)
     # worker 2 lost for good: the one slot left is fewer than minProc, said within startTimeout
     with _AtCheckpoint(cluster, cluster.kill_worker, 2, tmp_path / "store", "starved"), pytest.raises(
-            RankTimeoutError, match=r"offers 1 task slot\(s\) within startTimeout=5s, fewer than minProc=2"):
+            RankTimeoutError, match=r"offers 1 rank\(s\) within startTimeout=5s, fewer than minProc=2"):
         _fit(df, store, numProc=2, minProc=2, runId="starved", model=E.Paced(seconds=0.05), modelInputs=inputs,
              startTimeout=5.0)

@@ -60,7 +60,7 @@ def test_fit_from_no_executor_trains_the_weights_of_a_fit_on_executors_already_t
 def test_an_elastic_fit_starts_with_the_executors_the_bound_allows_and_says_why_not_more(spark_autoscale,
                                                                                         tmp_path, capsys):
     df, store = _ordered_df(spark_autoscale), Store(str(tmp_path / "store"))
-    fitted = _estimator(store, runId="bounded", numProc=3, minProc=2, startTimeout=30, verbose=1).fit(df)
+    fitted = _estimator(store, runId="bounded", numProc=3, minProc=2, startTimeout=90, verbose=1).fit(df)
     said = capsys.readouterr()
     assert "going on with 2 of 3 ranks" in said.err + said.out
     assert "spark.dynamicAllocation.maxExecutors=2" in said.err + said.out

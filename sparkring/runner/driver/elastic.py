@@ -17,7 +17,13 @@ from typing import Any, Callable, List, Optional, Union
 from ...collective.elastic import Relaunches, StopAsk, StopRequest
 from ...errors import RankFailedError, RankTimeoutError, StageLostError
 from .plan import LaunchPlan
-from .session import decommissioning_executors, registered_slots, request_executors, wait_for_slots
+from .session import (
+    decommissioning_executors,
+    executor_ids,
+    registered_slots,
+    request_executors,
+    wait_for_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +209,7 @@ def _autoscaled_size(spark, launch_plan: LaunchPlan, how: ElasticLaunch, say: Ca
     reachable = wanted if bound is None else min(wanted, bound)
     per_executor = max(1, (facts.executor_cores or facts.task_cpus) // facts.task_cpus)
     request_executors(spark, -(-reachable // per_executor))
-    slots = _most_slots_seen(spark, reachable, how.start_timeout)
+    slots = _slots_granted(spark, reachable, per_executor, how.start_timeout)
     size = how.target_size if slots is None else how.ranks_in(slots)
     if size < how.min_size:
         raise RankTimeoutError(
@@ -216,18 +222,18 @@ def _autoscaled_size(spark, launch_plan: LaunchPlan, how: ElasticLaunch, say: Ca
     return size
 
 
-def _most_slots_seen(spark, wanted: int, timeout: float) -> Optional[int]:
-    """The most task slots registered at once while waiting up to ``timeout`` for ``wanted`` (an
-    executor that came may go idle again before the ranks' tasks are pending: its slot counts,
-    the pending tasks ask for it back)."""
-    deadline, most = time.monotonic() + timeout, None
+def _slots_granted(spark, wanted: int, per_executor: int, timeout: float) -> Optional[int]:
+    """The task slots of every executor that registered while waiting up to ``timeout`` for
+    ``wanted`` of them: one granted may go idle and be released again before the ranks' tasks are
+    pending (they then ask for it back), so executors are counted as they come, not as they stay."""
+    deadline, seen = time.monotonic() + timeout, set()
     while True:
-        slots = registered_slots(spark)
-        if slots is None:
-            return None
-        most = max(most or 0, slots)
-        if most >= wanted or time.monotonic() > deadline:
-            return most
+        ids = executor_ids(spark)
+        if ids is None:
+            return registered_slots(spark)
+        seen.update(ids)
+        if len(seen) * per_executor >= wanted or time.monotonic() > deadline:
+            return len(seen) * per_executor
         time.sleep(0.25)
 
 

@@ -141,6 +141,16 @@ def registered_slots(spark) -> Optional[int]:
         return None
 
 
+def executor_ids(spark) -> Optional[List[str]]:
+    """Ids of the executors registered now (the driver not among them); None where Spark's
+    internal API is not there (a Connect session)."""
+    try:
+        ids = spark.sparkContext._jsc.sc().getExecutorIds()
+        return [ids.apply(i) for i in range(ids.size())]
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def decommissioning_executors(spark) -> Optional[List[str]]:
     """Ids of the executors the scheduler was told are decommissioning (spark.decommission.enabled:
     a standalone worker sent SIGPWR, a Kubernetes pod being deleted): they finish their tasks and
