@@ -17,7 +17,7 @@ def _free_port() -> int:
 class ConnectServer:
     """A Spark Connect server process on 127.0.0.1 (started on first use, killed at the end)."""
 
-    def __init__(self, log_dir: str, master: str = "local[2]"):
+    def __init__(self, log_dir: str, master: str = "local[2]", confs: "dict | None" = None):
         import pyspark
 
         self.port = _free_port()
@@ -32,6 +32,7 @@ class ConnectServer:
             "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
             "spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
             "spark.python.worker.reuse": "true",
+            **(confs or {}),
         }
         command = [submit, "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
                    "--master", master, "--name", "sparkring-connect"]

@@ -1,6 +1,10 @@
 """Training on an autoscaling cluster (dynamic allocation with shuffle tracking on a standalone
 cluster of three workers, 0 to 2 executors): the ranks run as an ordinary stage whose tasks meet
 at the driver, from no executor at all, and the executors go once the run is over."""
+import os
+import subprocess
+import sys
+
 import ddp_fns
 import est_helpers as H
 import numpy as np
@@ -66,3 +70,33 @@ def test_an_elastic_fit_starts_with_the_executors_the_bound_allows_and_says_why_
     assert "spark.dynamicAllocation.maxExecutors=2" in said.err + said.out
     assert [h["epoch"] for h in fitted.history] == [0, 1] and fitted.history[-1]["loss"] < fitted.history[0]["loss"]
     assert _released(spark_autoscale)
+
+
+CONNECT_RUN = """
+import sys
+from pyspark.sql import SparkSession
+import rank_fns, sparkring
+spark = SparkSession.builder.remote(sys.argv[1]).getOrCreate()
+print("RESULT", [r["sum"] for r in sparkring.run(rank_fns.whoami, num_proc=2, spark=spark, start_timeout=120)])
+"""
+
+
+def test_run_from_a_spark_connect_client_under_dynamic_allocation(spark_autoscale, tmp_path):
+    """A Connect server whose application autoscales on the same three workers (the client in a
+    process of its own: a Connect session makes its process Connect-only)."""
+    from connect_server import ConnectServer
+
+    assert _released(spark_autoscale)  # this application's executors gone: the workers are free
+    autoscaling = {key: spark_autoscale.conf.get(key) for key in (
+        "spark.dynamicAllocation.enabled", "spark.dynamicAllocation.shuffleTracking.enabled",
+        "spark.dynamicAllocation.minExecutors", "spark.dynamicAllocation.maxExecutors",
+        "spark.dynamicAllocation.executorIdleTimeout", "spark.executor.cores", "spark.executor.memory",
+        "spark.executorEnv.PYTHONPATH")}
+    server = ConnectServer(str(tmp_path), spark_autoscale.sparkContext.master, confs=autoscaling)
+    try:
+        done = subprocess.run([sys.executable, "-c", CONNECT_RUN, server.url], capture_output=True, text=True,
+                              timeout=240, env={**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"})
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "RESULT [1.0, 1.0]" in done.stdout  # two ranks, one ring: 0 + 1 on each
