@@ -50,8 +50,8 @@ def test_estimator_trains_a_lightning_module_as_it_trains_the_same_plain_module(
     lit = SparkRingEstimator(model=M.Regression(), **common).fit(df)
     for a, b in zip(plain.getModel().state_dict().values(), lit.getModel().state_dict().values()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-    timing = {"samples_per_second", "state_bytes", "grad_bytes"} | {f"time_{p}{s}" for p in ("data", "compute", "comm", "other")
-                                        for s in ("", "_slowest")}
+    timing = {"samples_per_second", "state_bytes", "grad_bytes", "num_proc"} | {
+        f"time_{p}{s}" for p in ("data", "compute", "comm", "other") for s in ("", "_slowest")}
     assert [set(h) - timing for h in lit.history] == [{"epoch", "loss", "train_mae", "val_mse"}] * 2
     assert all(timing <= set(h) for h in lit.history)
     for p, q in zip(plain.history, lit.history):
