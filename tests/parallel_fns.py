@@ -1,4 +1,6 @@
 """Models and rank functions for the model-parallel tests (importable by Spark's workers)."""
+import os
+
 import torch
 
 import sparkring.collective as sr
@@ -173,4 +175,28 @@ def mlp_nan_at(calls):
     """mlp() whose output (computed by a pipeline's last stage) turns NaN at ``calls``."""
     def build():
         return torch.nn.Sequential(*mlp(width=64)(), NaNAtCall(calls))
+    return build
+
+
+class ExitsOnce(torch.nn.Module):
+    """No parameters: the process of global rank ``rank`` exits at its ``at``-th training forward
+    call (1-based), the first time only (a marker file remembers): a lost rank, not an exception."""
+
+    def __init__(self, marker, rank, at):
+        super().__init__()
+        self.marker, self.rank, self.at, self.n = marker, rank, at, 0
+
+    def forward(self, x):
+        if self.training:
+            self.n += 1
+            if self.n == self.at and sr.rank() == self.rank and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                os._exit(3)
+        return x
+
+
+def mlp_exits_once(marker, rank, at):
+    """mlp(width=64) whose rank ``rank`` process dies once at its ``at``-th step (same state as mlp())."""
+    def build():
+        return torch.nn.Sequential(*mlp(width=64)(), ExitsOnce(marker, rank, at))
     return build

@@ -97,7 +97,9 @@ def elastic_plan(est, num_proc: int) -> Optional[ElasticPlan]:
     min_proc, every = est.getOrDefault("minProc"), est.getOrDefault("checkpointEvery")
     if min_proc is None and every is None:
         return None
-    return ElasticPlan(global_batch=est.getOrDefault("batchSize") * num_proc, target_size=num_proc,
+    # the rows of a step are read by the data-parallel ranks only (a model group reads the same ones)
+    group = est.getOrDefault("tensorParallel") * est.getOrDefault("pipelineParallel")
+    return ElasticPlan(global_batch=est.getOrDefault("batchSize") * (num_proc // group), target_size=num_proc,
                        min_size=num_proc if min_proc is None else min_proc, checkpoint_every=every)
 
 
@@ -180,6 +182,34 @@ def check_model_parallel(est, launch_plan: LaunchPlan, lightning: bool, shape: t
         _check_plan(est.getOrDefault("parallelizePlan"), shape, strict=pp == 1)
     if pp > 1:
         _check_pipeline(est, shape)
+    if elastic_plan(est, num_proc) is not None:
+        _check_elastic_groups(est, launch_plan, what)
+
+
+def _check_elastic_groups(est, launch_plan: LaunchPlan, what: str) -> None:
+    """An elastic fit loses and regains whole model groups (tp x pp ranks): dp is what changes."""
+    tp, pp, num_proc = est.getOrDefault("tensorParallel"), est.getOrDefault("pipelineParallel"), launch_plan.num_proc
+    group, min_proc = tp * pp, est.getOrDefault("minProc") or num_proc
+    if min_proc % group:
+        raise ConfigurationError(f"minProc={min_proc} is not a multiple of {what} ({group} ranks train one replica "
+                                 f"together and are lost together): use minProc={max(group, min_proc - min_proc % group)}")
+    if tp > 1 and not launch_plan.facts.single_host and launch_plan.ranks_per_task % tp:
+        raise ConfigurationError(
+            f"an elastic fit with tensorParallel={tp} across hosts keeps each tensor-parallel group inside one task, "
+            f"so that a lost executor takes whole groups with it: set ranksPerTask to a multiple of {tp} (a task "
+            f"of {tp} GPUs), or drop minProc/checkpointEvery")
+    if pp == 1:
+        return
+    global_batch = est.getOrDefault("batchSize") * (num_proc // group)
+    micro = est.getOrDefault("microbatches") or pp
+    for dp in range(min_proc // group, num_proc // group + 1):
+        share, rest = divmod(global_batch, dp)
+        if rest or share % micro:
+            raise ConfigurationError(
+                f"an elastic pipelined fit splits each global batch of {global_batch} rows (batchSize x "
+                f"{num_proc // group} data-parallel ranks) evenly over the data-parallel ranks there are, in "
+                f"microbatches={micro}; with {dp} of them a share is {global_batch / dp:g} rows: choose a "
+                f"batchSize whose global batch divides by every size from minProc to numProc, in whole microbatches")
 
 
 def _model_parallel_refusals(est, lightning: bool, shape: torch.nn.Module) -> List[Tuple[bool, str]]:
@@ -196,12 +226,9 @@ def _model_parallel_refusals(est, lightning: bool, shape: torch.nn.Module) -> Li
         (est.getOrDefault("precision") == "16-mixed", "does not scale float16 losses: use precision='bf16-mixed'"),
         (est.getOrDefault("gradientCompression") != "none", "exchanges gradients in their own dtype: drop "
                                                             "gradientCompression"),
-        (est.getOrDefault("minProc") is not None or est.getOrDefault("checkpointEvery") is not None,
-         "does not run elastic fits yet (minProc, checkpointEvery): drop them"),
         (est.getOrDefault("backwardPassesPerStep") != 1, "steps after every batch: drop backwardPassesPerStep"),
         (pp > 1 and len(est.labelColumns()) > 1, "trains one head: pass one labelCol"),
         (pp > 1 and est.getOrDefault("sampleWeightCol") is not None, "does not weight rows: drop sampleWeightCol"),
-        (pp > 1 and bool(est.getOrDefault("compile")), "does not compile stages: drop compile"),
     ]
 
 

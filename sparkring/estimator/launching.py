@@ -126,7 +126,7 @@ def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Ca
         # validation splits its rows among the ranks there are: its steps follow their number
         run_cfg = cfg if cfg.elastic is None or counts is None else dataclasses.replace(
             cfg, elastic=dataclasses.replace(cfg.elastic, relaunches=counts),
-            val_steps=steps_per_epoch(values, cfg.dataset, now.num_proc)[1])
+            val_steps=steps_per_epoch(values, cfg.dataset, cfg.parallel.data_size(now.num_proc))[1])
         return launch(spark, now, train_rank, args=(run_cfg,), timeout=values["timeout"],
                       start_timeout=values["startTimeout"], verbose=2 if verbose >= 2 else (1 if verbose else 0),
                       on_event=on_event, env=trace_env)
@@ -137,7 +137,8 @@ def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Ca
         # the driver launches again when ranks are lost, not Spark's stage retry (same size only)
         how = ElasticLaunch(cfg.elastic.target_size, cfg.elastic.min_size, values["maxRestarts"],
                             values["startTimeout"], start_timeout_name="startTimeout", min_size_name="minProc",
-                            ranks_per_task=decided.plan.ranks_per_task)
+                            ranks_per_task=decided.plan.ranks_per_task,
+                            ranks_per_replica=cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
         policy = _FitPolicy(how, launch_once, lambda n: dataclasses.replace(plan_launch(est, spark, n), attempts=1),
                             say, cfg.store, cfg.run_id)
         return relaunch_until_done(spark, dataclasses.replace(decided.plan, attempts=1), policy,

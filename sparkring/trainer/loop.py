@@ -20,6 +20,7 @@ from sparkring.collective.timeline import process_started_us, recorder
 from sparkring.errors import NonFiniteLossError
 from sparkring.runner import report
 
+from . import comm_spans
 from .batches import pinned, run_batches
 from .config import TrainConfig, default_reader_workers
 from .elastic import stop_request
@@ -54,20 +55,21 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
     [{'epoch': 0, 'loss': 0.52, ...}]
     """
     # with a timeline asked for, the rank's host started the recorder and sends its spans at the end
-    with recorder.span("start-up: model, optimizer, resume"):
-        trainer = Trainer(cfg)
-    if recorder.on:
-        began, _ = recorder.joined_us  # the ring was joined inside (the first collective joins it)
-        recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
-    trainer.begin()
-    try:
-        for epoch in range(trainer.start_epoch, cfg.epochs):
-            logs = trainer.train_epoch(epoch)
-            if trainer.end_epoch(epoch, logs):
-                break
-    except _Paused:
-        return trainer.pause()
-    return trainer.finish()
+    with comm_spans.dtensor_collective_spans():
+        with recorder.span("start-up: model, optimizer, resume"):
+            trainer = Trainer(cfg)
+        if recorder.on:
+            began, _ = recorder.joined_us  # the ring was joined inside (the first collective joins it)
+            recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
+        trainer.begin()
+        try:
+            for epoch in range(trainer.start_epoch, cfg.epochs):
+                logs = trainer.train_epoch(epoch)
+                if trainer.end_epoch(epoch, logs):
+                    break
+        except _Paused:
+            return trainer.pause()
+        return trainer.finish()
 
 
 def seed_epoch(seed: int, epoch: int, rank: int) -> None:
@@ -107,8 +109,7 @@ class Trainer:
         self.base_lrs = [g["lr"] for g in opt.param_groups]
         self.opt = self.placement.distribute(opt, self.model)
         self.steps, self.val_steps = cfg.train_steps, cfg.val_steps  # the driver decided them for every rank
-        # the compiled module runs the steps; the module itself keeps the weights that are saved
-        self.runs: Any = torch.compile(self.model, **cfg.compile) if cfg.compile is not None else self.model
+        self.runs: Any = self.placement.compiled(self.model, cfg.compile)
         self.first_step_s: Optional[float] = None
         self.clock = StepClock()
         self.state_sizes = (0, 0)  # (parameters + optimizer state, gradients) in bytes, at the epoch's last update
@@ -164,8 +165,8 @@ class Trainer:
         sums = torch.zeros(step.width(), dtype=torch.float64, device=self.device)
         if first and rank == 0 and self.epoch_sums:  # every rank's figures before the checkpoint, counted once
             sums += torch.tensor(self.epoch_sums, dtype=torch.float64, device=self.device)
-        # an elastic fit's rank trains on its share of a global batch: weighted, the ranks' mean is the batch's
-        weight = cfg.elastic.gradient_weight(rank, self.size) if cfg.elastic is not None else 1.0
+        # an elastic fit's data-parallel rank trains on its share of a global batch: weighted, the mean over dp is the batch's
+        weight = cfg.elastic.gradient_weight(self.data_rank, self.data_size) if cfg.elastic is not None else 1.0
         skipped = 0
         last_report = 0.0
         self.clock = clock = StepClock()
@@ -215,7 +216,7 @@ class Trainer:
         if cfg.elastic is None:
             return run_batches(cfg, "train", cfg.batch_size, self.data_rank, self.data_size, epoch, self.steps, cfg.shuffle,
                                True, self.workers, self.device)
-        batches = cfg.dataset.global_batches(cfg.elastic.global_batch, self.rank, self.size, seed=cfg.seed,
+        batches = cfg.dataset.global_batches(cfg.elastic.global_batch, self.data_rank, self.data_size, seed=cfg.seed,
                                              epoch=epoch, start_step=first, steps=self.steps - first,
                                              shuffle=cfg.shuffle, transform=cfg.transform_fn)
         return pinned(batches) if self.device.type == "cuda" else batches

@@ -14,7 +14,7 @@ import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints, fsdp, gradients, pipeline, tensor_parallel
+from . import checkpoints, comm_spans, fsdp, gradients, pipeline, tensor_parallel
 from .activation import checkpoint_activations
 from .batches import run_batches
 from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
@@ -69,6 +69,11 @@ class Placement:
     def norm_group(self) -> Any:
         """The process group whose ranks hold other parameters than this rank's DTensors say (a pipeline's)."""
         return None
+
+    def compiled(self, model: torch.nn.Module, options: Optional[Dict[str, Any]]) -> Any:
+        """What runs the steps: ``model`` through torch.compile with ``options`` (None: eager); the
+        module itself keeps the weights that are saved."""
+        return torch.compile(model, **options) if options is not None else model
 
     def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
         """A checkpoint at the position ``state`` holds (its "epoch" and "step")."""
@@ -324,6 +329,8 @@ class Pipelined(TensorParallel):
                 checkpoint_activations(part, self.sharding.activation_checkpointing, self.sharding.wrap)
         group = self.mesh["pp"].get_group()
         self.stages = [PipelineStage(part, i, p.stages, device, group=group) for part, i in zip(mine, self.indices)]
+        for stage in self.stages:
+            comm_spans.trace_stage(stage)
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return view
 
@@ -346,6 +353,15 @@ class Pipelined(TensorParallel):
 
     def norm_group(self) -> Any:
         return self.mesh["pp"].get_group()
+
+    def compiled(self, model: torch.nn.Module, options: Optional[Dict[str, Any]]) -> Any:
+        """The schedule runs the stages, not ``model``: each stage module's forward is compiled in
+        place (the module stays itself for FSDP2 and the schedule; nn.Module.compile, which compiles
+        ``_call_impl``, leaves torch 2.13's stages eager)."""
+        if options is not None:
+            for stage in self.stages:
+                stage.submod.forward = torch.compile(stage.submod.forward, **options)
+        return model
 
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         self.finish()

@@ -9,6 +9,7 @@ what each launch's end means, and gets a decision back: done, or ``Relaunch``.""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -45,10 +46,16 @@ class ElasticLaunch:
     start_timeout_name: str = "start_timeout"
     min_size_name: str = "min_proc"
     ranks_per_task: int = 1         # a task slot runs this many ranks; sizes are multiples of it
+    ranks_per_replica: int = 1      # ranks that hold one model together (tensor x pipeline parallel): never split
 
     def ranks_in(self, slots: int) -> int:
-        """The ranks ``slots`` task slots run, at most the target."""
-        return min(slots * self.ranks_per_task, self.target_size)
+        """The ranks ``slots`` task slots run, at most the target, in whole tasks and whole replicas.
+
+        >>> ElasticLaunch(8, 4, 3, 60, ranks_per_replica=4).ranks_in(7)
+        4
+        """
+        whole = math.lcm(self.ranks_per_task, self.ranks_per_replica)
+        return min(slots * self.ranks_per_task, self.target_size) // whole * whole
 
 
 class _ClusterWatcher:
