@@ -94,7 +94,8 @@ def test_no_module_takes_part_in_an_import_circle_deferred_imports_included():
     ("sparkring.runner", "sparkring.estimator"), ("sparkring.runner.task", "sparkring.runner.driver"),
     ("sparkring.trainer", "sparkring.estimator"), ("sparkring.runner", "sparkring.trainer"),
     ("sparkring.data", "sparkring.trainer"), ("sparkring.collective", "sparkring.trainer"),
-    ("sparkring.trainer", "sparkring.runner.driver"),
+    ("sparkring.trainer", "sparkring.runner.driver"), ("sparkring.estimator", "sparkring.tune"),
+    ("sparkring.trainer", "sparkring.tune"), ("sparkring.runner", "sparkring.tune"), ("sparkring.data", "sparkring.tune"),
     ("sparkring.errors", "sparkring.runner"), ("sparkring.process_start", "sparkring.collective"),
 ])
 def test_a_layer_never_imports_one_above_it(lower, upper):

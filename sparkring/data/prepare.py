@@ -271,8 +271,6 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
     >>> ds.num_rows("train"), ds.shapes["features"]  # doctest: +SKIP
     (900, [64])
     """
-    from pyspark.sql import functions as F
-
     store = store or Store()
     if spec is None:
         if not columns:
@@ -285,9 +283,22 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
         if found is not None:
             return found
     key = _cache_key(df, store, spec, validation, seed) if reuse else None
-    cached = reuse_cache.lookup(key)
-    if cached is not None:
-        return cast(Dataset, cached)
+    # concurrent fits of one DataFrame (CrossValidator's parallelism, a Tuner's trials): the first
+    # prepares, the others wait for it and read the same copy
+    with reuse_cache.preparing(key):
+        cached = reuse_cache.lookup(key)
+        if cached is not None:
+            return cast(Dataset, cached)
+        ds = _write(df, store, spec, validation, seed, run_id)
+        reuse_cache.remember(key, ds)
+        return ds
+
+
+def _write(df, store: Store, spec: FeatureSpec, validation: Any, seed: Optional[int],
+           run_id: Optional[str]) -> Dataset:
+    """The DataFrame's selected columns as Parquet in the Store (one Spark job), with its metadata."""
+    from pyspark.sql import functions as F
+
     store.check_writable()
 
     run_id = run_id or uuid.uuid4().hex[:12]
@@ -330,5 +341,4 @@ def prepare(df, store: Optional[Store] = None, columns: Optional[Sequence[str]] 
                 store.delete(f"{data_dir}/{split}/{name}")
     store.write_bytes(f"{data_dir}/{METADATA_FILE}", json.dumps(metadata, indent=1).encode())
     ds = Dataset(store, data_dir, metadata)
-    reuse_cache.remember(key, ds)
     return ds

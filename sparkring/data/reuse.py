@@ -1,8 +1,9 @@
 """The session's reuse cache: DataFrames already prepared (same plan, spec and split) -> their Dataset."""
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Dict, Hashable, Optional, Protocol
+from typing import Dict, Hashable, Iterator, Optional, Protocol
 
 
 class Prepared(Protocol):
@@ -15,6 +16,7 @@ class Prepared(Protocol):
 
 _cache: Dict[Hashable, Prepared] = {}
 _lock = threading.Lock()
+_preparing: Dict[Hashable, threading.Lock] = {}
 
 
 def lookup(key: Optional[Hashable]) -> Optional[Prepared]:
@@ -24,6 +26,23 @@ def lookup(key: Optional[Hashable]) -> Optional[Prepared]:
     with _lock:
         ds = _cache.get(key)
     return ds if ds is not None and ds.exists() else None
+
+
+@contextlib.contextmanager
+def preparing(key: Optional[Hashable]) -> Iterator[None]:
+    """Held while ``key``'s DataFrame is prepared: another thread preparing the same waits, then
+    finds it in the cache (one copy for concurrent fits of one DataFrame).
+
+    >>> with preparing(("df", 1)):
+    ...     pass
+    """
+    if key is None:
+        yield
+        return
+    with _lock:
+        lock = _preparing.setdefault(key, threading.Lock())
+    with lock:
+        yield
 
 
 def remember(key: Optional[Hashable], ds: Prepared) -> None:

@@ -220,22 +220,27 @@ def test_pipeline_with_assembler_and_scaler_fits_saves_and_loads(spark, store, t
     H.assert_pipeline_predicts_and_round_trips(pipe.fit(df), df, tmp_path / "pipe")
 
 
-def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold(spark, store, monkeypatch):
+def test_cross_validator_fits_each_grid_point_on_data_prepared_once_per_fold_alike_two_at_a_time(spark, store,
+                                                                                                 monkeypatch):
     df = H.classification_df(spark, n=240)
-    est = _estimator(store, epochs=1)
+    est = _estimator(store, epochs=1, numProc=1)
     grid = ParamGridBuilder().addGrid(est.batchSize, [8, 16]).build()  # two grid points share each fold's data
-    cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1,
-                        evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
     prep = sys.modules["sparkring.data.prepare"]
     calls = []
     original = prep._write_partition_fn
     monkeypatch.setattr(prep, "_write_partition_fn", lambda *a, **k: calls.append(1) or original(*a, **k))
-    cv_model = cv.fit(df)
-    assert len(cv_model.avgMetrics) == 2
-    assert len(calls) == 2 + 1  # one prepare per fold, one for the final refit
+    fitted = []
+    for parallelism in (1, 2):  # 2: the grid points' fits run at once, each its own barrier stage
+        cv = CrossValidator(estimator=est, estimatorParamMaps=grid, numFolds=2, seed=1, parallelism=parallelism,
+                            evaluator=MulticlassClassificationEvaluator(metricName="accuracy"))
+        fitted.append(cv.fit(df))
+        assert len(calls) == 3 * parallelism  # one prepare per fold, one for the final refit
     assert os.listdir(store.path("runs")) and not any(
         os.path.exists(store.data_path(r)) for r in os.listdir(store.path("runs")))
-    assert cv_model.bestModel.transform(df).count() == 240
+    one, two = fitted
+    assert two.avgMetrics == pytest.approx(one.avgMetrics, abs=1e-9)
+    _assert_same_weights(one.bestModel, two.bestModel)
+    assert two.bestModel.transform(df).count() == 240
 
 
 @pytest.mark.compat
