@@ -644,7 +644,7 @@ def bench_transform(spark, rows, reps, tmp):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,speed,sharding,"
-                                          "model_parallel,text,transform,shm,versions,connect")
+                                          "model_parallel,text,tune,transform,shm,versions,connect")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -665,7 +665,8 @@ def main():
         all_rows = []
         for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                      "versions", "inputs",
-                     "training", "speed", "sharding", "model_parallel", "elastic", "autoscaling", "text", "transform"):
+                     "training", "speed", "sharding", "model_parallel", "elastic", "autoscaling", "text", "tune",
+                     "transform"):
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -765,6 +766,13 @@ def main():
             rows = []
             bench_text(spark, rows, max(1, args.reps - 1), tmp)
             done("text", rows)
+        if "tune" in only:
+            from bench_tune import bench_tune
+
+            print("== tune", flush=True)
+            rows = []
+            bench_tune(spark, rows, max(1, args.reps - 1), tmp)
+            done("tune", rows)
         if "transform" in only:
             print("== transform", flush=True)
             rows = []

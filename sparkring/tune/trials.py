@@ -138,20 +138,22 @@ class TrialRuns:
         self.lock = threading.Lock()
         self.running: Dict[int, Tuple[Any, Judge]] = {}
         self.mine = threading.local()  # the trial this worker thread runs
-        self.best: Optional[Tuple[int, Any]] = None
+        self.best: Optional[Tuple[int, Any, float]] = None
         self.parent: Optional[str] = None
 
     def param_maps(self, count: int) -> Sequence:
         return _ParamMaps(self, count)
 
+    def begin(self, trial: Any) -> None:
+        """Optuna's ``trial`` begins on this thread (its objective's), which fits it next."""
+        self.mine.trial = trial
+
     def start(self, index: int) -> Dict[Any, Any]:
-        """Trial ``index`` of this tuner begins (on the worker thread that will fit it)."""
+        """Fit ``index`` of fitMultiple begins on this thread: its param map, from this thread's trial."""
         import fsspec
 
         est = self.estimator
-        with self.lock:
-            trial = self.study.ask()
-        self.mine.trial = trial
+        trial = self.mine.trial
         params = trial_params(self.space, trial)
         store = est.getOrDefault("store")
         run_id = f"{self.study_name}-trial-{trial.number:04d}"
@@ -167,49 +169,44 @@ class TrialRuns:
         fixed = {"runId": run_id, "callbacks": list(est.getOrDefault("callbacks") or []) + [gate], "verbose": 0}
         return {est.getParam(name): value for name, value in {**params, **fixed}.items()}
 
-    def finished(self, index: int, model: Any) -> None:
-        """Trial ``index`` fitted: COMPLETE with its last epoch's metric, or PRUNED."""
+    def finished(self, index: int, model: Any) -> float:
+        """Fit ``index`` ended: its last epoch's metric (COMPLETE), or optuna.TrialPruned."""
+        import optuna
+
         trial, judge = self.running.pop(index)
         judge.stop()
         value = model.history[-1].get(self.metric) if model.history else None
+        if judge.pruned_at is not None:
+            self._end(trial, "PRUNED", f"pruned at epoch {judge.pruned_at}")
+            raise optuna.TrialPruned(f"trial {trial.number} pruned at epoch {judge.pruned_at}")
+        if value is None or not math.isfinite(value):
+            error = f"the last epoch's {self.metric} is {value}"
+            trial.set_user_attr("error", error)
+            self._end(trial, "FAIL", error)
+            raise ValueError(error)
         with self.lock:
-            if judge.pruned_at is not None:
-                self.study.tell(trial, state=_state("PRUNED"))
-                state = "PRUNED"
-            elif value is None or not math.isfinite(value):
-                trial.set_user_attr("error", f"the last epoch's {self.metric} is {value}")
-                self.study.tell(trial, state=_state("FAIL"))
-                state = "FAIL"
-            else:
-                self.study.tell(trial, float(value))
-                state = "COMPLETE"
-                if self.study.best_trial.number == trial.number:
-                    self._keep_best(trial.number, model)
-        log.info("trial %d: %s (%s=%s)", trial.number, state, self.metric, value)
-        self._end_mlflow(state)
+            self._keep_if_best(float(value), trial.number, model)
+        self._end(trial, "COMPLETE", f"{self.metric}={value:g}")
+        return float(value)
 
     def failed(self, exc: BaseException) -> None:
-        """This worker's trial raised: FAIL with its error; the study goes on."""
-        trial = getattr(self.mine, "trial", None)
-        if trial is None:
-            raise exc
+        """This thread's trial raised: FAIL with its error (Optuna records it); the study goes on."""
+        trial = self.mine.trial
         self._stop_judge(trial)
         trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
-        with self.lock:
-            self.study.tell(trial, state=_state("FAIL"))
-        log.info("trial %d failed: %s", trial.number, exc)
-        self._end_mlflow("FAIL")
+        self._end(trial, "FAIL", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 
     def interrupted(self) -> None:
-        """This worker's trial was interrupted with the tuner: FAIL, not counted (a later run redoes it)."""
-        trial = getattr(self.mine, "trial", None)
-        if trial is None:
-            return
+        """This thread's trial was interrupted with the tuner: FAIL, not counted (a later run redoes it)."""
+        trial = self.mine.trial
         self._stop_judge(trial)
         trial.set_user_attr("interrupted", True)
-        with self.lock:
-            self.study.tell(trial, state=_state("FAIL"))
-        self._end_mlflow("FAIL")
+        self._end(trial, "FAIL", "interrupted")
+
+    def _end(self, trial: Any, state: str, why: str) -> None:
+        log.info("trial %d: %s (%s)", trial.number, state, why)
+        self.mine.trial = None
+        self._end_mlflow(state)
 
     def forget_interrupted(self) -> None:
         """Trials an earlier tuner left RUNNING (its process ended mid-trial) become FAIL, uncounted."""
@@ -223,10 +220,15 @@ class TrialRuns:
                 judge.stop()
                 self.running.pop(index, None)
 
-    def _keep_best(self, number: int, model: Any) -> None:
+    def _keep_if_best(self, value: float, number: int, model: Any) -> None:
         """The study's best model so far, kept (and saved, for a tuner that resumes the study in
         another process)."""
-        self.best = (number, model)
+        values = [t.value for t in self.study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+        values += [self.best[2]] if self.best is not None else []
+        minimize = self.study.direction.name == "MINIMIZE"
+        if values and (value >= min(values) if minimize else value <= max(values)):
+            return
+        self.best = (number, model, value)
         folder = self._best_model_folder()
         if folder is not None:
             model.write().overwrite().save(folder)

@@ -9,9 +9,7 @@ when a free worker starts it."""
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
@@ -91,30 +89,27 @@ class Tuner:
         return TuneResult(dict(best.params), runs.best_model(best.number), study, runs.records())
 
     def _run(self, df: Any, runs: TrialRuns, remaining: int) -> None:
+        """Optuna's own loop (``optimize`` on ``workers`` threads) runs the trials; each trial's
+        objective takes the next fit of the estimator's fitMultiple, whose param map it answers."""
         workers = min(remaining, self.concurrent_trials or _free_fits(df.sparkSession, self.estimator))
         log.info("study %s: %d trial(s) to run, %d at once", self.study_name, remaining, workers)
         fits = self.estimator.fitMultiple(df, runs.param_maps(remaining))
-        stop = threading.Event()
 
-        def work() -> None:
-            while not stop.is_set():
-                try:
-                    index, model = next(fits)
-                except StopIteration:
-                    return
-                except Exception as exc:  # noqa: BLE001 - a failed trial is recorded; the study goes on
-                    runs.failed(exc)
-                    continue
-                except BaseException:
-                    stop.set()  # an interrupt: no new trial starts; what ran is in the study
-                    runs.interrupted()
-                    raise
-                runs.finished(index, model)
+        def objective(trial: Any) -> float:
+            runs.begin(trial)
+            try:
+                index, model = next(fits)
+            except Exception as exc:
+                runs.failed(exc)
+                raise  # Optuna records the trial as FAIL and goes on (catch=)
+            except BaseException:
+                runs.interrupted()  # Ctrl-C: FAIL, uncounted; Optuna starts no new trial and re-raises
+                raise
+            return runs.finished(index, model)
 
         with runs.parent_run(self.estimator.getOrDefault("mlflowLogging")):
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sparkring-trial") as pool:
-                for future in [pool.submit(work) for _ in range(workers)]:
-                    future.result()
+            runs.study.optimize(objective, n_trials=remaining, n_jobs=workers, catch=(Exception,),
+                                gc_after_trial=False)
 
     def _storage_url(self) -> Optional[str]:
         if self.storage is not None:
