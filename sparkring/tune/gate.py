@@ -65,7 +65,7 @@ def wait_verdict(fs: Any, root: str, epoch: int, wait_s: float) -> str:
             if time.monotonic() >= deadline:
                 return GO_ON
             time.sleep(pause)
-            pause = min(pause * 2, 0.2)
+            pause = min(pause * 2, 0.05)
 
 
 def read_report(fs: Any, root: str, epoch: int) -> Optional[float]:

@@ -97,7 +97,7 @@ class Judge:
         while not self.done.is_set():
             value = read_report(self.fs, self.root, epoch)
             if value is None:
-                self.done.wait(0.02)
+                self.done.wait(0.01)
                 continue
             with self.lock:
                 self.trial.report(value, epoch)
@@ -221,17 +221,22 @@ class TrialRuns:
                 self.running.pop(index, None)
 
     def _keep_if_best(self, value: float, number: int, model: Any) -> None:
-        """The study's best model so far, kept (and saved, for a tuner that resumes the study in
-        another process)."""
+        """The study's best model so far, kept in memory (``save_best`` writes it once, at the end)."""
         values = [t.value for t in self.study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
         values += [self.best[2]] if self.best is not None else []
         minimize = self.study.direction.name == "MINIMIZE"
         if values and (value >= min(values) if minimize else value <= max(values)):
             return
         self.best = (number, model, value)
+
+    def save_best(self) -> None:
+        """This run's best model, where it is the study's best, saved for a tuner that resumes the
+        study in another process (once a run: saving is a Spark job)."""
         folder = self._best_model_folder()
-        if folder is not None:
-            model.write().overwrite().save(folder)
+        complete = [t for t in self.study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+        if folder is None or self.best is None or not complete or self.study.best_trial.number != self.best[0]:
+            return
+        self.best[1].write().overwrite().save(folder)
 
     def _best_model_folder(self) -> Optional[str]:
         store = self.estimator.getOrDefault("store")

@@ -108,8 +108,11 @@ class Tuner:
             return runs.finished(index, model)
 
         with runs.parent_run(self.estimator.getOrDefault("mlflowLogging")):
-            runs.study.optimize(objective, n_trials=remaining, n_jobs=workers, catch=(Exception,),
-                                gc_after_trial=False)
+            try:
+                runs.study.optimize(objective, n_trials=remaining, n_jobs=workers, catch=(Exception,),
+                                    gc_after_trial=False)
+            finally:
+                runs.save_best()
 
     def _storage_url(self) -> Optional[str]:
         if self.storage is not None:

@@ -1,9 +1,21 @@
-"""The layout of a rank's work directory, which its launcher and its worker process share."""
+"""The layout of a rank's work directory, which its launcher and its worker process share, and
+the removal of those that dead launchers left behind (a task killed with its executor cannot
+clean up after itself)."""
 from __future__ import annotations
 
+import glob
+import logging
 import os
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass
+from typing import List, Optional
+
+log = logging.getLogger(__name__)
+
+PREFIX = "sparkring-rank"
+UNCLAIMED_AFTER_S = 3600.0  # a directory without its owner file is a launcher's that died creating it
 
 
 @dataclass(frozen=True)
@@ -18,7 +30,17 @@ class WorkDir:
 
     @classmethod
     def create(cls, rank: int) -> "WorkDir":
-        return cls(tempfile.mkdtemp(prefix=f"sparkring-rank{rank}-"))
+        """A new work directory, owned by this process (the task that launches the rank); what
+        dead owners left in the same temporary directory is removed first."""
+        remove_abandoned()
+        workdir = cls(tempfile.mkdtemp(prefix=f"{PREFIX}{rank}-"))
+        with open(workdir.owner, "w") as f:
+            f.write(_identity(os.getpid()) or "")
+        return workdir
+
+    @property
+    def owner(self) -> str:  # "<pid> <start time>" of the process that created it (and removes it)
+        return self._file("owner")
 
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -50,3 +72,44 @@ class WorkDir:
     @property
     def pid(self) -> str:  # the worker's own pid (under mpiexec it is not the launched one's)
         return self._file("pid")
+
+
+def _identity(pid: int) -> Optional[str]:
+    """A process as "<pid> <start time>" (a pid alone may be reused), or None where none runs."""
+    import psutil
+
+    try:
+        return f"{pid} {psutil.Process(pid).create_time():.3f}"
+    except psutil.Error:
+        return None
+
+
+def remove_abandoned(folder: Optional[str] = None) -> List[str]:
+    """Remove the rank work directories under ``folder`` (the temporary directory) whose owner
+    process is gone; a live owner's are never touched. The paths removed.
+
+    >>> remove_abandoned(tempfile.mkdtemp())
+    []
+    """
+    removed = []
+    for path in glob.glob(os.path.join(folder or tempfile.gettempdir(), f"{PREFIX}*-*")):
+        try:
+            with open(os.path.join(path, "owner")) as f:
+                owner = f.read().split()
+        except FileNotFoundError:
+            owner = None
+        except OSError:
+            continue
+        if owner is None:
+            try:
+                abandoned = time.time() - os.path.getmtime(path) > UNCLAIMED_AFTER_S
+            except OSError:
+                continue
+        else:
+            abandoned = len(owner) != 2 or not owner[0].isdigit() or _identity(int(owner[0])) != " ".join(owner)
+        if abandoned:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d work director(ies) of rank launchers that died: %s", len(removed), removed)
+    return removed
