@@ -12,7 +12,7 @@ from common import Row
 
 RATES = [0.003, 0.01, 0.03, 3.0]      # the last diverges on these overlapping classes
 WIDTHS = [8, 16, 32, 64]
-EPOCHS = 12
+EPOCHS = 16
 
 
 def adam_at(lr, params):
@@ -28,7 +28,7 @@ def mlp_of(width):
     return torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 3))
 
 
-def _frames(spark, n=40_000, seed=0):
+def _frames(spark, n=160_000, seed=0):
     import numpy as np
     from pyspark.ml.linalg import Vectors
 

@@ -83,10 +83,13 @@ class Progress:
     >>> progress(0, EpochDone(epoch=1, logs={"epoch": 1, "loss": 0.25, **split}))
     epoch 2/2  loss=0.2500  12,000 samples/s (data 0.2s, compute 3.1s, comm 0.9s, other 0.1s)
     >>> progress.close()
+
+    A fit on a text column also shows tokens/s (``tokens_per_row``: the real tokens of a row, on average).
     """
 
-    def __init__(self, verbose: int):
+    def __init__(self, verbose: int, tokens_per_row: Optional[float] = None):
         self.verbose = verbose
+        self.tokens_per_row = tokens_per_row
         self.bar: Optional[Any] = None  # tqdm's bar while an epoch runs
         self.epochs = 0
         self.lock = threading.Lock()
@@ -114,7 +117,7 @@ class Progress:
                 logs = event.logs
                 metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
                                     if k != "epoch" and not _is_timing(k) and isinstance(v, (int, float)))
-                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}{_time_split(logs)}"
+                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}{_time_split(logs, self.tokens_per_row)}"
                             + ("  (early stop)" if event.stopped else ""))
 
     def note(self, line: str) -> None:
@@ -146,9 +149,15 @@ def _is_timing(key: str) -> bool:
                                               "restarts", "grows", "decommissions", "resumed_at_step")
 
 
-def _time_split(logs) -> str:
-    """Where rank 0's seconds went, as the epoch line shows it (empty for logs without it)."""
+def _time_split(logs, tokens_per_row: Optional[float] = None) -> str:
+    """Where rank 0's seconds went, as the epoch line shows it (empty for logs without it); with
+    ``tokens_per_row``, its tokens/s first (as history's tokens_per_second).
+
+    >>> _time_split({"time_data": 0, "time_compute": 1, "time_comm": 0, "time_other": 0, "samples_per_second": 50}, 8.0)
+    '  400 tokens/s, 50 samples/s (data 0.0s, compute 1.0s, comm 0.0s, other 0.0s)'
+    """
     if "time_compute" not in logs:
         return ""
     parts = ", ".join(f"{part} {logs[f'time_{part}']:.1f}s" for part in ("data", "compute", "comm", "other"))
-    return f"  {logs['samples_per_second']:,.0f} samples/s ({parts})"
+    tokens = f"{logs['samples_per_second'] * tokens_per_row:,.0f} tokens/s, " if tokens_per_row else ""
+    return f"  {tokens}{logs['samples_per_second']:,.0f} samples/s ({parts})"

@@ -12,7 +12,7 @@ from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
 
 from ..data import prepare
-from ..data.text import Encoder, tokenize
+from ..data.text import Encoder, mean_tokens, tokenize
 from ..runner import to_bytes
 from ..trainer import is_factory
 from ..trainer.events import TrainingEvent, from_payload
@@ -47,6 +47,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._hold_data = False
         self._prepared: Optional[Any] = None
         self._grid_point: Optional[Tuple[str, int]] = None  # (parent MLflow run, index) under fitMultiple
+        self._tokens_per_row: Optional[float] = None  # a fit on token rows: the epoch line shows tokens/s
         self._set(**{k: v for k, v in self._input_kwargs.items()})
 
     @keyword_only
@@ -63,6 +64,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         that._hold_data = False
         that._prepared = None
         that._grid_point = None
+        that._tokens_per_row = None
         return that
 
     # -- fit --------------------------------------------------------------------------
@@ -96,6 +98,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         try:
             on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(self, layout).items()})
             on_tokens._hold_data, on_tokens._grid_point = self._hold_data, self._grid_point
+            on_tokens._tokens_per_row = mean_tokens(counts)
             model = on_tokens._fit_paused(tokenized)
         finally:
             tokenized.unpersist()
@@ -123,7 +126,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     def _fit_prepared(self, spark, ds, decided: checks.FitDecisions, run_id: str,
                       tracker: Optional[FitTracker]) -> SparkRingModel:
         cfg = train_config(self, decided, ds, run_id)
-        progress = Progress(self.getOrDefault("verbose"))
+        progress = Progress(self.getOrDefault("verbose"), self._tokens_per_row)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 
         def on_event(rank: int, payload: Any) -> None:
@@ -215,6 +218,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._hold_data = False
         self._prepared = None
         self._grid_point = None
+        self._tokens_per_row = None
 
 
 SparkRingEstimator.__init__.__signature__ = signature(SparkRingEstimator)  # type: ignore[attr-defined]

@@ -22,7 +22,11 @@ PRUNERS = ("asha", "hyperband", "median", "none")
 class TrialRecord:
     """One trial of the study: its number, Params (as the space named them), state (COMPLETE,
     PRUNED, FAIL, RUNNING), metric (the last epoch's, or the last reported for a pruned trial),
-    the epochs it ran and, for a failed trial, its error."""
+    the epochs it ran and, for a failed trial, its error.
+
+    >>> TrialRecord(3, {"lr": 0.01}, "PRUNED", 1.7, epochs=2).state
+    'PRUNED'
+    """
 
     number: int
     params: Dict[str, Any]

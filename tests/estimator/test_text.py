@@ -1,6 +1,10 @@
 """Language models from a text column: tokenized on the executors, packed or padded, a Hugging
 Face causal LM trained with its figures (tokens/s, perplexity) in history. Real Spark, a tiny
 Llama built from its config and a BPE tokenizer trained on the test's own text."""
+import contextlib
+import io
+import re
+
 import pytest
 import text_fns
 import torch
@@ -34,7 +38,11 @@ def fitted_lm(_spark_sessions, tokenizer, tmp_path_factory):
     """One causal LM trained on the sentences, every transform test reads it."""
     spark = _spark_sessions.get("local")
     store = Store(str(tmp_path_factory.mktemp("lm")))
-    return _estimator(tokenizer, store, epochs=3, runId="lm").fit(_text_df(spark))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # the epoch lines (verbose=1)
+        fitted = _estimator(tokenizer, store, epochs=3, runId="lm", verbose=1).fit(_text_df(spark))
+    fitted.epoch_lines = [line for line in printed.getvalue().splitlines() if line.startswith("epoch ")]
+    return fitted
 
 
 def test_a_causal_lm_trains_on_a_text_column_with_tokens_per_second_and_perplexity(fitted_lm):
@@ -45,6 +53,10 @@ def test_a_causal_lm_trains_on_a_text_column_with_tokens_per_second_and_perplexi
     assert last["tokens_per_second"] > 0 and last["tokens_per_second_total"] == pytest.approx(
         2 * last["tokens_per_second"])
     assert last["tokens_cut"] == 0 and last["tokens"] > 240 * 8  # every document whole, closed by </s>
+    # the live epoch line shows rank 0's tokens/s, the figure history keeps
+    assert len(fitted.epoch_lines) == 3
+    shown = float(re.search(r"  ([\d,]+) tokens/s, ", fitted.epoch_lines[-1]).group(1).replace(",", ""))
+    assert shown == pytest.approx(last["tokens_per_second"], abs=1)
     assert type(fitted.getModel()).__name__ == "LlamaForCausalLM"
 
 
