@@ -136,8 +136,8 @@ class TrialRuns:
     """The trials this tuner runs on ``study``: started by fitMultiple's workers (one thread a
     trial), ended by the tuner with the fitted model or the error."""
 
-    def __init__(self, study: Any, estimator: Any, space: Any, metric: str, study_name: str, spark: Any):
-        self.study, self.estimator, self.space, self.metric = study, estimator, space, metric
+    def __init__(self, study: Any, estimator: Any, store: Any, space: Any, metric: str, study_name: str, spark: Any):
+        self.study, self.estimator, self.store, self.space, self.metric = study, estimator, store, space, metric
         self.study_name, self.spark = study_name, spark
         self.lock = threading.Lock()
         self.running: Dict[int, Tuple[Any, Judge]] = {}
@@ -159,7 +159,7 @@ class TrialRuns:
         est = self.estimator
         trial = self.mine.trial
         params = trial_params(self.space, trial)
-        store = est.getOrDefault("store")
+        store = self.store
         run_id = f"{self.study_name}-trial-{trial.number:04d}"
         url = store.checkpoint_url(run_id, "tune-gate")
         fs, root = fsspec.core.url_to_fs(url, **store.storage_options)
@@ -170,7 +170,7 @@ class TrialRuns:
         with contextlib.suppress(Exception):  # Spark Connect: no SparkContext, no pools
             self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", f"sparkring-trial-{trial.number}")
         gate = EpochGate(url, self.metric, dict(store.storage_options))
-        fixed = {"runId": run_id, "callbacks": list(est.getOrDefault("callbacks") or []) + [gate], "verbose": 0}
+        fixed = {"store": store, "runId": run_id, "callbacks": list(est.getOrDefault("callbacks") or []) + [gate], "verbose": 0}
         return {est.getParam(name): value for name, value in {**params, **fixed}.items()}
 
     def finished(self, index: int, model: Any) -> float:
@@ -243,8 +243,7 @@ class TrialRuns:
         self.best[1].write().overwrite().save(folder)
 
     def _best_model_folder(self) -> Optional[str]:
-        store = self.estimator.getOrDefault("store")
-        return store.local_path(store.run_path(self.study_name, "best-model")) if store is not None else None
+        return self.store.local_path(self.store.run_path(self.study_name, "best-model"))
 
     def best_model(self, number: int) -> Any:
         """The fitted model of trial ``number`` (the study's best): this run's, or the one saved by

@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
+from ..data import Store
 from ..errors import ConfigurationError
 from .trials import TrialRecord, TrialRuns, counted, pruner_for
 
@@ -74,10 +75,11 @@ class Tuner:
     def fit(self, df: Any) -> TuneResult:
         """Run the trials the study still lacks on ``df``; the result of the whole study."""
         optuna = _optuna()
-        study = optuna.create_study(storage=self._storage_url(), study_name=self.study_name,
+        store = _store_of(self.estimator)
+        study = optuna.create_study(storage=self._storage_url(store), study_name=self.study_name,
                                     direction="minimize" if self.mode == "min" else "maximize",
                                     sampler=self.sampler, pruner=pruner_for(self.pruner), load_if_exists=True)
-        runs = TrialRuns(study, self.estimator, self.space, self.metric, self.study_name, df.sparkSession)
+        runs = TrialRuns(study, self.estimator, store, self.space, self.metric, self.study_name, df.sparkSession)
         runs.forget_interrupted()
         remaining = self.trials - sum(1 for t in study.get_trials(deepcopy=False) if counted(t))
         if remaining > 0:
@@ -114,11 +116,10 @@ class Tuner:
             finally:
                 runs.save_best()
 
-    def _storage_url(self) -> Optional[str]:
+    def _storage_url(self, store: Store) -> Optional[str]:
         if self.storage is not None:
             return self.storage
-        store = self.estimator.getOrDefault("store")
-        folder = store.local_path(store.run_path(self.study_name)) if store is not None else None
+        folder = store.local_path(store.run_path(self.study_name))
         if folder is None:
             log.warning("study %s lives in memory (no local Store for its SQLite file): give storage= to "
                         "resume it later", self.study_name)
@@ -127,6 +128,12 @@ class Tuner:
 
         os.makedirs(folder, exist_ok=True)
         return f"sqlite:///{os.path.join(folder, 'study.db')}"
+
+
+def _store_of(estimator: Any) -> Store:
+    """The Store every trial shares (the estimator's, or one temporary Store for the whole study)."""
+    store = estimator.getOrDefault("store")
+    return Store(store) if isinstance(store, str) else (store or Store())
 
 
 def _check_space(estimator: Any, space: Space) -> None:

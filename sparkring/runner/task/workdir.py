@@ -34,8 +34,10 @@ class WorkDir:
         dead owners left in the same temporary directory is removed first."""
         remove_abandoned()
         workdir = cls(tempfile.mkdtemp(prefix=f"{PREFIX}{rank}-"))
-        with open(workdir.owner, "w") as f:
+        # renamed into place: a launcher cleaning up at the same moment never reads half of it
+        with open(workdir.owner + ".new", "w") as f:
             f.write(_identity(os.getpid()) or "")
+        os.replace(workdir.owner + ".new", workdir.owner)
         return workdir
 
     @property
@@ -75,11 +77,21 @@ class WorkDir:
 
 
 def _identity(pid: int) -> Optional[str]:
-    """A process as "<pid> <start time>" (a pid alone may be reused), or None where none runs."""
+    """A process as "<pid> <start time>" (a pid alone may be reused), or None where none runs: the
+    start in clock ticks since boot from /proc (exact; psutil's create_time adds a boot time that
+    Linux gives in whole seconds), else psutil's."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f"{pid} {f.read().rsplit(')', 1)[1].split()[19]}"
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return None  # Linux, and no such process
+    except (OSError, IndexError):
+        return None
     import psutil
 
     try:
-        return f"{pid} {psutil.Process(pid).create_time():.3f}"
+        return f"{pid} {psutil.Process(pid).create_time():.0f}"
     except psutil.Error:
         return None
 
@@ -97,16 +109,16 @@ def remove_abandoned(folder: Optional[str] = None) -> List[str]:
             with open(os.path.join(path, "owner")) as f:
                 owner = f.read().split()
         except FileNotFoundError:
-            owner = None
+            owner = []
         except OSError:
             continue
-        if owner is None:
+        if len(owner) != 2 or not owner[0].isdigit():  # not claimed yet, or by a launcher that died claiming it
             try:
                 abandoned = time.time() - os.path.getmtime(path) > UNCLAIMED_AFTER_S
             except OSError:
                 continue
         else:
-            abandoned = len(owner) != 2 or not owner[0].isdigit() or _identity(int(owner[0])) != " ".join(owner)
+            abandoned = _identity(int(owner[0])) != " ".join(owner)
         if abandoned:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
