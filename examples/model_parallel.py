@@ -20,7 +20,7 @@ from sparkring import SparkRingEstimator, Store
 parser = argparse.ArgumentParser()
 parser.add_argument("--fast", action="store_true")
 args = parser.parse_args()
-ROWS, EPOCHS, CONTEXT = (3000, 3, 16) if args.fast else (12000, 6, 24)
+ROWS, EPOCHS, CONTEXT = (2000, 3, 16) if args.fast else (12000, 6, 24)
 
 
 class RMSNorm(torch.nn.Module):
