@@ -16,12 +16,12 @@ def sentences(n=240, seed=0):
     return out
 
 
-def tokenizer():
+def tokenizer(mask=False):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"])
+    trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"] + (["<mask>"] * mask))
     tok.train_from_iterator(sentences(), trainer)
     return tok
 
@@ -50,3 +50,40 @@ def llama_classifier(vocab_size, pad_id, seed=0):
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, num_labels=2,
                          pad_token_id=pad_id)
     return LlamaForSequenceClassification(config)
+
+
+def bert(vocab_size, pad_id, seed=0):
+    """A 2-layer BERT encoder with its masked-LM head."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=64, pad_token_id=pad_id)
+    return BertForMaskedLM(config)
+
+
+class CountingTokenizer:
+    """A tokenizers.Tokenizer that writes a line to ``log`` for every batch it encodes (executors are
+    other processes: the file is what comes back)."""
+
+    def __init__(self, tokenizer, log):
+        self.inner, self.log = tokenizer, str(log)
+
+    def encode_batch(self, texts):
+        with open(self.log, "a") as out:
+            out.write(f"{len(texts)}\n")
+        return self.inner.encode_batch(texts)
+
+    def __getattr__(self, name):
+        if name in ("inner", "log") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def encoded(self):
+        """How many documents were encoded so far."""
+        try:
+            with open(self.log) as lines:
+                return sum(int(line) for line in lines)
+        except FileNotFoundError:
+            return 0

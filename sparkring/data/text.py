@@ -3,21 +3,25 @@ padded to, rows of ``sequence_length`` with position ids, an attention mask and 
 and the counts of tokens kept and cut off (nothing is dropped silently).
 
 Packing concatenates a partition's documents, each closed by the end-of-sequence token, and cuts
-them into rows; the position ids restart at every document (the attention does not: that needs a
-varlen attention kernel). Without packing each document is one row, cut to the length and padded.
+them into rows; the position ids restart at every document (a Hugging Face model given them without
+an attention mask restarts its attention there too). Without packing each document is one row, cut
+to the length and padded. For a masked language model, a seeded 15% of each row's real tokens are
+hidden (BERT's recipe: 80% the mask token, 10% a random token, 10% as they were) and are its labels.
 The tokenizer is a ``tokenizers.Tokenizer``, a transformers tokenizer, or a local directory
 (``AutoTokenizer.from_pretrained(path, local_files_only=True)``: never a download)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple
 
 from ..errors import DataError
+from . import reuse as reuse_cache
 
 TOKEN_COLUMNS = ("input_ids", "position_ids", "attention_mask", "labels")
 IGNORED = -100  # a label that counts for nothing (padding)
 _END_NAMES = ("</s>", "<|endoftext|>", "<eos>", "<|eos|>", "[EOS]", "[SEP]")
 _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>")
+_MASK_NAMES = ("[MASK]", "<mask>", "<|mask|>")
 SCHEMA = ("input_ids array<int>, position_ids array<int>, attention_mask array<int>, labels array<int>, "
           "tokens int, cut int, documents int")
 
@@ -62,6 +66,22 @@ class Encoder:
             return tok.decode(ids) if tok.decoder is not None else " ".join(tok.id_to_token(i) for i in ids)
         return tok.decode(ids, skip_special_tokens=True)
 
+    def mask_id(self) -> int:
+        """The token that hides a word from a masked language model."""
+        tok = self.tokenizer
+        found = getattr(tok, "mask_token_id", None)
+        lookup = getattr(tok, "token_to_id", None) or getattr(tok, "convert_tokens_to_ids", None)
+        if found is None and lookup is not None:
+            found = next((i for i in (lookup(n) for n in _MASK_NAMES) if isinstance(i, int)), None)
+        if found is None:
+            raise DataError(f"task='masked-lm' needs a mask token: add one of {list(_MASK_NAMES)} to the "
+                            "tokenizer's special tokens")
+        return int(found)
+
+    def vocab_size(self) -> int:
+        tok = self.tokenizer
+        return int(tok.get_vocab_size() if hasattr(tok, "get_vocab_size") else len(tok))
+
     def special_ids(self) -> Tuple[int, int]:
         """(end of sequence, padding): the tokenizer's own, else one of the usual token names."""
         tok = self.tokenizer
@@ -79,6 +99,43 @@ class Encoder:
 
 
 @dataclass(frozen=True)
+class Masking:
+    """Which tokens a masked language model must fill in: each of a row's real tokens (never end of
+    sequence) with probability ``fraction``, at least one a row, chosen by ``seed`` and the row's own ids (the same rows get the same
+    masks in every fit with that seed, so a resumed fit sees what the interrupted one saw).
+
+    >>> Masking(mask_id=3, vocab_size=64, seed=0).fraction
+    0.15
+    """
+
+    mask_id: int
+    vocab_size: int
+    seed: int = 0
+    fraction: float = 0.15
+
+    def apply(self, ids: List[int], real: int, eos_id: int) -> Tuple[List[int], List[int]]:
+        """(the ids with some hidden, the labels: the hidden ids where they were, IGNORED elsewhere).
+
+        >>> Masking(mask_id=0, vocab_size=9, seed=1, fraction=0.5).apply([5, 6, 7, 8, 1], 5, eos_id=1)
+        ([0, 0, 3, 8, 1], [5, 6, 7, -100, -100])
+        """
+        import random
+        import zlib
+
+        rng = random.Random(zlib.crc32(bytes(str(ids[:real]), "ascii")) ^ self.seed)
+        candidates = [i for i in range(real) if ids[i] != eos_id]
+        chosen = [i for i in candidates if rng.random() < self.fraction]
+        if not chosen and candidates:  # a row with nothing to fill in would teach nothing (a batch of them: no loss)
+            chosen = [rng.choice(candidates)]
+        inputs, labels = list(ids), [IGNORED] * len(ids)
+        for i in chosen:
+            labels[i] = ids[i]
+            draw = rng.random()
+            inputs[i] = self.mask_id if draw < 0.8 else rng.randrange(self.vocab_size) if draw < 0.9 else ids[i]
+        return inputs, labels
+
+
+@dataclass(frozen=True)
 class TextLayout:
     """How documents become rows of token ids.
 
@@ -92,6 +149,7 @@ class TextLayout:
     eos_id: int
     pad_id: int
     keep: Tuple[str, ...] = ()      # columns carried to each document's row (labels): never with packing
+    masking: Optional[Masking] = None  # a masked language model's hidden tokens: its labels
 
 
 @dataclass(frozen=True)
@@ -108,8 +166,11 @@ class TokenCounts:
 def _row(ids: List[int], positions: List[int], documents: int, cut: int, layout: TextLayout) -> dict:
     real, length = len(ids), layout.sequence_length
     pad = length - real
-    return {"input_ids": ids + [layout.pad_id] * pad, "position_ids": positions + [0] * pad,
-            "attention_mask": [1] * real + [0] * pad, "labels": ids + [IGNORED] * pad,
+    inputs, labels = ids + [layout.pad_id] * pad, ids + [IGNORED] * pad
+    if layout.masking is not None:
+        inputs, labels = layout.masking.apply(inputs, real, layout.eos_id)
+    return {"input_ids": inputs, "position_ids": positions + [0] * pad,
+            "attention_mask": [1] * real + [0] * pad, "labels": labels,
             "tokens": real, "cut": cut, "documents": documents}
 
 
@@ -161,22 +222,49 @@ def tokenize_partitions(encoder: Encoder, layout: TextLayout, chunk_rows: int = 
 
 
 def tokenize(df, encoder: Encoder, layout: TextLayout) -> Tuple[Any, TokenCounts]:
-    """``df``'s text column as rows of token ids (cached: the counts and prepare read it once each;
-    the caller unpersists it) and what tokenizing made of it. Packing runs within each partition:
-    a row never spans two."""
+    """``df``'s text column as rows of token ids and what tokenizing made of it. Packing runs within
+    each partition: a row never spans two. The first time, the rows are cached (the counts and
+    prepare read them once each; the caller unpersists them); a second fit of the same DataFrame
+    with the same tokenizer and layout knows the counts, and prepare finds the token ids it stored
+    (keepData, a Tuner's trials): nothing is tokenized again."""
     from pyspark.sql import functions as F
 
     if layout.pack and layout.keep:
         raise DataError(f"packing mixes documents in one row: columns {list(layout.keep)} cannot follow them")
     fields = {f.name: f.dataType for f in df.schema.fields}
     schema = ", ".join([SCHEMA] + [f"`{name}` {fields[name].simpleString()}" for name in layout.keep])
-    tokenized = df.select(layout.column, *layout.keep).mapInArrow(tokenize_partitions(encoder, layout),
-                                                                  schema).cache()
-    got = tokenized.agg(F.count("*"), F.sum("documents"), F.sum("tokens"), F.sum("cut")).collect()[0]
-    counts = TokenCounts(rows=int(got[0]), documents=int(got[1] or 0), kept=int(got[2] or 0), cut=int(got[3] or 0))
-    if counts.rows == 0:
-        raise DataError(f"textCol {layout.column!r}: the DataFrame has no rows to train on")
-    return tokenized, counts
+    source = df.select(layout.column, *layout.keep)
+    tokenized = source.mapInArrow(tokenize_partitions(encoder, layout), schema)
+    key = _tokens_key(source, encoder, layout)
+    with reuse_cache.preparing(key):
+        known = _counted.get(key) if key is not None else None
+        if known is not None:
+            return tokenized, known
+        tokenized = tokenized.cache()
+        got = tokenized.agg(F.count("*"), F.sum("documents"), F.sum("tokens"), F.sum("cut")).collect()[0]
+        counts = TokenCounts(rows=int(got[0]), documents=int(got[1] or 0), kept=int(got[2] or 0),
+                             cut=int(got[3] or 0))
+        if counts.rows == 0:
+            raise DataError(f"textCol {layout.column!r}: the DataFrame has no rows to train on")
+        if key is not None:
+            _counted[key] = counts
+        return tokenized, counts
+
+
+_counted: Dict[Hashable, TokenCounts] = {}  # what tokenizing made of each DataFrame, in this session
+
+
+def _tokens_key(source, encoder: Encoder, layout: TextLayout) -> Optional[Hashable]:
+    """The text's plan and exactly how it is tokenized (the tokenizer's pickled bytes)."""
+    import hashlib
+
+    import cloudpickle
+
+    try:
+        plan = source.semanticHash()
+    except Exception:  # noqa: BLE001 - no plan hash (Spark Connect variants): tokenize every time
+        return None
+    return ("tokens", plan, hashlib.sha256(cloudpickle.dumps((encoder, layout))).hexdigest())
 
 
 def mean_tokens(counts: TokenCounts) -> float:

@@ -242,6 +242,9 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         if mode == "predict" and self.getOrDefault("task") != "sequence-classification":
             raise ConfigurationError("a language model fitted on textCol writes with inference='generate', 'embed' or "
                                      "'score' (inference='predict' is a sequence classifier's)")
+        if mode in ("generate", "score") and self.getOrDefault("task") == "masked-lm":
+            raise ConfigurationError(f"inference={mode!r} is a causal language model's (next tokens); a masked-LM "
+                                     "encoder writes with inference='embed'")
         if mode == "generate" and not hasattr(self.getModel(), "generate"):
             raise ConfigurationError(f"inference='generate' needs a model with generate() (a Hugging Face causal LM); "
                                      f"{type(self.getModel()).__name__} has none: use 'embed' or 'score'")

@@ -160,11 +160,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("sequenceLength", "int", 512, "tokens per training row of textCol", TypeConverters.toInt, minimum=2),
     ParamSpec("packSequences", "bool", True,
               "concatenate documents (each closed by end-of-sequence) and cut them to sequenceLength, position ids "
-              "restarting per document; False: one document per row, cut and padded", TypeConverters.toBoolean),
+              "and a Hugging Face model's attention restarting per document (causal-lm only); False: one document "
+              "per row, cut and padded", TypeConverters.toBoolean),
     ParamSpec("task", "str | None", None,
               "what a textCol fit trains: causal-lm (next-token prediction, labels are the shifted inputs, padding "
-              "ignored) or sequence-classification (labelCol's class per document, one unpacked document per row)",
-              _to_optional_string, choices=(None, "causal-lm", "sequence-classification")),
+              "ignored), sequence-classification (labelCol's class per document, one unpacked document per row) or "
+              "masked-lm (an encoder fills in 15% of each document's tokens, hidden by seed; one unpacked document "
+              "per row)", _to_optional_string, choices=(None, "causal-lm", "sequence-classification", "masked-lm")),
     ParamSpec("lora", "peft.LoraConfig | None", None,
               "a textCol fit trains only LoRA adapters on the model (peft): the base weights stay frozen and are not "
               "exchanged; the fitted model keeps the adapters", is_object=True),

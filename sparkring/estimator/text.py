@@ -8,12 +8,12 @@ from typing import Any, Dict, List, Optional
 import torch
 from pyspark.sql import types as T
 
-from ..data.text import Encoder, TextLayout, TokenCounts, mean_tokens
+from ..data.text import Encoder, Masking, TextLayout, TokenCounts, mean_tokens
 from ..errors import ConfigurationError, DataError
-from ..trainer.losses import CAUSAL_LM
+from ..trainer.losses import CAUSAL_LM, MASKED_LM
 
-TASKS = ("causal-lm", "sequence-classification")
-CLASSIFY = "sequence-classification"
+TASKS = ("causal-lm", "sequence-classification", "masked-lm")
+CAUSAL, CLASSIFY, MASKED = TASKS
 
 
 def _check_head(task: str, shape: torch.nn.Module) -> None:
@@ -24,9 +24,15 @@ def _check_head(task: str, shape: torch.nn.Module) -> None:
     if task == "causal-lm" and "ForSequenceClassification" in name:
         raise ConfigurationError(f"task='causal-lm' needs a language-model head; {name} classifies: use "
                                  "task='sequence-classification', or an ...ForCausalLM model")
-    if task == CLASSIFY and ("ForCausalLM" in name or "LMHead" in name):
+    if task == CLASSIFY and ("ForCausalLM" in name or "LMHead" in name or "ForMaskedLM" in name):
         raise ConfigurationError(f"task='sequence-classification' needs a classification head; {name} predicts "
                                  "tokens: use an ...ForSequenceClassification model, or task='causal-lm'")
+    if task == MASKED and "ForMaskedLM" not in name:
+        raise ConfigurationError(f"task='masked-lm' needs an encoder with a masked-LM head; {name} is not one: use "
+                                 "an ...ForMaskedLM model (BERT, RoBERTa, ...), or task='causal-lm' for a decoder")
+    if task == CAUSAL and "ForMaskedLM" in name:
+        raise ConfigurationError(f"task='causal-lm' needs a decoder; {name} is an encoder that fills in masked tokens: "
+                                 "use task='masked-lm', or an ...ForCausalLM model")
 
 
 def text_layout(est, df, shape: torch.nn.Module) -> TextLayout:
@@ -44,8 +50,9 @@ def text_layout(est, df, shape: torch.nn.Module) -> TextLayout:
         raise ConfigurationError(f"textCol needs task= one of {', '.join(map(repr, TASKS))} (what to train on the "
                                  f"text), got {task!r}")
     _check_head(task, shape)
-    # a classifier reads one document per row (its label beside it): never packed
-    pack = est.getOrDefault("packSequences") and task != CLASSIFY
+    # a classifier reads one document per row (its label beside it), and an encoder's attention looks
+    # both ways (no restart at a document's start): only a causal LM packs
+    pack = est.getOrDefault("packSequences") and task == CAUSAL
     validation = est.getOrDefault("validation")
     keep = tuple(c for c in ([est.getOrDefault("labelCol")] if task == CLASSIFY else [])
                  + ([validation] if isinstance(validation, str) else []))
@@ -57,23 +64,30 @@ def text_layout(est, df, shape: torch.nn.Module) -> TextLayout:
         raise ConfigurationError(f"task={task!r} reads column(s) {missing}, which the DataFrame lacks (it has "
                                  f"{sorted(fields)}): set labelCol")
     if est.getOrDefault("sampleWeightCol") is not None and task != CLASSIFY:
-        raise ConfigurationError("sampleWeightCol does not apply to task='causal-lm': every real token counts once")
+        raise ConfigurationError(f"sampleWeightCol does not apply to task={task!r}: every real token counts once")
     try:
         encoder = Encoder(est.getOrDefault("tokenizer"))
         eos, pad = encoder.special_ids()
+        masking = (Masking(encoder.mask_id(), encoder.vocab_size(), seed=est.getOrDefault("seed") or 0)
+                   if task == MASKED else None)
     except DataError as exc:
         raise ConfigurationError(str(exc)) from None
     return TextLayout(column=column, sequence_length=est.getOrDefault("sequenceLength"), pack=pack, eos_id=eos,
-                      pad_id=pad, keep=keep)
+                      pad_id=pad, keep=keep, masking=masking)
 
 
 def token_params(est, layout: TextLayout) -> Dict[str, Any]:
-    """The Params of the fit on the token columns a causal-lm text fit becomes (with LoRA, its
-    model is the adapted one every rank builds)."""
+    """The Params of the fit on the token columns a text fit becomes (with LoRA, its model is the
+    adapted one every rank builds). Packed rows go without an attention mask: a Hugging Face model
+    then reads the restarting position ids as documents, each attending only within itself."""
     params: Dict[str, Any] = {"textCol": None, "featuresCol": "input_ids", "labelCol": "labels", "loss": CAUSAL_LM,
-                              "modelInputs": {"input_ids": "input_ids", "position_ids": "position_ids",
-                                              "attention_mask": "attention_mask"}}
-    if est.getOrDefault("task") == CLASSIFY:  # labelCol as it is, a class per document
+                              "modelInputs": {"input_ids": "input_ids", "position_ids": "position_ids"}}
+    if not layout.pack:
+        params["modelInputs"]["attention_mask"] = "attention_mask"
+    task = est.getOrDefault("task")
+    if task == MASKED:
+        params.update(loss=MASKED_LM, modelInputs={"input_ids": "input_ids", "attention_mask": "attention_mask"})
+    if task == CLASSIFY:  # labelCol as it is, a class per document
         params.update(labelCol=est.getOrDefault("labelCol"), loss="cross_entropy",
                       modelInputs={"input_ids": "input_ids", "attention_mask": "attention_mask"})
     if est.getOrDefault("lora") is not None:

@@ -55,6 +55,20 @@ def blocks(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.Modul
     return [m for _, m in named_blocks(model, wrap)]
 
 
+def without_kv_cache(model: torch.nn.Module) -> None:
+    """A Hugging Face model trains without its KV cache (``config.use_cache``, on by default): a
+    recomputed block would append to it twice, and with a cache the model takes restarting position
+    ids for one sequence (no attention restart at each packed document). Generation asks for the
+    cache itself.
+
+    >>> without_kv_cache(torch.nn.Linear(2, 2))
+    """
+    for module in model.modules():
+        config: Any = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+
+
 def checkpoint_activations(model: torch.nn.Module, mode: str, wrap: Tuple[str, ...] = ()) -> int:
     """Wrap the blocks ``mode`` names (in place); how many were wrapped.
 
@@ -70,11 +84,6 @@ def checkpoint_activations(model: torch.nn.Module, mode: str, wrap: Tuple[str, .
         checkpoint_wrapper,
     )
 
-    for module in model.modules():
-        config: Any = getattr(module, "config", None)
-        if getattr(config, "use_cache", False):
-            # a Hugging Face model keeps a KV cache by default: a recomputed block would append to it twice
-            config.use_cache = False
     chosen = blocks(model, wrap)
     if mode == "selective":
         chosen = chosen[::2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -108,3 +108,34 @@ def on_cpu(obj):
     if type(obj) in (list, tuple):
         return type(obj)(on_cpu(v) for v in obj)
     return obj
+
+
+def trainable_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's state a checkpoint keeps: every buffer and every parameter that trains. Frozen
+    parameters (a LoRA fit's base weights) are rebuilt as they were by the model's factory, so a
+    checkpoint holds the adapters only.
+
+    >>> m = torch.nn.Linear(2, 1); m.bias.requires_grad_(False)  # doctest: +ELLIPSIS
+    Parameter containing:...
+    >>> sorted(trainable_state(m))
+    ['weight']
+    """
+    return {name: value.detach() for name, value in model.state_dict(keep_vars=True).items()
+            if not (isinstance(value, torch.nn.Parameter) and not value.requires_grad)}
+
+
+def load_trainable(model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's ``trainable_state``: what it lacks must be the model's frozen parameters."""
+    frozen = set(model.state_dict()) - set(trainable_state(model))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - frozen:
+        raise RuntimeError(f"the checkpoint does not fit the model: missing {sorted(set(missing) - frozen)}, "
+                           f"unexpected {sorted(unexpected)} (the model changed since it was written?)")
+
+
+def frozen_free():
+    """torch.distributed.checkpoint's options that leave frozen parameters out of a sharded
+    checkpoint and load one without them, as ``trainable_state`` does for a file."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=False)

@@ -169,7 +169,8 @@ class Checkpointer:
         if sr.rank() == 0:
             self.store.makedirs(path)
         sr.barrier()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        state = {"model": get_model_state_dict(model, options=checkpoints.frozen_free()),
+                 "optim": get_optimizer_state_dict(model, opt)}
         writer = _storage(self.store, path, writing=True)
         if self.group is None:
             dcp.save(state, storage_writer=writer)
@@ -231,9 +232,10 @@ def _load_dcp(store, run_id: str, name: str, trainer_bytes: bytes, model, opt) -
         set_optimizer_state_dict,
     )
 
-    state: Dict[str, Any] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    state: Dict[str, Any] = {"model": get_model_state_dict(model, options=checkpoints.frozen_free()),
+                             "optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, storage_reader=_storage(store, store.checkpoint_path(run_id, name), writing=False))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=checkpoints.frozen_free())
     set_optimizer_state_dict(model, opt, state["optim"])
     return torch.load(io.BytesIO(trainer_bytes), map_location="cpu", weights_only=True)
 
@@ -250,7 +252,8 @@ def _load_replicated_file(data: bytes, model, opt) -> Dict[str, Any]:
 
     saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     full = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, saved.pop("model"), options=full)
+    # a file keeps only the parameters that train (checkpoints.trainable_state): the frozen are as built
+    set_model_state_dict(model, saved.pop("model"), options=StateDictOptions(full_state_dict=True, strict=False))
     plain = saved.pop("optimizer")
     names = [name for name, _ in model.named_parameters()]
     by_position = {i: names[i] for group in plain["param_groups"] for i in group["params"]}

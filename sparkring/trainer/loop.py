@@ -21,6 +21,7 @@ from sparkring.errors import NonFiniteLossError
 from sparkring.runner import report
 
 from . import comm_spans
+from .activation import without_kv_cache
 from .batches import pinned, run_batches
 from .config import TrainConfig, default_reader_workers
 from .elastic import stop_request
@@ -91,6 +92,7 @@ class Trainer:
         self.device = sr.rank_device(cfg.use_gpu)
         self.placement = placement_for(cfg)
         self.model = self.placement.build(cfg.model, self.device, cfg.seed)
+        without_kv_cache(self.model)
         # the rows' shares: ranks holding slices of one model (a tensor-parallel group) read the same rows
         self.data_rank, self.data_size = self.placement.data_rank(), self.placement.data_size()
         self.replicas = self.size // self.data_size  # how often each row's figures are counted

@@ -18,6 +18,9 @@ LOSSES: Dict[str, Tuple[Callable, str]] = {
 CLASSIFICATION = ("cross_entropy", "nll", "bce_with_logits")
 # next-token prediction over a row of token ids: labels are the inputs (IGNORED where padding)
 CAUSAL_LM, IGNORED = "causal_lm", -100
+# the masked tokens' ids at their own positions (IGNORED elsewhere): an encoder's fill-in loss
+MASKED_LM = "masked_lm"
+TOKEN_LOSSES = (CAUSAL_LM, MASKED_LM)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -31,6 +34,17 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shifted, labels[:, 1:].reshape(-1).long(), ignore_index=IGNORED)
 
 
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy over the masked positions of a batch (no shift: each position
+    predicts its own hidden token); every other position is IGNORED.
+
+    >>> round(float(masked_lm_loss(torch.zeros(1, 3, 5), torch.tensor([[-100, 2, -100]]))), 4)  # log(5)
+    1.6094
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1).long(),
+                           ignore_index=IGNORED)
+
+
 def tensor_output(out):
     """A model's output as the loss sees it: a Hugging Face ModelOutput gives its logits."""
     logits = getattr(out, "logits", None)
@@ -39,7 +53,7 @@ def tensor_output(out):
 
 def check_loss(loss) -> None:
     if isinstance(loss, str):
-        if loss not in LOSSES and loss != CAUSAL_LM:
+        if loss not in LOSSES and loss not in TOKEN_LOSSES:
             raise ValueError(f"loss={loss!r} is not a known loss name; use one of {sorted(LOSSES)} "
                              "or pass a callable(output, label) -> scalar")
     elif not callable(loss):
@@ -48,7 +62,7 @@ def check_loss(loss) -> None:
 
 def label_kind(loss) -> str:
     """'class' (int64 indices), 'binary' (float 0/1), 'tokens' (token ids) or 'regression' (float)."""
-    if loss == CAUSAL_LM:
+    if loss in TOKEN_LOSSES:
         return "tokens"
     return LOSSES[loss][1] if isinstance(loss, str) else "regression"
 
@@ -83,17 +97,17 @@ def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torc
 
 def per_sample_loss(loss, out: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
     """Per-sample losses of a named loss; None for a user callable (it returns a scalar)."""
-    if not isinstance(loss, str) or loss == CAUSAL_LM:
+    if not isinstance(loss, str) or loss in TOKEN_LOSSES:
         return None
     values = LOSSES[loss][0](out, y)
     return values.reshape(values.shape[0], -1).mean(dim=1) if values.dim() > 1 else values
 
 
 def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
-    if loss == CAUSAL_LM:
+    if loss in TOKEN_LOSSES:
         if weight is not None:
-            raise ValueError("sampleWeightCol does not apply to task='causal-lm' (every real token counts once)")
-        return causal_lm_loss(out, y)
+            raise ValueError(f"sampleWeightCol does not apply to loss {loss!r} (every real token counts once)")
+        return causal_lm_loss(out, y) if loss == CAUSAL_LM else masked_lm_loss(out, y)
     values = per_sample_loss(loss, out, y)
     if values is None:
         if weight is not None:

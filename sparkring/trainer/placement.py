@@ -159,7 +159,7 @@ class Replicated(Placement):
         if sr.rank() == 0:
             saved = self._load_latest()
             if saved is not None:
-                model.load_state_dict(saved.pop("model"))
+                checkpoints.load_trainable(model, saved.pop("model"))
                 opt.load_state_dict(saved.pop("optimizer"))
                 state = saved
         state = sr.broadcast_object(state, root_rank=0)
@@ -200,7 +200,7 @@ class Replicated(Placement):
         if sr.rank() != 0:
             return
         buf = io.BytesIO()
-        torch.save(on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict(), **state}), buf)
+        torch.save(on_cpu({"model": checkpoints.trainable_state(model), "optimizer": opt.state_dict(), **state}), buf)
         name = CheckpointName(state["epoch"], state["step"], FILE).name
         self.store.write_bytes(self.store.checkpoint_path(self.run_id, name), buf.getvalue())
         checkpoints.prune(self.store, self.run_id, FILE)

@@ -3,6 +3,7 @@ Face causal LM trained with its figures (tokens/s, perplexity) in history. Real 
 Llama built from its config and a BPE tokenizer trained on the test's own text."""
 import contextlib
 import io
+import math
 import re
 
 import pytest
@@ -122,11 +123,15 @@ def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_mo
     base = text_fns.llama(tokenizer.get_vocab_size())
     before = {k: v.clone() for k, v in base.state_dict().items()}
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    fitted = _estimator(tokenizer, Store(str(tmp_path / "store")), model=base, lora=lora, epochs=1,
+    store = Store(str(tmp_path / "store"))
+    fitted = _estimator(tokenizer, store, model=base, lora=lora, epochs=1, runId="lora",
                         mergeAdapters=True, precision="bf16-mixed").fit(_text_df(spark, n=120))
     adapted = fitted.getModel()
     adapters = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
     assert sum(p.numel() for p in adapters.values()) == 2 * 2 * (4 * 64 + 64 * 4)  # 2 layers x (q, v) x (A, B)
+    # the checkpoint holds the adapters only: the frozen base weights are the model's as built
+    checkpoint = torch.load(store.checkpoint_path("lora", "epoch-00000.pt"), weights_only=True)["model"]
+    assert sorted(checkpoint) == sorted(adapters)
     assert all(p.abs().sum() > 0 for n, p in adapters.items() if "lora_B" in n)  # B starts at zero: it trained
     for name, value in adapted.get_base_model().state_dict().items():
         if "lora_" not in name:  # every base weight as it was
@@ -195,3 +200,74 @@ def test_a_hugging_face_llama_split_by_the_default_tensor_parallel_plan_trains_t
         torch.testing.assert_close(split.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
     # q/k/v/gate/up split by rows, o/down by columns: the largest rank keeps about half the state
     assert split.history[-1]["state_bytes"] < whole.history[-1]["state_bytes"] * 0.6
+
+
+def test_a_packed_row_attends_within_each_document_as_if_it_were_alone(tokenizer, tmp_path):
+    from sparkring.data.text import sequences
+    from sparkring.estimator.text import token_params
+    from sparkring.trainer.activation import without_kv_cache
+
+    est = _estimator(tokenizer, Store(str(tmp_path)))
+    encoder = Encoder(tokenizer)
+    eos = encoder.special_ids()[0]
+    first, second = (ids + [eos] for ids in encoder.encode(["the big cat sat on the mat .", "a small dog ran ."]))
+    layout = TextLayout("text", len(first) + len(second) + 3, True, eos, encoder.special_ids()[1])
+    row = next(sequences([first, second], layout))  # both documents and padding in one row
+    inputs = token_params(est, layout)["modelInputs"]
+    assert "attention_mask" not in inputs
+    model = text_fns.llama(tokenizer.get_vocab_size()).eval()
+    without_kv_cache(model)  # as every rank trains it
+    with torch.no_grad():
+        packed = model(**{arg: torch.tensor([row[col]]) for arg, col in inputs.items()}).logits[0]
+        alone = model(input_ids=torch.tensor([second])).logits[0]
+    torch.testing.assert_close(packed[len(first):len(first) + len(second)], alone, atol=1e-5, rtol=0)
+
+
+def test_a_masked_lm_encoder_learns_to_fill_in_hidden_tokens_and_embeds_text(spark, tmp_path):
+    tok = text_fns.tokenizer(mask=True)
+    encoder = Encoder(tok)
+    pad = encoder.special_ids()[1]
+    df = _text_df(spark)
+    est = _estimator(tok, Store(str(tmp_path / "store")), task="masked-lm", model=text_fns.bert(tok.get_vocab_size(), pad),
+                     epochs=3, optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))
+    # a seeded 15% of each document's real tokens is hidden: the labels are those tokens, and only those
+    from sparkring.estimator.text import text_layout
+    layout = text_layout(est, df, est.getOrDefault("model"))
+    assert not layout.pack and layout.masking.mask_id == tok.token_to_id("<mask>")
+    tokenized, counts = tokenize(df, encoder, layout)
+    rows = tokenized.collect()
+    tokenized.unpersist()
+    hidden = [(x, y) for r in rows for x, y in zip(r.input_ids, r.labels) if y != -100]
+    words = counts.kept - counts.documents  # end of sequence is never hidden
+    assert 0.14 * words < len(hidden) < 0.2 * words  # 15% of the words, at least one a document
+    assert 0.7 < sum(x == tok.token_to_id("<mask>") for x, _ in hidden) / len(hidden) < 0.9  # 80% shown as <mask>
+    fitted = est.fit(df)
+    first, last = fitted.history[0], fitted.history[-1]
+    assert last["loss"] < first["loss"] * 0.7 and last["perplexity"] == pytest.approx(math.exp(last["loss"]))
+    texts = spark.createDataFrame([("the big cat",), ("a small dog ran .",)], ["text"])
+    embedded = fitted.copy({fitted.getParam("inference"): "embed"}).transform(texts).collect()
+    assert [len(r.prediction) for r in embedded] == [64, 64]
+    with pytest.raises(ConfigurationError, match=r"inference='generate' is a causal language model's"):
+        fitted.copy({fitted.getParam("inference"): "generate"}).transform(texts)
+    with pytest.raises(ConfigurationError, match=r"task='masked-lm' needs an encoder with a masked-LM head; "
+                                                 r"LlamaForCausalLM is not one"):
+        _estimator(tok, Store(str(tmp_path / "s")), task="masked-lm").fit(df)
+
+
+def test_a_text_fit_resumed_after_a_failure_reads_the_stored_token_ids_and_trains_the_uninterrupted_weights(
+        spark, fitted_lm, tokenizer, tmp_path):
+    import est_helpers as H
+
+    from sparkring.errors import RankFailedError
+
+    counting = text_fns.CountingTokenizer(tokenizer, tmp_path / "encoded")
+    store, df = Store(str(tmp_path / "store")), _text_df(spark)
+    with pytest.raises(RankFailedError, match="injected failure at epoch 2"):
+        _estimator(counting, store, epochs=3, runId="again", keepData=True,
+                   callbacks=[H.FailOnce(str(tmp_path / "failed"), epoch=2)]).fit(df)
+    assert counting.encoded() == 240  # every document once: the counts and the stored copy read one cached pass
+    resumed = _estimator(counting, store, epochs=3, runId="again", keepData=True).fit(df)
+    assert counting.encoded() == 240  # the second fit reads the stored int32 ids: nothing is tokenized again
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2] and resumed.history[-1]["tokens"] == fitted_lm.history[-1]["tokens"]
+    for name, value in fitted_lm.getModel().state_dict().items():
+        torch.testing.assert_close(resumed.getModel().state_dict()[name], value, atol=1e-5, rtol=0)

@@ -139,3 +139,32 @@ def test_sharded_checkpoint_is_complete_only_with_its_trainer_state_and_resumes_
     state = again.resume(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))
     assert state["epoch"] == 2 and state["early_stopping"] == (0.5, 1)
     torch.testing.assert_close(again.gather(fresh), gathered)
+
+
+def _half_frozen():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)  # as a LoRA fit's base weights: built the same on every start
+    return model
+
+
+@pytest.mark.parametrize("kind", ["replicated", "sharded"])
+def test_a_checkpoint_keeps_only_the_parameters_that_train_and_resumes_them(one_rank, store, kind):
+    make = (lambda: Replicated(store, kind)) if kind == "replicated" else (lambda: Sharded(store, kind, Sharding("fsdp")))
+    placement = make()
+    model = placement.build(_half_frozen, torch.device("cpu"), seed=0)
+    opt = _trained(placement, model)
+    placement.save(model, opt, _state(0))
+    placement.finish()
+    written = store.checkpoint_path(kind, latest(store, kind).name)
+    if kind == "replicated":
+        saved = torch.load(written, weights_only=True)["model"]
+    else:
+        from torch.distributed.checkpoint import FileSystemReader
+        saved = {k.split(".", 1)[1]: v for k, v in FileSystemReader(written).read_metadata().state_dict_metadata.items()
+                 if k.startswith("model.")}
+    assert sorted(saved) == ["1.bias", "1.weight"]  # the frozen layer is not in it
+    trained = placement.gather(model)
+    again = make()
+    fresh = again.build(_half_frozen, torch.device("cpu"), seed=0)
+    assert again.resume(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))["epoch"] == 0
+    torch.testing.assert_close(again.gather(fresh), trained)
