@@ -3,12 +3,14 @@ stderr is not a terminal: spark-submit logs, CI), one line per epoch on stdout, 
 stage progress bar held back meanwhile so that the two do not draw over each other."""
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from typing import Any, List, Optional
 
 from ..runner.driver.session import is_connect
 from ..trainer.events import EpochDone, FitBegan, StepDone, TrainingEvent
+from .text import TokenFigures
 
 # Spark's ConsoleProgressBar draws nothing within 500 ms of its finishAll() (which also
 # clears it): calling that more often than that holds it back.
@@ -84,12 +86,12 @@ class Progress:
     epoch 2/2  loss=0.2500  12,000 samples/s (data 0.2s, compute 3.1s, comm 0.9s, other 0.1s)
     >>> progress.close()
 
-    A fit on a text column also shows tokens/s (``tokens_per_row``: the real tokens of a row, on average).
+    A fit on a text column also shows its perplexity, tokens/s and MFU (``tokens``: how rows become tokens).
     """
 
-    def __init__(self, verbose: int, tokens_per_row: Optional[float] = None):
+    def __init__(self, verbose: int, tokens: Optional[TokenFigures] = None):
         self.verbose = verbose
-        self.tokens_per_row = tokens_per_row
+        self.tokens = tokens
         self.bar: Optional[Any] = None  # tqdm's bar while an epoch runs
         self.epochs = 0
         self.lock = threading.Lock()
@@ -117,7 +119,9 @@ class Progress:
                 logs = event.logs
                 metrics = "  ".join(f"{k}={v:.4f}" for k, v in logs.items()
                                     if k != "epoch" and not _is_timing(k) and isinstance(v, (int, float)))
-                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}{_time_split(logs, self.tokens_per_row)}"
+                if self.tokens is not None and self.tokens.language_model:
+                    metrics += f"  perplexity={math.exp(min(logs['loss'], 700.0)):.2f}"
+                self._write(f"epoch {logs['epoch'] + 1}/{self.epochs}  {metrics}{_time_split(logs, self.tokens)}"
                             + ("  (early stop)" if event.stopped else ""))
 
     def note(self, line: str) -> None:
@@ -149,15 +153,20 @@ def _is_timing(key: str) -> bool:
                                               "restarts", "grows", "decommissions", "resumed_at_step")
 
 
-def _time_split(logs, tokens_per_row: Optional[float] = None) -> str:
+def _time_split(logs, tokens: Optional[TokenFigures] = None) -> str:
     """Where rank 0's seconds went, as the epoch line shows it (empty for logs without it); with
-    ``tokens_per_row``, its tokens/s first (as history's tokens_per_second).
+    ``tokens``, its tokens/s first (as history's tokens_per_second) and the MFU where it has a peak.
 
-    >>> _time_split({"time_data": 0, "time_compute": 1, "time_comm": 0, "time_other": 0, "samples_per_second": 50}, 8.0)
-    '  400 tokens/s, 50 samples/s (data 0.0s, compute 1.0s, comm 0.0s, other 0.0s)'
+    >>> _time_split({"time_data": 0, "time_compute": 1, "time_comm": 0, "time_other": 0, "samples_per_second": 50},
+    ...             TokenFigures(8.0, params=10, peak_flops=1e5))
+    '  400 tokens/s (MFU 24.0%), 50 samples/s (data 0.0s, compute 1.0s, comm 0.0s, other 0.0s)'
     """
     if "time_compute" not in logs:
         return ""
     parts = ", ".join(f"{part} {logs[f'time_{part}']:.1f}s" for part in ("data", "compute", "comm", "other"))
-    tokens = f"{logs['samples_per_second'] * tokens_per_row:,.0f} tokens/s, " if tokens_per_row else ""
-    return f"  {tokens}{logs['samples_per_second']:,.0f} samples/s ({parts})"
+    shown = ""
+    if tokens is not None:
+        rate = tokens.rate(logs["samples_per_second"])
+        mfu = tokens.mfu(rate)
+        shown = f"{rate:,.0f} tokens/s" + (f" (MFU {mfu:.1%})" if mfu is not None else "") + ", "
+    return f"  {shown}{logs['samples_per_second']:,.0f} samples/s ({parts})"

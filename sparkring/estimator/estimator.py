@@ -47,7 +47,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._hold_data = False
         self._prepared: Optional[Any] = None
         self._grid_point: Optional[Tuple[str, int]] = None  # (parent MLflow run, index) under fitMultiple
-        self._tokens_per_row: Optional[float] = None  # a fit on token rows: the epoch line shows tokens/s
+        self._token_figures: Optional[text.TokenFigures] = None  # a fit on token rows: its epoch line's figures
         self._set(**{k: v for k, v in self._input_kwargs.items()})
 
     @keyword_only
@@ -64,7 +64,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         that._hold_data = False
         that._prepared = None
         that._grid_point = None
-        that._tokens_per_row = None
+        that._token_figures = None
         return that
 
     # -- fit --------------------------------------------------------------------------
@@ -95,18 +95,18 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         """Tokenize textCol on the executors, fit on the token columns, add the language-model figures."""
         layout = text.text_layout(self, dataset, checks.model_shape(self))
         tokenized, counts = tokenize(dataset, Encoder(self.getOrDefault("tokenizer")), layout)
+        figures = text.TokenFigures(mean_tokens(counts), text.parameters(self.getOrDefault("model")),
+                                    self.getOrDefault("peakFlops"), self.getOrDefault("task") != text.CLASSIFY)
         try:
             on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(self, layout).items()})
             on_tokens._hold_data, on_tokens._grid_point = self._hold_data, self._grid_point
-            on_tokens._tokens_per_row = mean_tokens(counts)
+            on_tokens._token_figures = figures
             model = on_tokens._fit_paused(tokenized)
         finally:
             tokenized.unpersist()
         model.set(model.getParam("textCol"), layout.column)  # transform(inference=...) reads the documents
-        model.history = text.with_figures(model.history, counts, text.parameters(self.getOrDefault("model")),
-                                          self.getOrDefault("peakFlops"),
-                                          self.getOrDefault("tensorParallel") * self.getOrDefault("pipelineParallel"),
-                                          language_model=self.getOrDefault("task") != text.CLASSIFY)
+        model.history = text.with_figures(model.history, counts, figures,
+                                          self.getOrDefault("tensorParallel") * self.getOrDefault("pipelineParallel"))
         return model
 
     def _fit_tracked(self, dataset, ds, decided: checks.FitDecisions, run_id: str) -> SparkRingModel:
@@ -126,7 +126,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     def _fit_prepared(self, spark, ds, decided: checks.FitDecisions, run_id: str,
                       tracker: Optional[FitTracker]) -> SparkRingModel:
         cfg = train_config(self, decided, ds, run_id)
-        progress = Progress(self.getOrDefault("verbose"), self._tokens_per_row)
+        progress = Progress(self.getOrDefault("verbose"), self._token_figures)
         listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
 
         def on_event(rank: int, payload: Any) -> None:
@@ -218,7 +218,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._hold_data = False
         self._prepared = None
         self._grid_point = None
-        self._tokens_per_row = None
+        self._token_figures = None
 
 
 SparkRingEstimator.__init__.__signature__ = signature(SparkRingEstimator)  # type: ignore[attr-defined]

@@ -3,12 +3,13 @@ columns it becomes, and the language-model figures (tokens/s, perplexity, MFU) i
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import torch
 from pyspark.sql import types as T
 
-from ..data.text import Encoder, Masking, TextLayout, TokenCounts, mean_tokens
+from ..data.text import Encoder, Masking, TextLayout, TokenCounts
 from ..errors import ConfigurationError, DataError
 from ..trainer.losses import CAUSAL_LM, MASKED_LM
 
@@ -143,30 +144,51 @@ def parameters(model: Any) -> int:
         return sum(p.numel() for p in model().parameters())
 
 
-def with_figures(history: List[Dict[str, Any]], counts: TokenCounts, params: int,
-                 peak_flops: Optional[float], model_parallel: int = 1,
-                 language_model: bool = True) -> List[Dict[str, Any]]:
+@dataclass(frozen=True)
+class TokenFigures:
+    """How a text fit's row figures become its token figures: ``per_row`` real tokens a row on
+    average, the model's ``params`` (6 x params FLOPs a token, forward and backward) against one
+    rank's ``peak_flops``, and whether the loss is a language model's (its perplexity).
+
+    >>> TokenFigures(per_row=8.0, params=10, peak_flops=1e4).mfu(80.0)
+    0.48
+    """
+
+    per_row: float
+    params: int = 0
+    peak_flops: Optional[float] = None
+    language_model: bool = True
+
+    def rate(self, samples_per_second: float) -> float:
+        return samples_per_second * self.per_row
+
+    def mfu(self, tokens_per_second: float) -> Optional[float]:
+        return 6 * self.params * tokens_per_second / self.peak_flops if self.peak_flops else None
+
+
+def with_figures(history: List[Dict[str, Any]], counts: TokenCounts, figures: TokenFigures,
+                 model_parallel: int = 1) -> List[Dict[str, Any]]:
     """Each epoch's tokens/s (per rank, and total over the data-parallel replicas: a tensor- or
     pipeline-parallel group of ``model_parallel`` ranks reads one replica's rows), perplexity (and
-    val_perplexity: a language model's), the tokens kept and cut off, and the MFU against
-    ``peak_flops`` (one rank's).
+    val_perplexity: a language model's), the tokens kept and cut off, and the MFU (with a peak).
 
-    >>> with_figures([{"loss": 0.0, "samples_per_second": 10.0, "num_proc": 2}], TokenCounts(4, 4, 32, 1), 10, 1e4)
+    >>> figures = TokenFigures(per_row=8.0, params=10, peak_flops=1e4)
+    >>> with_figures([{"loss": 0.0, "samples_per_second": 10.0, "num_proc": 2}], TokenCounts(4, 4, 32, 1), figures)
     [{'loss': 0.0, 'samples_per_second': 10.0, 'num_proc': 2, 'tokens_per_second': 80.0, 'tokens_per_second_total': 160.0, 'perplexity': 1.0, 'tokens': 32, 'tokens_cut': 1, 'mfu': 0.48}]
     """
-    per_row = mean_tokens(counts)
     out = []
     for epoch in history:
-        figures = dict(epoch)
-        rate = epoch.get("samples_per_second", 0.0) * per_row
-        figures["tokens_per_second"] = rate
-        figures["tokens_per_second_total"] = rate * epoch.get("num_proc", 1) / model_parallel
-        if language_model:
-            figures["perplexity"] = math.exp(min(epoch["loss"], 700.0))
+        row = dict(epoch)
+        rate = figures.rate(epoch.get("samples_per_second", 0.0))
+        row["tokens_per_second"] = rate
+        row["tokens_per_second_total"] = rate * epoch.get("num_proc", 1) / model_parallel
+        if figures.language_model:
+            row["perplexity"] = math.exp(min(epoch["loss"], 700.0))
             if "val_loss" in epoch:
-                figures["val_perplexity"] = math.exp(min(epoch["val_loss"], 700.0))
-        figures["tokens"], figures["tokens_cut"] = counts.kept, counts.cut
-        if peak_flops:
-            figures["mfu"] = 6 * params * rate / peak_flops
-        out.append(figures)
+                row["val_perplexity"] = math.exp(min(epoch["val_loss"], 700.0))
+        row["tokens"], row["tokens_cut"] = counts.kept, counts.cut
+        mfu = figures.mfu(rate)
+        if mfu is not None:
+            row["mfu"] = mfu
+        out.append(row)
     return out

@@ -41,7 +41,7 @@ def fitted_lm(_spark_sessions, tokenizer, tmp_path_factory):
     store = Store(str(tmp_path_factory.mktemp("lm")))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # the epoch lines (verbose=1)
-        fitted = _estimator(tokenizer, store, epochs=3, runId="lm", verbose=1).fit(_text_df(spark))
+        fitted = _estimator(tokenizer, store, epochs=3, runId="lm", verbose=1, peakFlops=1e9).fit(_text_df(spark))
     fitted.epoch_lines = [line for line in printed.getvalue().splitlines() if line.startswith("epoch ")]
     return fitted
 
@@ -56,8 +56,13 @@ def test_a_causal_lm_trains_on_a_text_column_with_tokens_per_second_and_perplexi
     assert last["tokens_cut"] == 0 and last["tokens"] > 240 * 8  # every document whole, closed by </s>
     # the live epoch line shows rank 0's tokens/s, the figure history keeps
     assert len(fitted.epoch_lines) == 3
-    shown = float(re.search(r"  ([\d,]+) tokens/s, ", fitted.epoch_lines[-1]).group(1).replace(",", ""))
-    assert shown == pytest.approx(last["tokens_per_second"], abs=1)
+    line = re.search(r"perplexity=([\d.]+)  ([\d,]+) tokens/s \(MFU ([\d.]+)%\), ", fitted.epoch_lines[-1])
+    assert float(line.group(1)) == pytest.approx(last["perplexity"], abs=0.01)
+    assert float(line.group(2).replace(",", "")) == pytest.approx(last["tokens_per_second"], abs=1)
+    # MFU: 6 x parameters x tokens/s over the peak given (1 GFLOP/s)
+    assert last["mfu"] == pytest.approx(6 * sum(p.numel() for p in fitted.getModel().parameters())
+                                        * last["tokens_per_second"] / 1e9)
+    assert float(line.group(3)) == pytest.approx(100 * last["mfu"], abs=0.1)
     assert type(fitted.getModel()).__name__ == "LlamaForCausalLM"
 
 
