@@ -16,7 +16,7 @@ BENCH_ARGS ?=
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,mpi,text,tune]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,mpi,text,tune,s3]' 'moto[server]'
 	touch $(STAMP)
 
 $(STAMP_COMPAT): pyproject.toml constraints-compat.txt Makefile

@@ -46,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--master", default=None, help="Spark master when no session exists (default: local[*])")
     d.add_argument("--remote", default=None, help="Spark Connect URL (default: $SPARK_REMOTE when set)")
     d.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the barrier stage")
+    d.add_argument("--store", default=None, help="a Store URL or path every executor must write to (s3:// takes "
+                                                 "the usual AWS environment variables)")
     return p
 
 
@@ -54,7 +56,7 @@ def _doctor(args) -> int:
 
     spark, owned = _session(args.master, args.num_proc, args.remote)
     try:
-        report = doctor(spark, num_tasks=args.num_proc, timeout=args.timeout)
+        report = doctor(spark, num_tasks=args.num_proc, timeout=args.timeout, store=args.store)
         print(report)
         return 0 if report.ok else 1
     finally:

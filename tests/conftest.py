@@ -187,6 +187,25 @@ _sessions = _Sessions()
 
 
 @pytest.fixture(scope="session")
+def _s3_server():
+    pytest.importorskip("moto")
+    pytest.importorskip("s3fs")
+    from s3_server import S3Server
+
+    server = S3Server().start()
+    server.make_bucket("runs")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(_s3_server):
+    """An S3 API server on loopback (moto) with the bucket ``runs``: ``s3.store(prefix)`` is a
+    Store in it; a test may stop it (``stop_on``), the next one finds it running again."""
+    return _s3_server.running()
+
+
+@pytest.fixture(scope="session")
 def _spark_sessions():
     yield _sessions
     _sessions.stop_server()

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import posixpath
 import re
 import shutil
 import tempfile
+import time
 import uuid
 from typing import Any, Dict, List, Optional
 
@@ -14,6 +16,7 @@ import pyarrow.fs as pafs
 
 from ..errors import ConfigurationError, StoreError
 
+log = logging.getLogger(__name__)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -30,7 +33,9 @@ def check_run_id(run_id: str) -> None:
                                  "(up to 128, no '/' or '..'); it names a directory under the store's runs/")
 
 
-_OBJECT_STORES = ("S3FileSystem", "GcsFileSystem", "AzureFileSystem")
+# pyarrow's and fsspec's (s3fs, gcsfs, adlfs) object store filesystems
+_OBJECT_STORES = ("S3FileSystem", "GcsFileSystem", "GCSFileSystem", "AzureFileSystem", "AzureBlobFileSystem")
+OBJECT_STORE_RETRIES = (1.0, 2.0)  # seconds before the second and third attempt of a write
 
 
 def open_filesystem(url: str, storage_options: Optional[Dict[str, Any]] = None):
@@ -98,6 +103,13 @@ class Store:
     @property
     def is_temporary(self) -> bool:
         return self._temporary
+
+    @property
+    def is_object_store(self) -> bool:
+        """S3, GCS or Azure: no directories and no rename (a PUT is all or nothing)."""
+        fs = self.fs
+        inner = fs.handler.fs if isinstance(fs, pafs.PyFileSystem) and hasattr(fs.handler, "fs") else fs
+        return type(fs).__name__ in _OBJECT_STORES or type(inner).__name__ in _OBJECT_STORES
 
     @property
     def is_local(self) -> bool:
@@ -171,13 +183,23 @@ class Store:
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Write so that no reader ever sees a partial file: a temporary name then a rename;
-        on object stores a single PUT is already all-or-nothing."""
+        on object stores a single PUT is already all-or-nothing (and one that fails is tried
+        again, ``OBJECT_STORE_RETRIES`` times: a store that is back within seconds loses nothing)."""
         parent = posixpath.dirname(path)
+        if self.is_object_store:
+            for attempt, pause in enumerate((*OBJECT_STORE_RETRIES, None)):
+                try:
+                    with self.fs.open_output_stream(path) as f:
+                        f.write(data)
+                    return
+                except Exception as exc:  # noqa: BLE001 - every backend raises its own type
+                    if pause is None:
+                        raise StoreError(f"the store {self.url} could not be written at {path} after "
+                                         f"{attempt + 1} attempts ({exc})") from exc
+                    log.warning("writing %s to the store %s failed (%s); trying again in %.0f s",
+                                path, self.url, exc, pause)
+                    time.sleep(pause)
         self.makedirs(parent)
-        if type(self.fs).__name__ in _OBJECT_STORES:
-            with self.fs.open_output_stream(path) as f:
-                f.write(data)
-            return
         tmp = posixpath.join(parent, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)

@@ -32,6 +32,17 @@ class FitDecisions:
     lightning: bool  # the model is a LightningModule (decided once, from the model's shape)
 
 
+def fit_store(est) -> Store:
+    """The Store a fit keeps its data and checkpoints in: the ``store`` Param's (a Store or a URL),
+    else a temporary local one.
+
+    >>> fit_store(SparkRingEstimator(store="/tmp/runs")).url  # doctest: +SKIP
+    '/tmp/runs'
+    """
+    store = est.getOrDefault("store") or Store()
+    return store if isinstance(store, Store) else Store(str(store))
+
+
 def decide(est, df) -> FitDecisions:
     """Every check that needs no Spark job, with the facts fit() goes on with (the model factory
     runs here once, under the meta device).
@@ -50,9 +61,7 @@ def decide(est, df) -> FitDecisions:
     check_elastic(est, launch_plan, lightning)
     if est.getOrDefault("runId") is not None:
         check_run_id(est.getOrDefault("runId"))
-    store = est.getOrDefault("store") or Store()
-    if not isinstance(store, Store):
-        store = Store(str(store))
+    store = fit_store(est)
     if store.is_temporary and not launch_plan.facts.single_host:
         raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
                                  "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")

@@ -1,6 +1,7 @@
 """SparkRingEstimator: fit a torch model on a DataFrame with data-parallel ranks."""
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -23,6 +24,8 @@ from .model import SparkRingModel
 from .params import SparkRingParams, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
 from .tracking import FitTracker
+
+log = logging.getLogger(__name__)
 
 
 class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
@@ -89,11 +92,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             return self._fit_tracked(dataset, ds, decided, run_id)
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
-                ds.delete()
+                _delete_quietly(ds)
 
     def _fit_text(self, dataset):
         """Tokenize textCol on the executors, fit on the token columns, add the language-model figures."""
         layout = text.text_layout(self, dataset, checks.model_shape(self))
+        if self.getOrDefault("store") is not None:  # before tokenizing: no Spark job for a Store out of reach
+            checks.fit_store(self).check_writable()
         tokenized, counts = tokenize(dataset, Encoder(self.getOrDefault("tokenizer")), layout)
         figures = text.TokenFigures(mean_tokens(counts), text.parameters(self.getOrDefault("model")),
                                     self.getOrDefault("peakFlops"), self.getOrDefault("task") != text.CLASSIFY)
@@ -222,3 +227,12 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
 
 SparkRingEstimator.__init__.__signature__ = signature(SparkRingEstimator)  # type: ignore[attr-defined]
+
+
+def _delete_quietly(ds) -> None:
+    """Remove a fit's prepared copy; a Store that fails here (out of reach: often why the fit
+    failed) is logged, never raised over the fit's own outcome."""
+    try:
+        ds.delete()
+    except Exception as exc:  # noqa: BLE001 - every filesystem raises its own type
+        log.warning("the prepared data in %s could not be removed (%s): remove it by hand", ds.data_dir, exc)

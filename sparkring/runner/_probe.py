@@ -1,5 +1,5 @@
 """What one doctor task finds on its executor: Python and package versions, GPUs, /dev/shm,
-MPI, NCCL and whether the driver is reachable. It imports nothing of sparkring, and the doctor
+MPI, NCCL, whether the driver is reachable and whether the Store can be written. It imports nothing of sparkring, and the doctor
 ships it by value (cloudpickle), so it runs on executors where sparkring is not installed."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shutil
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 PACKAGES = ("sparkring", "torch", "cloudpickle", "pyarrow")
 
@@ -35,6 +35,7 @@ class TaskFacts:
     driver_reachable: bool = False
     driver_error: str = ""
     errors: List[str] = field(default_factory=list)
+    store_error: Optional[str] = None   # None: not checked; "": written, read back and removed
 
     @classmethod
     def from_json(cls, text: str) -> "TaskFacts":
@@ -75,8 +76,30 @@ def installed_version(name: str) -> str:
         return "unknown"
 
 
+def check_store(url: str, storage_options: Dict[str, Any]) -> str:
+    """Write a small file into the Store at ``url``, read it back and remove it (fsspec, as the
+    ranks' Store does); "" when that worked, else what went wrong."""
+    import uuid
+
+    try:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        fs.makedirs(root, exist_ok=True)  # as the Store does (nothing on an object store)
+        path = f"{root.rstrip('/')}/.sparkring-doctor-{uuid.uuid4().hex}"
+        fs.pipe_file(path, b"ok")
+        try:
+            if fs.cat_file(path) != b"ok":
+                return f"{url}: what was written reads back differently"
+        finally:
+            fs.rm_file(path)
+        return ""
+    except Exception as exc:  # noqa: BLE001 - every filesystem raises its own type
+        return f"{type(exc).__name__}: {exc}"
+
+
 def probe(executor: str, gpus: List[str], driver_host: str, driver_port: int,
-          timeout: float = 5.0) -> Dict[str, Any]:
+          timeout: float = 5.0, store: Optional[Tuple[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
     """Look around this task's executor (import torch where it is there: GPUs, NCCL); the
     fields of TaskFacts as a dict (a dataclass pickled by value loses its __init__ under the
     cloudpickle of Spark 3.5)."""
@@ -104,10 +127,12 @@ def probe(executor: str, gpus: List[str], driver_host: str, driver_port: int,
             facts["driver_reachable"] = True
     except OSError as exc:
         facts["driver_error"] = f"{driver_host}:{driver_port}: {exc}"
+    if store is not None:
+        facts["store_error"] = check_store(*store)
     return facts
 
 
-def barrier_probe(driver_host: str, driver_port: int):
+def barrier_probe(driver_host: str, driver_port: int, store: Optional[Tuple[str, Dict[str, Any]]] = None):
     """The mapInArrow function of the doctor's barrier stage: one JSON row per task."""
 
     def run(batches):
@@ -120,7 +145,7 @@ def barrier_probe(driver_host: str, driver_port: int):
         executor = ctx.getTaskInfos()[ctx.partitionId()].address
         resources = ctx.resources()
         gpus = list(resources["gpu"].addresses) if "gpu" in resources else []
-        facts = probe(executor, gpus, driver_host, driver_port)
+        facts = probe(executor, gpus, driver_host, driver_port, store=store)
         yield pa.RecordBatch.from_pydict({"facts": [json.dumps(facts)]})
 
     return run

@@ -8,6 +8,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..errors import StoreError
+
 FILE, SHARDED = ".pt", ".dcp"  # a replicated model's one file; a directory of every rank's shards
 TRAINER_STATE = "trainer.pt"  # inside a sharded checkpoint, written last by rank 0: the checkpoint is complete
 _NAME = re.compile(r"^epoch-(\d{5})(?:-step-(\d{7}))?(\.pt|\.dcp)$")
@@ -139,3 +141,45 @@ def frozen_free():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _storage_cause(exc: BaseException) -> Optional[BaseException]:
+    """The filesystem's own error behind ``exc`` (an OSError, or botocore's and the like, also
+    inside DCP's CheckpointException of every rank's failures), or None where it is no storage fault."""
+    seen: set = set()
+    todo: List[Optional[BaseException]] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) or type(current).__module__.split(".")[0] in _STORAGE_MODULES:
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):
+            todo += [pair[0] if isinstance(pair, tuple) else pair for pair in failures.values()]
+        todo += [current.__cause__, current.__context__]
+    return None
+
+
+_STORAGE_MODULES = ("botocore", "aiobotocore", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec", "aiohttp")
+
+
+def unwritten(store, run_id: str, state: Dict, exc: BaseException) -> Optional[StoreError]:
+    """The error a fit fails with when its checkpoint could not be written to the Store (after the
+    filesystem's and the Store's own bounded retries): naming the Store, the checkpoint and the
+    step; None where ``exc`` is no storage fault. The checkpoints written before stay.
+
+    >>> from sparkring.data import Store
+    >>> unwritten(Store("/tmp/s"), "r", {"epoch": 1, "step": None}, ConnectionRefusedError(111, "refused"))
+    StoreError("the checkpoint to go on at the start of epoch 3 could not be written to the Store /tmp/s ([Errno 111] refused); the checkpoints before it are kept: fit again with runId='r' once the Store is back, to go on from the last complete one")
+    """
+    cause = _storage_cause(exc)
+    if cause is None:
+        return None
+    if isinstance(cause, StoreError) and cause.__cause__ is not None:  # the Store's retries gave up: why
+        cause = cause.__cause__
+    where = CheckpointName(state["epoch"], state.get("step"), FILE).where()
+    return StoreError(f"the checkpoint to go on at {where} could not be written to the Store {store.url} ({cause}); "
+                      f"the checkpoints before it are kept: fit again with runId={run_id!r} once the Store is back, "
+                      "to go on from the last complete one")

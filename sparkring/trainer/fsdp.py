@@ -139,7 +139,8 @@ def _storage(store, path: str, writing: bool):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
     url = store.url.rstrip("/") + "/" + path[len(store.root):].lstrip("/") if path.startswith(store.root) else path
-    return FsspecWriter(url) if writing else FsspecReader(url)
+    options = dict(store.storage_options)  # an object store's endpoint and credentials
+    return FsspecWriter(url, **options) if writing else FsspecReader(url, **options)
 
 
 class Checkpointer:

@@ -20,7 +20,7 @@ from sparkring.collective.timeline import process_started_us, recorder
 from sparkring.errors import NonFiniteLossError
 from sparkring.runner import report
 
-from . import comm_spans
+from . import checkpoints, comm_spans
 from .activation import without_kv_cache
 from .batches import pinned, run_batches
 from .config import TrainConfig, default_reader_workers
@@ -245,7 +245,7 @@ class Trainer:
             return
         totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
         with recorder.span("checkpoint (inside the epoch)", step=i + 1):
-            self.placement.save(self.model, self.opt, self.trainer_state(epoch, False, position=(i + 1, totals)))
+            self._save(self.trainer_state(epoch, False, position=(i + 1, totals)))
         if self.asked:
             raise _Paused()
 
@@ -297,7 +297,7 @@ class Trainer:
             stop = self.stopper.stop(logs) or stop
         stop = bool(sr.broadcast_object(stop, root_rank=0))
         with recorder.span("checkpoint"):
-            self.placement.save(self.model, self.opt, self.trainer_state(epoch, stop))
+            self._save(self.trainer_state(epoch, stop))
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
         if self.asked and not stop and epoch + 1 < self.cfg.epochs:
@@ -317,6 +317,16 @@ class Trainer:
         split["samples_per_second"] = rows / mine[4] if mine[4] > 0 else 0.0
         split["state_bytes"], split["grad_bytes"] = int(largest[5]), int(largest[6])
         return split
+
+    def _save(self, state: TrainerState) -> None:
+        """A checkpoint through the placement; one the Store refuses fails the fit saying where."""
+        try:
+            self.placement.save(self.model, self.opt, state)
+        except BaseException as exc:  # DCP raises CheckpointException, a BaseException
+            failed = checkpoints.unwritten(self.placement.store, self.cfg.run_id, state, exc)
+            if failed is None:
+                raise
+            raise failed from exc
 
     def trainer_state(self, epoch: int, stopped: bool,
                       position: Optional[Tuple[int, List[float]]] = None) -> TrainerState:

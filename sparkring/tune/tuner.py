@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from ..data import Store
 from ..errors import ConfigurationError
+from ..estimator.checks import fit_store
 from .trials import TrialRecord, TrialRuns, counted, pruner_for
 
 log = logging.getLogger(__name__)
@@ -132,8 +133,7 @@ class Tuner:
 
 def _store_of(estimator: Any) -> Store:
     """The Store every trial shares (the estimator's, or one temporary Store for the whole study)."""
-    store = estimator.getOrDefault("store")
-    return Store(store) if isinstance(store, str) else (store or Store())
+    return fit_store(estimator)
 
 
 def _check_space(estimator: Any, space: Space) -> None:

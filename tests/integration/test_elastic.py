@@ -32,9 +32,9 @@ def _same_weights(a, b, atol=1e-5):
 
 
 def test_a_rank_lost_inside_an_epoch_resumes_at_the_next_checkpointed_step_with_the_same_weights(spark_wide,
-                                                                                                  tmp_path):
+                                                                                                  tmp_path, s3):
     df = H.classification_df(spark_wide, n=384)
-    store = Store(str(tmp_path / "store"))
+    store = s3.store("elastic")  # data and checkpoints in an S3 bucket (moto's server on loopback)
     inputs = ["features", "id"]  # the model writes down the row ids it trains on
     plain = _fit(df, store, numProc=3, runId="uninterrupted", modelInputs=inputs)
     # 384 rows / (8 x 3) = 16 steps an epoch; rank 1 dies at its 22nd step (epoch 1, step 5), after the

@@ -4,6 +4,7 @@ import sys
 import pytest
 
 import sparkring
+from sparkring import Store
 from sparkring.runner.driver import doctor as doctor_module
 
 
@@ -75,3 +76,15 @@ def test_doctor_command_line_prints_the_report_and_exits_by_its_verdict(spark, c
 
 
 pytestmark = pytest.mark.slow
+
+
+def test_doctor_checks_that_every_executor_writes_to_the_store(spark, s3):
+    report = sparkring.doctor(spark, store=s3.store("doctor"))
+    assert report.ok, report
+    assert [e.facts.store_error for e in report.executors] == [""]  # written, read back and removed
+    assert s3.store("doctor").listdir(s3.store("doctor").root) == []
+    closed = Store("s3://runs/x", storage_options={**s3.storage_options, "endpoint_url": "http://127.0.0.1:9"})
+    report = sparkring.doctor(spark, store=closed)
+    assert not report.ok
+    [problem] = report.problems
+    assert problem.what.startswith("cannot write to the Store (EndpointConnectionError") and problem.fatal

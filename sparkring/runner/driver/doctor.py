@@ -10,8 +10,9 @@ import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple, Union
 
+from ...data.store import Store
 from .. import _probe
 from ..versions import package_versions, skew
 from .resources import default_ranks_per_task
@@ -117,7 +118,8 @@ class _Listener:
         self.sock.close()
 
 
-def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float) -> List[_probe.TaskFacts]:
+def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float,
+                store: Optional[Tuple[str, Dict[str, Any]]] = None) -> List[_probe.TaskFacts]:
     """The barrier stage, with the probe pickled by value; cancelled after ``timeout`` s."""
     from pyspark import cloudpickle as spark_cloudpickle
 
@@ -128,7 +130,7 @@ def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float) -> 
         try:
             with tag:
                 df = spark.range(0, num_tasks, 1, num_tasks).mapInArrow(
-                    _probe.barrier_probe(host, port), "facts string", barrier=True)
+                    _probe.barrier_probe(host, port, store), "facts string", barrier=True)
                 rows["facts"] = [r.facts for r in df.collect()]
         except Exception as exc:  # noqa: BLE001 - reported as the verdict
             rows["error"] = exc
@@ -149,10 +151,12 @@ def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float) -> 
     return [_probe.TaskFacts.from_json(text) for text in rows["facts"]]
 
 
-def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0) -> DoctorReport:
-    """Check the session's cluster before training: one barrier task per slot (or ``num_tasks``).
+def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0,
+           store: Union[None, str, Store] = None) -> DoctorReport:
+    """Check the session's cluster before training: one barrier task per slot (or ``num_tasks``);
+    with ``store``, that every task writes, reads back and removes a file in it.
 
-    >>> report = sparkring.doctor(spark)  # doctest: +SKIP
+    >>> report = sparkring.doctor(spark, store=Store("s3://bucket/runs", storage_options=opts))  # doctest: +SKIP
     >>> print(report)  # doctest: +SKIP
     >>> assert report.ok, report  # doctest: +SKIP
     """
@@ -170,7 +174,9 @@ def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0) 
     listener = _Listener(facts.driver_host)
     problems: List[Problem] = []
     try:
-        found = _run_probes(spark, wanted, facts.driver_host, listener.address[1], timeout)
+        where = None if store is None else (store.url, store.storage_options) if isinstance(store, Store) else (
+            str(store), {})
+        found = _run_probes(spark, wanted, facts.driver_host, listener.address[1], timeout, where)
     except Exception as exc:  # noqa: BLE001 - the stage itself failing is the finding
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         problems.append(Problem("cluster", f"a barrier stage of {wanted} task(s) failed: {first}",
@@ -216,6 +222,10 @@ def _verdicts(e: ExecutorReport, driver: Dict[str, str]) -> List[Problem]:
         out.append(Problem(where, f"/dev/shm has {f.shm_free_bytes / 2**20:.0f} MiB free for {e.tasks} rank(s)",
                            "give containers a larger /dev/shm (docker --shm-size, a Memory emptyDir on "
                            "Kubernetes) or set sharedMemory=False", False))
+    if f.store_error:
+        out.append(Problem(where, f"cannot write to the Store ({f.store_error})",
+                           "give every executor the Store's credentials and endpoint (storage_options, or the "
+                           "usual environment variables in spark.executorEnv) and a route to it", True))
     if not f.driver_reachable:
         out.append(Problem(where, f"cannot reach the driver at {f.driver_error}",
                            "set spark.driver.host (or SPARK_LOCAL_IP on a Connect client) to an address the "
