@@ -2,9 +2,11 @@
 in a background thread, keeping a split decoded in memory for later epochs, and cutting
 (shuffled) batches on the consumer's side.
 
-Decoding (pyarrow, which releases the GIL) runs ahead in a thread and hands over one row
-group at a time; batches are cut where they are consumed, so a hand-over never costs as much
-as a small batch. When a split fits in MEMORY_BYTES its row groups are decoded into one
+Decoding (pyarrow, which releases the GIL) runs ahead in a thread and hands over a row group
+in slices of about SLICE_BYTES (``iter_batches``), so the first batch waits for one slice, not
+for a whole row group (a Spark-written one is ~128 MB); batches are cut where they are consumed,
+so a hand-over never costs as much as a small batch. Shuffling draws the first batches from the
+first slice alone, the rest from windows of the rank's share (see ``shuffled``). When a split fits in MEMORY_BYTES its row groups are decoded into one
 contiguous array per column: later epochs decode nothing, and a shuffled batch is one
 ``np.take`` of sorted row indices per column.
 """
@@ -66,13 +68,15 @@ class SplitMemory:
     def holds(self, key: Tuple[str, int]) -> bool:
         return key in self.filled
 
-    def fill(self, key: Tuple[str, int], arrays: Dict[str, np.ndarray]) -> None:
-        start = self.offsets[key]
+    def fill(self, key: Tuple[str, int], arrays: Dict[str, np.ndarray], at: int = 0, whole: bool = True) -> None:
+        """Rows ``at:`` of row group ``key`` (all of it once ``whole``)."""
+        start = self.offsets[key] + at
         for c, a in arrays.items():
             if c not in self.arrays:
                 self.arrays[c] = np.empty((self.total,) + a.shape[1:], dtype=a.dtype)
             self.arrays[c][start:start + len(a)] = a
-        self.filled.add(key)
+        if whole:
+            self.filled.add(key)
 
     def view(self, key: Tuple[str, int], lo: int, hi: int) -> Piece:
         start = self.offsets[key] + lo
@@ -102,17 +106,43 @@ def share(units: Sequence[Unit], first: int, count: int) -> List[Tuple[str, int,
 
 # Reads one row group's columns as numpy arrays of rows: (path, row group index) -> arrays.
 RowGroupReader = Callable[[str, int], Dict[str, np.ndarray]]
+# The same in consecutive slices of rows: (path, row group index) -> arrays of each slice, in order.
+RowGroupSlices = Callable[[str, int], Iterator[Dict[str, np.ndarray]]]
+
+SLICE_BYTES = 8 << 20  # decoded bytes of one slice (a prepared copy's row group is about as big)
 
 
-def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str]) -> RowGroupReader:
-    """The default reader: pyarrow reads the row group, ``to_numpy`` decodes each column."""
+def slice_rows(spec: FeatureSpec, cols: Sequence[str]) -> int:
+    """Rows of one slice: about SLICE_BYTES decoded, at least 1024."""
+    return max(1024, SLICE_BYTES // max(1, row_bytes(spec, cols)))
+
+
+def whole_groups(read: RowGroupReader) -> RowGroupSlices:
+    """A reader of whole row groups as one slice each (petastorm's)."""
+    return lambda path, rg: iter((read(path, rg),))
+
+
+def _slices(parquet_file: Any, rg: int, columns: Sequence[str], rows: int) -> Iterator[Any]:
+    """Row group ``rg`` as pyarrow tables of ``rows`` rows, decoded one after the other."""
+    import pyarrow as pa
+
+    for batch in parquet_file.iter_batches(batch_size=rows, row_groups=[rg], columns=list(columns),
+                                           use_threads=False):
+        yield pa.Table.from_batches([batch])
+
+
+def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
+                     rows: Optional[int] = None) -> RowGroupSlices:
+    """The default reader: pyarrow decodes the row group ``rows`` rows at a time (default
+    slice_rows), ``to_numpy`` each column."""
     files: Dict[str, Any] = {}
+    rows = rows or slice_rows(spec, cols)
 
-    def read(path: str, rg: int) -> Dict[str, np.ndarray]:
+    def read(path: str, rg: int) -> Iterator[Dict[str, np.ndarray]]:
         if path not in files:
             files[path] = open_file(path)
-        table = files[path].read_row_group(rg, columns=list(cols))
-        return {c: to_numpy(table.column(c), spec.column(c)) for c in cols}
+        for table in _slices(files[path], rg, cols, rows):
+            yield {c: to_numpy(table.column(c), spec.column(c)) for c in cols}
     return read
 
 
@@ -127,24 +157,29 @@ RowSelector = Callable[[str, int, int], np.ndarray]
 
 
 def source_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
-                      integral: Sequence[str] = (), keep: Optional[RowSelector] = None) -> RowGroupReader:
-    """The reader of Parquet a DataFrame scanned (read in place, not prepared): an ML vector's
-    ``values`` list or a numeric array becomes one row per array, checked to hold the same
-    number of elements on every row; a scalar is cast; the ``integral`` columns (class-index
-    labels) are checked to hold whole, non-negative numbers; ``keep`` picks the split's rows.
-    DataError names the column."""
+                      integral: Sequence[str] = (), keep: Optional[RowSelector] = None,
+                      rows: Optional[int] = None) -> RowGroupSlices:
+    """The reader of Parquet a DataFrame scanned (read in place, not prepared), in slices of
+    ``rows`` rows: an ML vector's ``values`` list or a numeric array becomes one row per array,
+    checked to hold the same number of elements on every row; a scalar is cast; the ``integral``
+    columns (class-index labels) are checked to hold whole, non-negative numbers; ``keep`` picks
+    the split's rows of the whole row group. DataError names the column."""
     files: Dict[str, Any] = {}
     leaves = [f"{c}.values" if spec.column(c).vector else c for c in cols]
+    rows = rows or slice_rows(spec, cols)
 
-    def read(path: str, rg: int) -> Dict[str, np.ndarray]:
+    def read(path: str, rg: int) -> Iterator[Dict[str, np.ndarray]]:
         if path not in files:
             files[path] = open_file(path)
-        table = files[path].read_row_group(rg, columns=leaves)
-        arrays = {c: _source_column(table.column(c), spec.column(c), c in integral, path) for c in cols}
-        if keep is None:
-            return arrays
-        mask = keep(path, rg, table.num_rows)
-        return {c: a[mask] for c, a in arrays.items()}
+        mask = None if keep is None else keep(path, rg, files[path].metadata.row_group(rg).num_rows)
+        at = 0
+        for table in _slices(files[path], rg, leaves, rows):
+            arrays = {c: _source_column(table.column(c), spec.column(c), c in integral, path) for c in cols}
+            if mask is not None:
+                part = mask[at:at + table.num_rows]
+                arrays = {c: a[part] for c, a in arrays.items()}
+            at += table.num_rows
+            yield arrays
     return read
 
 
@@ -183,20 +218,30 @@ def _source_column(column, col, integral: bool, path: str) -> np.ndarray:
     return flat_values(column, col).reshape(len(column), *col.shape)
 
 
-def decoded_pieces(read_row_group: RowGroupReader, pieces: Sequence[Tuple[str, int, int, int]],
+def decoded_pieces(read_slices: RowGroupSlices, pieces: Sequence[Tuple[str, int, int, int]],
                    memory: Optional[SplitMemory]) -> Iterator[Piece]:
-    """Each piece decoded (from memory when the split is held there, filling it otherwise)."""
+    """Each piece (rows ``lo:hi`` of a row group) as the slices that hold it, each as soon as it
+    is decoded: from memory when the split holds the row group; filling the memory otherwise
+    (the whole row group, for later epochs), or stopping at ``hi`` without memory."""
     for path, rg, lo, hi in pieces:
         key = (path, rg)
         if memory is not None and memory.holds(key):
             yield memory.view(key, lo, hi)
             continue
-        arrays = read_row_group(path, rg)
+        at = 0
+        for arrays in read_slices(path, rg):
+            n = len(next(iter(arrays.values()))) if arrays else 0
+            if memory is not None:
+                memory.fill(key, arrays, at, whole=False)
+            first, last = max(lo, at), min(hi, at + n)
+            if first < last:
+                yield (memory.view(key, first, last) if memory is not None
+                       else Piece({c: a[first - at:last - at] for c, a in arrays.items()}, last - first, None))
+            at += n
+            if memory is None and at >= hi:
+                break
         if memory is not None:
-            memory.fill(key, arrays)
-            yield memory.view(key, lo, hi)
-        else:
-            yield Piece({c: a[lo:hi] for c, a in arrays.items()}, hi - lo, None)
+            memory.filled.add(key)
 
 
 def in_order(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str]) -> Iterator[Dict[str, np.ndarray]]:
@@ -223,59 +268,89 @@ def in_order(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str]) -> I
         yield carry
 
 
-def shuffled(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str], window_rows: int,
-             rng: np.random.Generator, memory: Optional[SplitMemory]) -> Iterator[Dict[str, np.ndarray]]:
-    """Batches of rows drawn at random from windows of ``window_rows`` rows; the fewer than
-    ``batch_size`` rows a window leaves join the next one. Rows inside a batch keep their
-    order in the window (locality); which rows form a batch is random. With the split in
-    memory the batches are the same, gathered from the split's arrays."""
-    if memory is not None:
-        yield from _shuffled_in_memory(pieces, batch_size, cols, window_rows, rng, memory)
-        return
+def window_sizes(first: int, cap: int) -> Iterator[int]:
+    """Rows of each shuffle window: ``first`` (a slice: the first batch waits for it alone), then
+    ``cap`` each (the rank's share, or what memory allows), decoded while the first one trains.
+
+    >>> import itertools; list(itertools.islice(window_sizes(100, 500), 3))
+    [100, 500, 500]
+    """
+    yield max(1, min(first, cap))
+    while True:
+        yield cap
+
+
+def _split(piece: Piece, rows: int) -> Tuple[Piece, Optional[Piece]]:
+    """The piece's first ``rows`` rows, and the rest (None when nothing is left)."""
+    if rows >= piece.rows:
+        return piece, None
+    rest_start = None if piece.start is None else piece.start + rows
+    return (Piece({c: a[:rows] for c, a in piece.arrays.items()}, rows, piece.start),
+            Piece({c: a[rows:] for c, a in piece.arrays.items()}, piece.rows - rows, rest_start))
+
+
+def _windows(pieces: Iterator[Piece], sizes: Iterator[int]) -> Iterator[Tuple[List[Piece], bool]]:
+    """The pieces regrouped into windows of exactly the ``sizes`` rows (the last may be smaller),
+    each with whether it is the last: windows depend on the row order alone, not on how the
+    rows were sliced (decoded now, or held in memory)."""
     window: List[Piece] = []
-    rows = 0
-    pieces = iter(pieces)
-    piece = next(pieces, None)
-    while piece is not None:
-        window.append(piece)
-        rows += piece.rows
-        piece = next(pieces, None)
-        if rows < window_rows and piece is not None:
-            continue
+    rows, wanted = 0, next(sizes)
+    done: Optional[List[Piece]] = None
+    for piece in pieces:
+        rest: Optional[Piece] = piece
+        while rest is not None:
+            if done is not None:  # more rows follow the window completed before: it was not the last
+                yield done, False
+                done = None
+            head, rest = _split(rest, wanted - rows)
+            window.append(head)
+            rows += head.rows
+            if rows == wanted:
+                done, window, rows, wanted = window, [], 0, next(sizes)
+    if done is not None:
+        yield done, True
+    elif window:
+        yield window, True
+
+
+def shuffled(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str], window_rows: int,
+             rng: np.random.Generator, memory: Optional[SplitMemory],
+             first_window: Optional[int] = None) -> Iterator[Dict[str, np.ndarray]]:
+    """Batches of rows drawn at random from windows of consecutive rows: the first of
+    ``first_window`` rows (default ``window_rows``; one slice decoded is enough to start), the
+    next ones of ``window_rows``; the fewer than ``batch_size`` rows a window leaves join the next one. Rows inside a batch keep their order in the window (locality);
+    which rows form a batch is random. With the split in memory the batches are the same,
+    gathered from the split's arrays (so a resumed fit, its memory cold, draws what the
+    interrupted one drew)."""
+    windows = _windows(pieces, window_sizes(first_window or window_rows, window_rows))
+    if memory is not None:
+        yield from _shuffled_in_memory(windows, batch_size, cols, rng, memory)
+        return
+    carry: List[Piece] = []
+    for window, last in windows:
+        window = carry + window
+        rows = sum(p.rows for p in window)
         perm = rng.permutation(rows)
-        full = rows if piece is None else rows - rows % batch_size
+        full = rows if last else rows - rows % batch_size
         bounds = np.cumsum([0] + [p.rows for p in window])
         for start in range(0, full, batch_size):
             yield _gather(window, bounds, np.sort(perm[start:start + batch_size]), cols)
-        if full < rows:
-            window = [Piece(_gather(window, bounds, np.sort(perm[full:]), cols), rows - full, None)]
-            rows -= full
-        else:
-            window, rows = [], 0
+        carry = [Piece(_gather(window, bounds, np.sort(perm[full:]), cols), rows - full, None)] if full < rows else []
 
 
-def _shuffled_in_memory(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str], window_rows: int,
+def _shuffled_in_memory(windows: Iterator[Tuple[List[Piece], bool]], batch_size: int, cols: Sequence[str],
                         rng: np.random.Generator, memory: SplitMemory) -> Iterator[Dict[str, np.ndarray]]:
     """shuffled() over row numbers of the split's arrays: one gather per column and batch."""
-    where_parts: List[np.ndarray] = []
-    rows = 0
-    pieces = iter(pieces)
-    piece = next(pieces, None)
-    while piece is not None:
-        assert piece.start is not None
-        where_parts.append(np.arange(piece.start, piece.start + piece.rows))
-        rows += piece.rows
-        piece = next(pieces, None)
-        if rows < window_rows and piece is not None:
-            continue
-        where = np.concatenate(where_parts)
+    carry = np.zeros(0, dtype=np.int64)
+    for window, last in windows:
+        where = np.concatenate([carry] + [np.arange(p.start, p.start + p.rows) for p in window if p.start is not None])
+        rows = len(where)
         perm = rng.permutation(rows)
-        full = rows if piece is None else rows - rows % batch_size
+        full = rows if last else rows - rows % batch_size
         for start in range(0, full, batch_size):
             idx = where[np.sort(perm[start:start + batch_size])]  # the same rows, in the same order, as _gather
             yield {c: memory.arrays[c][idx] for c in cols}
-        where_parts = [where[np.sort(perm[full:])]] if full < rows else []
-        rows -= full
+        carry = where[np.sort(perm[full:])] if full < rows else np.zeros(0, dtype=np.int64)
 
 
 def _gather(window: List[Piece], bounds: np.ndarray, rows: np.ndarray, cols: Sequence[str]) -> Dict[str, np.ndarray]:

@@ -185,3 +185,53 @@ def test_fit_refuses_class_labels_read_in_place_that_are_not_class_indices(spark
     with pytest.raises(RankFailedError, match=r"column 'label' has 1 non-integral value\(s\) in .*\.parquet, but the loss") as info:
         fit(lambda i: 0.5 if i == 9 else 1.0, "halves")  # the rank reading that file
     assert "DataError" in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def one_big_row_group(tmp_path_factory):
+    """250,000 rows of 64 float32s in one row group (~64 MB decoded): as Spark writes by default."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 250_000
+    values = np.random.default_rng(0).random(rows * 64, dtype=np.float32)
+    table = pa.table({"id": np.arange(rows), "features": pa.FixedSizeListArray.from_arrays(values, 64).cast(
+        pa.list_(pa.float32())), "label": (np.arange(rows) % 3).astype(np.float64)})
+    path = tmp_path_factory.mktemp("big") / "part-0.parquet"
+    pq.write_table(table, path, row_group_size=rows)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 1
+    return str(path)
+
+
+def test_the_first_batch_of_a_large_row_group_comes_after_one_slice_not_the_whole_group(spark, store,
+                                                                                      one_big_row_group, monkeypatch):
+    import pickle
+    import time
+
+    from sparkring.data import reader
+
+    ds = prepare(spark.read.parquet(one_big_row_group), store, columns=["id", "features", "label"], in_place=True)
+    assert ds.in_place
+
+    def first_batch():
+        fresh = pickle.loads(pickle.dumps(ds))  # nothing decoded yet
+        start = time.perf_counter()
+        next(iter(fresh.batches(64, shuffle=True, seed=1)))
+        return time.perf_counter() - start
+
+    sliced = min(first_batch() for _ in range(3))
+    monkeypatch.setattr(reader, "SLICE_BYTES", 1 << 40)  # as before slicing: the whole row group first
+    whole = min(first_batch() for _ in range(3))
+    print(f"first batch: sliced {sliced:.4f} s, whole row group {whole:.4f} s ({sliced / whole:.2f})")
+    assert sliced < 0.4 * whole, (sliced, whole)  # one slice of ~32k rows is an eighth of the group
+
+
+def test_a_first_window_of_one_slice_moves_rows_nearly_as_far_as_a_full_shuffle(spark, store, one_big_row_group):
+    ds = prepare(spark.read.parquet(one_big_row_group), store, columns=["id", "features", "label"], in_place=True)
+    order = np.concatenate([b["id"].numpy() for b in ds.batches(64, shuffle=True, seed=1,
+                                                                 drop_last=False)])
+    assert np.array_equal(np.sort(order), np.arange(250_000))  # every row once
+    moved = np.abs(order - np.arange(len(order))).mean()
+    full = len(order) / 3  # how far a full shuffle moves a row, on average
+    print(f"mean displacement {moved:,.0f} rows, {moved / full:.2f} of a full shuffle's")
+    assert 0.7 * full < moved < 1.1 * full, moved / full
