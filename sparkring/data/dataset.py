@@ -184,8 +184,8 @@ class Dataset:
         if shuffle:
             window = shuffle_buffer or self._window_rows(count, batch_size, units, cols)
             rng = np.random.default_rng([seed, epoch, rank, 7919])
-            first = None if shuffle_buffer else max(batch_size, slice_rows(self.spec, cols))
-            out = shuffled(pieces, batch_size, cols, window, rng, memory, first_window=first)
+            first_window = None if shuffle_buffer else max(batch_size, slice_rows(self.spec, cols))
+            out = shuffled(pieces, batch_size, cols, window, rng, memory, first_window=first_window)
         else:
             out = in_order(pieces, batch_size, cols)
         if transform is not None:
