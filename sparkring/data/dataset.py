@@ -49,6 +49,30 @@ class ColumnValues:
     non_integral: Optional[int]
 
 
+# the schemes of files read in place: the local disk, and S3 as Spark's hadoop-aws (s3a) names it
+IN_PLACE_SCHEMES = ("file", "s3a", "s3")
+
+
+def open_parquet(path: str, storage_options: Optional[Dict[str, Any]] = None):
+    """A ParquetFile of a file read in place: a local path memory-mapped (decoding reads the page
+    cache), an ``s3a://``/``s3://`` URL through s3fs with ``storage_options`` (the Store's, when
+    the Store is on S3 too: else the AWS environment's credentials)."""
+    import pyarrow.parquet as pq
+
+    if "://" not in path:
+        return pq.ParquetFile(path, memory_map=True)
+    import fsspec
+
+    fs, inner = fsspec.core.url_to_fs("s3://" + path.split("://", 1)[1], **(storage_options or {}))
+    return pq.ParquetFile(fs.open(inner, "rb"))
+
+
+def s3_options(store: Any) -> Dict[str, Any]:
+    """How files on S3 read in place are reached: with the Store's options when the Store is on
+    S3 too (the same endpoint and credentials), else as s3fs finds them (the AWS environment)."""
+    return dict(store.storage_options) if store.url.startswith(("s3://", "s3a://")) else {}
+
+
 class Dataset:
     """Prepared training (and validation) data; small and picklable, so it travels to ranks.
 
@@ -264,8 +288,10 @@ class Dataset:
     def _open(self, path: str):
         import pyarrow.parquet as pq
 
+        if self.in_place:  # the DataFrame's own files: a local path or an S3 URL
+            return open_parquet(path, s3_options(self.store))
         full = f"{self.data_dir}/{path}"
-        local = path if self.in_place else self.store.local_path(full)
+        local = self.store.local_path(full)
         # local files are memory-mapped: decoding reads the page cache, no extra copy
         return (pq.ParquetFile(local, memory_map=True) if local is not None
                 else pq.ParquetFile(self.store.fs.open_input_file(full)))

@@ -1,12 +1,13 @@
-"""A DataFrame that only scans local Parquet files, read where the files lie: the plan check,
+"""A DataFrame that only scans Parquet files (local, or on S3 through s3fs), read where the files
+lie: the plan check,
 the row groups, shapes and checks from the files' footers (no Spark job, no copy), and the
 Dataset over them.
 
 Written by hand because nothing joins the two halves: Spark tells what a DataFrame reads only
 through its plan (``inputFiles`` lists the files whatever filters or expressions follow), and
 pyarrow reads the footers. Anything this module does not recognise (a filter, a computed or
-renamed column, a sparse vector, nested arrays, missing statistics, a remote file system)
-makes it answer None, and ``prepare`` writes the columns as before; so the errors for bad
+renamed column, a sparse vector, nested arrays, missing statistics, a file system other than
+the local disk and S3) makes it answer None, and ``prepare`` writes the columns as before; so the errors for bad
 data stay prepare's. A validation fraction holds out rows drawn per row group, seeded; a
 validation column is prepared.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 from urllib.parse import unquote, urlparse
 
-from .dataset import IN_PLACE, METADATA_FILE, Dataset
+from .dataset import IN_PLACE, IN_PLACE_SCHEMES, METADATA_FILE, Dataset, open_parquet, s3_options
 from .reader import validation_rows
 from .spec import SCALAR, TENSOR, ColumnSpec, DataError, FeatureSpec
 from .store import Store
@@ -57,9 +58,9 @@ def scanned_files(df, names: Sequence[str]) -> Optional[List[str]]:
     except Exception as exc:  # noqa: BLE001 - a plan this Spark shapes otherwise: prepare instead
         log.debug("cannot read the DataFrame's plan (%s): preparing it", exc)
         return None
-    if layout_columns & set(names) or not uris or any(urlparse(u).scheme != "file" for u in uris):
+    if layout_columns & set(names) or not uris or any(urlparse(u).scheme not in IN_PLACE_SCHEMES for u in uris):
         return None
-    return [unquote(urlparse(u).path) for u in uris]
+    return [unquote(urlparse(u).path) if urlparse(u).scheme == "file" else u for u in uris]
 
 
 @dataclass
@@ -94,13 +95,13 @@ def _tensor_leaf(col: ColumnSpec, chunks: Dict[str, Any]):
     return chunks[leaves[0]] if len(leaves) == 1 else None
 
 
-def _file_facts(path: str, columns: Sequence[ColumnSpec]) -> Optional[_FileFacts]:
+def _file_facts(path: str, columns: Sequence[ColumnSpec],
+                storage_options: Optional[Dict[str, Any]] = None) -> Optional[_FileFacts]:
     """The file's row groups, each tensor column's row width and each scalar's smallest
     value, from its footer; None where the footer cannot vouch for the layout."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    meta = pq.read_metadata(path)
+    meta = open_parquet(path, storage_options).metadata
     schema = meta.schema.to_arrow_schema()
     facts = _FileFacts(path, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
     for col in columns:
@@ -150,7 +151,7 @@ def _supported(col: ColumnSpec) -> bool:
 def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = None, seed: Optional[int] = None,
                   integral: Sequence[str] = (), validation: Optional[float] = None) -> Optional[Dataset]:
     """A Dataset reading ``df``'s own Parquet files, or None when ``df`` is not only a scan of
-    local Parquet files whose footers vouch for every column ``spec`` names (see the module
+    local or S3 Parquet files whose footers vouch for every column ``spec`` names (see the module
     docstring). ``integral`` columns (class-index labels) are checked on the ranks as they read;
     a ``validation`` fraction holds out rows drawn per row group (``reader.validation_rows``).
 
@@ -164,7 +165,7 @@ def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = N
     if paths is None:
         return None
     with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
-        facts = list(pool.map(lambda p: _file_facts(p, spec.columns), paths))
+        facts = list(pool.map(lambda p: _file_facts(p, spec.columns, s3_options(store)), paths))
     found = [f for f in facts if f is not None]
     if len(found) < len(facts) or not any(sum(f.row_groups) for f in found):
         return None

@@ -23,6 +23,7 @@ from .launching import launch_fit, train_config
 from .model import SparkRingModel
 from .params import SparkRingParams, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
+from .phases import PhaseClock
 from .tracking import FitTracker
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         text.check_lora(self)
         if self.getOrDefault("textCol") is not None:
             return self._fit_text(dataset)
+        clock = PhaseClock()
         decided = checks.decide(self, dataset)
         # one run directory holds this fit's prepared data and its checkpoints
         run_id = self.getOrDefault("runId") or uuid.uuid4().hex[:12]
@@ -89,7 +91,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         self._prepared = ds
         try:
             checks.check_labels(self, ds)
-            return self._fit_tracked(dataset, ds, decided, run_id)
+            return self._fit_tracked(dataset, ds, decided, run_id, clock)
         finally:
             if not (self.getOrDefault("keepData") or self._hold_data):
                 _delete_quietly(ds)
@@ -114,14 +116,15 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
                                           self.getOrDefault("tensorParallel") * self.getOrDefault("pipelineParallel"))
         return model
 
-    def _fit_tracked(self, dataset, ds, decided: checks.FitDecisions, run_id: str) -> SparkRingModel:
+    def _fit_tracked(self, dataset, ds, decided: checks.FitDecisions, run_id: str,
+                     clock: PhaseClock) -> SparkRingModel:
         parent, index = self._grid_point or (None, None)
         tracker = FitTracker.start(self.getOrDefault("mlflowLogging"), parent_run_id=parent, grid_index=index,
                                    params={p.name: v for p, v in self.extractParamMap().items()})
         if tracker is None:
-            return self._fit_prepared(dataset.sparkSession, ds, decided, run_id, None)
+            return self._fit_prepared(dataset.sparkSession, ds, decided, run_id, None, clock)
         try:
-            model = self._fit_prepared(dataset.sparkSession, ds, decided, run_id, tracker)
+            model = self._fit_prepared(dataset.sparkSession, ds, decided, run_id, tracker, clock)
             tracker.finish(model.history, model.getModel(), tracking.example_args(model, dataset))
             return model
         except BaseException:
@@ -129,10 +132,13 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
             raise
 
     def _fit_prepared(self, spark, ds, decided: checks.FitDecisions, run_id: str,
-                      tracker: Optional[FitTracker]) -> SparkRingModel:
+                      tracker: Optional[FitTracker], clock: PhaseClock) -> SparkRingModel:
         cfg = train_config(self, decided, ds, run_id)
         progress = Progress(self.getOrDefault("verbose"), self._token_figures)
-        listeners: List[Callable[[int, TrainingEvent], None]] = [progress] if tracker is None else [progress, tracker]
+        listeners: List[Callable[[int, TrainingEvent], None]] = [progress, clock]
+        if tracker is not None:
+            listeners.append(tracker)
+        clock.launching()
 
         def on_event(rank: int, payload: Any) -> None:
             event = from_payload(payload)
@@ -152,6 +158,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         model.history = result.history
         model.featureSpec = ds.spec
         model.outputShapes = result.output_shapes
+        model.phases = clock.phases()
         return model
 
     def _fresh_module(self) -> torch.nn.Module:

@@ -24,6 +24,7 @@ from ..trainer.lightning import inference_call
 from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
+from .phases import FitPhases
 from .text import merged
 from .text_inference import TextInference, TextPredictor
 
@@ -119,6 +120,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def __init__(self):
         super().__init__()
         self.history: List[Dict[str, Any]] = []
+        self.phases: Optional[FitPhases] = None  # where the fit's wall time went (not saved)
         self.featureSpec: Optional[FeatureSpec] = None
         self.outputShapes: Optional[List[List[int]]] = None
 
@@ -132,6 +134,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def copy(self, extra=None):
         that = super().copy(extra)
         that.history = list(self.history)
+        that.phases = self.phases
         that.featureSpec = self.featureSpec
         that.outputShapes = self.outputShapes
         return that

@@ -222,7 +222,6 @@ def test_the_first_batch_of_a_large_row_group_comes_after_one_slice_not_the_whol
     sliced = min(first_batch() for _ in range(3))
     monkeypatch.setattr(reader, "SLICE_BYTES", 1 << 40)  # as before slicing: the whole row group first
     whole = min(first_batch() for _ in range(3))
-    print(f"first batch: sliced {sliced:.4f} s, whole row group {whole:.4f} s ({sliced / whole:.2f})")
     assert sliced < 0.4 * whole, (sliced, whole)  # one slice of ~32k rows is an eighth of the group
 
 
@@ -233,5 +232,4 @@ def test_a_first_window_of_one_slice_moves_rows_nearly_as_far_as_a_full_shuffle(
     assert np.array_equal(np.sort(order), np.arange(250_000))  # every row once
     moved = np.abs(order - np.arange(len(order))).mean()
     full = len(order) / 3  # how far a full shuffle moves a row, on average
-    print(f"mean displacement {moved:,.0f} rows, {moved / full:.2f} of a full shuffle's")
     assert 0.7 * full < moved < 1.1 * full, moved / full

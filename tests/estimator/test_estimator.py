@@ -39,8 +39,14 @@ def store(tmp_path):
 @pytest.mark.compat
 def test_fit_trains_a_classifier_and_transform_adds_spark_ml_columns(spark, store):
     df = H.classification_df(spark)
+    began = time.perf_counter()
     model = _estimator(store, metrics=["accuracy"], validation=0.2).fit(df)
+    wall = time.perf_counter() - began
     assert [h["epoch"] for h in model.history] == [0, 1, 2, 3]
+    # where the fit's time went: every phase took some, and together they are its wall time
+    phases = model.phases
+    assert min(phases.plan, phases.launch, phases.first_step, phases.epochs, phases.result) > 0
+    assert 0.9 * wall < phases.total <= wall and model.copy().phases == phases
     assert model.history[-1]["loss"] < model.history[0]["loss"]
     assert {"accuracy", "val_loss", "val_accuracy"} <= set(model.history[-1])
     out = model.transform(df)

@@ -87,3 +87,29 @@ def test_a_store_out_of_reach_fails_the_fit_before_any_spark_job_naming_its_url(
     with pytest.raises(StoreError, match=r"the store s3://runs/gone is not writable"):
         _estimator(closed).fit(H.classification_df(spark))
     assert len(tracker.getJobIdsForGroup(None)) == jobs
+
+
+def test_parquet_files_on_s3_are_read_in_place_by_the_ranks_to_the_weights_of_local_files(
+        spark, s3, tmp_path, monkeypatch):
+    # Spark here has no hadoop-aws connector to scan s3a:// itself: the same files are scanned
+    # locally and the plan check answers with their copies' s3a:// URLs, as it would for a scan
+    # of the bucket; the driver reads the footers and every rank its row groups from the bucket
+    import os
+
+    import s3fs
+
+    from sparkring.data import in_place
+
+    local = str(tmp_path / "scanned")
+    H.classification_df(spark).repartition(2).write.parquet(local)
+    df = spark.read.parquet(local)
+    bucket = s3fs.S3FileSystem(**{k: v for k, v in s3.storage_options.items()})
+    names = sorted(f for f in os.listdir(local) if f.endswith(".parquet"))
+    for name in names:
+        bucket.put(os.path.join(local, name), f"runs/scanned/{name}")
+    on_local = _estimator(Store(str(tmp_path / "store")), epochs=1, runId="local").fit(df)
+    monkeypatch.setattr(in_place, "scanned_files", lambda frame, columns: [f"s3a://runs/scanned/{n}" for n in names])
+    store = s3.store("in-place")
+    on_s3 = _estimator(store, epochs=1, runId="s3a", keepData=True).fit(df)
+    _same_weights(on_s3, on_local, atol=1e-6)
+    assert store.listdir(store.data_path("s3a")) == ["_sparkring_metadata.json"]  # no copy: the files themselves
