@@ -54,8 +54,8 @@ IN_PLACE_SCHEMES = ("file", "s3a", "s3")
 
 
 def open_parquet(path: str, storage_options: Optional[Dict[str, Any]] = None):
-    """A ParquetFile of a file read in place: a local path memory-mapped (decoding reads the page
-    cache), an ``s3a://``/``s3://`` URL through s3fs with ``storage_options`` (the Store's, when
+    """A ParquetFile of a local path, memory-mapped (decoding reads the page cache, no extra
+    copy), or of a file read in place at an ``s3a://``/``s3://`` URL through s3fs with ``storage_options`` (the Store's, when
     the Store is on S3 too: else the AWS environment's credentials)."""
     import pyarrow.parquet as pq
 
@@ -292,9 +292,7 @@ class Dataset:
             return open_parquet(path, s3_options(self.store))
         full = f"{self.data_dir}/{path}"
         local = self.store.local_path(full)
-        # local files are memory-mapped: decoding reads the page cache, no extra copy
-        return (pq.ParquetFile(local, memory_map=True) if local is not None
-                else pq.ParquetFile(self.store.fs.open_input_file(full)))
+        return open_parquet(local) if local is not None else pq.ParquetFile(self.store.fs.open_input_file(full))
 
     def _memory_for(self, split: str, cols: List[str], cache: Optional[bool]) -> Optional[SplitMemory]:
         """The split's in-memory arrays for ``cols`` (made on first use), or None."""

@@ -164,8 +164,9 @@ def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = N
     paths = scanned_files(df, [c.name for c in spec.columns])
     if paths is None:
         return None
+    options = s3_options(store)
     with ThreadPoolExecutor(max_workers=min(8, len(paths))) as pool:
-        facts = list(pool.map(lambda p: _file_facts(p, spec.columns, s3_options(store)), paths))
+        facts = list(pool.map(lambda p: _file_facts(p, spec.columns, options), paths))
     found = [f for f in facts if f is not None]
     if len(found) < len(facts) or not any(sum(f.row_groups) for f in found):
         return None

@@ -68,15 +68,16 @@ class SplitMemory:
     def holds(self, key: Tuple[str, int]) -> bool:
         return key in self.filled
 
-    def fill(self, key: Tuple[str, int], arrays: Dict[str, np.ndarray], at: int = 0, whole: bool = True) -> None:
-        """Rows ``at:`` of row group ``key`` (all of it once ``whole``)."""
+    def fill(self, key: Tuple[str, int], arrays: Dict[str, np.ndarray], at: int = 0) -> None:
+        """Rows ``at:`` of row group ``key`` (``complete`` says when all of it is there)."""
         start = self.offsets[key] + at
         for c, a in arrays.items():
             if c not in self.arrays:
                 self.arrays[c] = np.empty((self.total,) + a.shape[1:], dtype=a.dtype)
             self.arrays[c][start:start + len(a)] = a
-        if whole:
-            self.filled.add(key)
+
+    def complete(self, key: Tuple[str, int]) -> None:
+        self.filled.add(key)
 
     def view(self, key: Tuple[str, int], lo: int, hi: int) -> Piece:
         start = self.offsets[key] + lo
@@ -131,12 +132,11 @@ def _slices(parquet_file: Any, rg: int, columns: Sequence[str], rows: int) -> It
         yield pa.Table.from_batches([batch])
 
 
-def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
-                     rows: Optional[int] = None) -> RowGroupSlices:
-    """The default reader: pyarrow decodes the row group ``rows`` rows at a time (default
-    slice_rows), ``to_numpy`` each column."""
+def arrow_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str]) -> RowGroupSlices:
+    """The default reader: pyarrow decodes the row group slice_rows rows at a time, ``to_numpy``
+    each column."""
     files: Dict[str, Any] = {}
-    rows = rows or slice_rows(spec, cols)
+    rows = slice_rows(spec, cols)
 
     def read(path: str, rg: int) -> Iterator[Dict[str, np.ndarray]]:
         if path not in files:
@@ -157,16 +157,15 @@ RowSelector = Callable[[str, int, int], np.ndarray]
 
 
 def source_row_groups(open_file: Callable[[str], Any], spec: FeatureSpec, cols: Sequence[str],
-                      integral: Sequence[str] = (), keep: Optional[RowSelector] = None,
-                      rows: Optional[int] = None) -> RowGroupSlices:
+                      integral: Sequence[str] = (), keep: Optional[RowSelector] = None) -> RowGroupSlices:
     """The reader of Parquet a DataFrame scanned (read in place, not prepared), in slices of
-    ``rows`` rows: an ML vector's ``values`` list or a numeric array becomes one row per array,
+    slice_rows rows: an ML vector's ``values`` list or a numeric array becomes one row per array,
     checked to hold the same number of elements on every row; a scalar is cast; the ``integral``
     columns (class-index labels) are checked to hold whole, non-negative numbers; ``keep`` picks
     the split's rows of the whole row group. DataError names the column."""
     files: Dict[str, Any] = {}
     leaves = [f"{c}.values" if spec.column(c).vector else c for c in cols]
-    rows = rows or slice_rows(spec, cols)
+    rows = slice_rows(spec, cols)
 
     def read(path: str, rg: int) -> Iterator[Dict[str, np.ndarray]]:
         if path not in files:
@@ -232,7 +231,7 @@ def decoded_pieces(read_slices: RowGroupSlices, pieces: Sequence[Tuple[str, int,
         for arrays in read_slices(path, rg):
             n = len(next(iter(arrays.values()))) if arrays else 0
             if memory is not None:
-                memory.fill(key, arrays, at, whole=False)
+                memory.fill(key, arrays, at)
             first, last = max(lo, at), min(hi, at + n)
             if first < last:
                 yield (memory.view(key, first, last) if memory is not None
@@ -241,7 +240,7 @@ def decoded_pieces(read_slices: RowGroupSlices, pieces: Sequence[Tuple[str, int,
             if memory is None and at >= hi:
                 break
         if memory is not None:
-            memory.filled.add(key)
+            memory.complete(key)
 
 
 def in_order(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str]) -> Iterator[Dict[str, np.ndarray]]:
@@ -343,7 +342,7 @@ def _shuffled_in_memory(windows: Iterator[Tuple[List[Piece], bool]], batch_size:
     """shuffled() over row numbers of the split's arrays: one gather per column and batch."""
     carry = np.zeros(0, dtype=np.int64)
     for window, last in windows:
-        where = np.concatenate([carry] + [np.arange(p.start, p.start + p.rows) for p in window if p.start is not None])
+        where = np.concatenate([carry] + [_positions(p) for p in window])
         rows = len(where)
         perm = rng.permutation(rows)
         full = rows if last else rows - rows % batch_size
@@ -351,6 +350,12 @@ def _shuffled_in_memory(windows: Iterator[Tuple[List[Piece], bool]], batch_size:
             idx = where[np.sort(perm[start:start + batch_size])]  # the same rows, in the same order, as _gather
             yield {c: memory.arrays[c][idx] for c in cols}
         carry = where[np.sort(perm[full:])] if full < rows else np.zeros(0, dtype=np.int64)
+
+
+def _positions(piece: Piece) -> np.ndarray:
+    """Where a piece held in memory sits in the split's arrays."""
+    assert piece.start is not None, "a piece of a split held in memory knows its place"
+    return np.arange(piece.start, piece.start + piece.rows)
 
 
 def _gather(window: List[Piece], bounds: np.ndarray, rows: np.ndarray, cols: Sequence[str]) -> Dict[str, np.ndarray]:

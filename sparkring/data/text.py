@@ -66,13 +66,18 @@ class Encoder:
             return tok.decode(ids) if tok.decoder is not None else " ".join(tok.id_to_token(i) for i in ids)
         return tok.decode(ids, skip_special_tokens=True)
 
-    def mask_id(self) -> int:
-        """The token that hides a word from a masked language model."""
+    def _special(self, attribute: str, names: Tuple[str, ...]) -> Optional[int]:
+        """A special token's id: the tokenizer's own ``attribute``, else the first of ``names`` it knows."""
         tok = self.tokenizer
-        found = getattr(tok, "mask_token_id", None)
+        found = getattr(tok, attribute, None)
         lookup = getattr(tok, "token_to_id", None) or getattr(tok, "convert_tokens_to_ids", None)
         if found is None and lookup is not None:
-            found = next((i for i in (lookup(n) for n in _MASK_NAMES) if isinstance(i, int)), None)
+            found = next((i for i in (lookup(n) for n in names) if isinstance(i, int)), None)
+        return found
+
+    def mask_id(self) -> int:
+        """The token that hides a word from a masked language model."""
+        found = self._special("mask_token_id", _MASK_NAMES)
         if found is None:
             raise DataError(f"task='masked-lm' needs a mask token: add one of {list(_MASK_NAMES)} to the "
                             "tokenizer's special tokens")
@@ -84,14 +89,7 @@ class Encoder:
 
     def special_ids(self) -> Tuple[int, int]:
         """(end of sequence, padding): the tokenizer's own, else one of the usual token names."""
-        tok = self.tokenizer
-        eos = getattr(tok, "eos_token_id", None)
-        pad = getattr(tok, "pad_token_id", None)
-        lookup = getattr(tok, "token_to_id", None) or getattr(tok, "convert_tokens_to_ids", None)
-        if eos is None and lookup is not None:
-            eos = next((i for i in (lookup(n) for n in _END_NAMES) if isinstance(i, int)), None)
-        if pad is None and lookup is not None:
-            pad = next((i for i in (lookup(n) for n in _PAD_NAMES) if isinstance(i, int)), None)
+        eos, pad = self._special("eos_token_id", _END_NAMES), self._special("pad_token_id", _PAD_NAMES)
         if eos is None:
             raise DataError(f"the tokenizer has no end-of-sequence token: add one of {list(_END_NAMES)} to its "
                             "special tokens (documents are closed by it)")

@@ -76,7 +76,7 @@ class Tuner:
     def fit(self, df: Any) -> TuneResult:
         """Run the trials the study still lacks on ``df``; the result of the whole study."""
         optuna = _optuna()
-        store = _store_of(self.estimator)
+        store = fit_store(self.estimator)  # every trial's, and the study's SQLite file
         study = optuna.create_study(storage=self._storage_url(store), study_name=self.study_name,
                                     direction="minimize" if self.mode == "min" else "maximize",
                                     sampler=self.sampler, pruner=pruner_for(self.pruner), load_if_exists=True)
@@ -129,11 +129,6 @@ class Tuner:
 
         os.makedirs(folder, exist_ok=True)
         return f"sqlite:///{os.path.join(folder, 'study.db')}"
-
-
-def _store_of(estimator: Any) -> Store:
-    """The Store every trial shares (the estimator's, or one temporary Store for the whole study)."""
-    return fit_store(estimator)
 
 
 def _check_space(estimator: Any, space: Space) -> None:

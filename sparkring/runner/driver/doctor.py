@@ -174,8 +174,8 @@ def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0,
     listener = _Listener(facts.driver_host)
     problems: List[Problem] = []
     try:
-        where = None if store is None else (store.url, store.storage_options) if isinstance(store, Store) else (
-            str(store), {})
+        checked = store if isinstance(store, Store) or store is None else Store(str(store))
+        where = None if checked is None else (checked.url, checked.storage_options)
         found = _run_probes(spark, wanted, facts.driver_host, listener.address[1], timeout, where)
     except Exception as exc:  # noqa: BLE001 - the stage itself failing is the finding
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
