@@ -8,7 +8,7 @@ import pyarrow.fs as pafs
 import pytest
 import torch
 
-from sparkring import SparkRingEstimator, Store
+from sparkring import SparkRingEstimator, SparkRingModel, Store
 from sparkring.errors import RankFailedError, StoreError
 from sparkring.trainer.checkpoints import latest
 
@@ -66,6 +66,15 @@ def test_a_checkpoint_upload_cut_short_on_s3_fails_the_fit_naming_the_store_and_
     assert any(f.path.endswith("/MLmodel") for f in found)  # the model's files are in the bucket
     for name, value in resumed.getModel().state_dict().items():
         torch.testing.assert_close(logged.state_dict()[name], value, atol=0, rtol=0)
+    # saved to the bucket and loaded back (the usual AWS variables name the endpoint), it predicts the same
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    resumed.write().save("s3://runs/models/cut")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        resumed.write().save("s3://runs/models/cut")
+    loaded = SparkRingModel.load("s3://runs/models/cut")
+    assert store.listdir("runs/models/cut/metadata") == ["_SUCCESS", "part-00000"]
+    assert [r.prediction for r in loaded.transform(df).collect()] == \
+        [r.prediction for r in resumed.transform(df).collect()]
 
 
 def test_a_sharded_checkpoint_cut_short_on_s3_never_becomes_the_latest(spark, s3, uninterrupted):
