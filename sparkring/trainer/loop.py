@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -182,13 +183,15 @@ class Trainer:
                 loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
                 figures = step.figures(loss, heads, ys, head_losses)
             # the one host sync of a step: whether training may go on decides the step
-            finite = bool(torch.isfinite(figures[0]))
+            finite = math.isfinite(figures[0].item())
             if not finite and not cfg.skip_non_finite:
                 raise NonFiniteLossError(f"non-finite loss {float(figures[0] / figures[1]):g} at epoch {epoch}, "
                                          f"step {i} on rank {rank}")
             # every rank goes through backward (its gradients take part in the allreduce); with
             # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
-            scaled = (loss * weight if weight != 1.0 else loss) / cfg.backward_passes_per_step
+            scaled = loss * weight if weight != 1.0 else loss
+            if cfg.backward_passes_per_step != 1:
+                scaled = scaled / cfg.backward_passes_per_step
             with recorder.span("backward"):
                 step.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
             if (i + 1) % cfg.backward_passes_per_step == 0:

@@ -6,14 +6,15 @@ from typing import Callable, Dict, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-# name -> (per-sample loss fn, label kind)
+# name -> (loss fn(out, y, reduction), label kind): "none" gives per-sample values, "mean" the batch's
 LOSSES: Dict[str, Tuple[Callable, str]] = {
-    "cross_entropy": (lambda out, y: F.cross_entropy(out, y, reduction="none"), "class"),
-    "nll": (lambda out, y: F.nll_loss(out, y, reduction="none"), "class"),
-    "mse": (lambda out, y: F.mse_loss(out, y, reduction="none"), "regression"),
-    "l1": (lambda out, y: F.l1_loss(out, y, reduction="none"), "regression"),
-    "smooth_l1": (lambda out, y: F.smooth_l1_loss(out, y, reduction="none"), "regression"),
-    "bce_with_logits": (lambda out, y: F.binary_cross_entropy_with_logits(out, y, reduction="none"), "binary"),
+    "cross_entropy": (lambda out, y, reduction: F.cross_entropy(out, y, reduction=reduction), "class"),
+    "nll": (lambda out, y, reduction: F.nll_loss(out, y, reduction=reduction), "class"),
+    "mse": (lambda out, y, reduction: F.mse_loss(out, y, reduction=reduction), "regression"),
+    "l1": (lambda out, y, reduction: F.l1_loss(out, y, reduction=reduction), "regression"),
+    "smooth_l1": (lambda out, y, reduction: F.smooth_l1_loss(out, y, reduction=reduction), "regression"),
+    "bce_with_logits": (lambda out, y, reduction: F.binary_cross_entropy_with_logits(out, y, reduction=reduction),
+                        "binary"),
 }
 CLASSIFICATION = ("cross_entropy", "nll", "bce_with_logits")
 # next-token prediction over a row of token ids: labels are the inputs (IGNORED where padding)
@@ -67,21 +68,20 @@ def label_kind(loss) -> str:
     return LOSSES[loss][1] if isinstance(loss, str) else "regression"
 
 
-def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torch.Tensor:
-    """Cast labels as the loss wants them; on the first batch, check shapes and ranges."""
+def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, check: bool) -> torch.Tensor:
+    """Cast labels as the loss wants them; with ``check``, check shapes and class ranges (the
+    step checks the first batch, and every batch where a bad class index is a device-side assert;
+    on the CPU the loss's own IndexError is translated by check_classes)."""
     kind = label_kind(loss)
     if kind == "tokens":
         return y.long()
     if kind == "class":
-        if first and torch.is_floating_point(y) and not torch.equal(y, torch.floor(y)):
+        if check and torch.is_floating_point(y) and not torch.equal(y, torch.floor(y)):
             raise ValueError("labelCol holds non-integral values but loss "
                              f"{loss!r} needs class indices 0..C-1; use a regression loss or index the labels")
         y = y.long().reshape(-1)
-        classes = out.shape[-1] if out.dim() > 1 else 1
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= classes):
-            raise ValueError(f"label value {int(y.max()) if int(y.max()) >= classes else int(y.min())} is out of "
-                             f"range for a model with {classes} outputs (loss {loss!r} needs labels in 0..{classes - 1}); "
-                             "give the model more outputs or re-index the labels")
+        if check:
+            check_classes(y, out, loss)
         return y
     y = y.to(out.dtype) if torch.is_floating_point(out) else y
     if not isinstance(loss, str):
@@ -95,11 +95,23 @@ def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, first: bool) -> torc
     return y
 
 
+def check_classes(y: torch.Tensor, out: torch.Tensor, loss) -> None:
+    """Class indices ``y`` in 0..C-1 for a model with C outputs, else a ValueError with the fix."""
+    if label_kind(loss) != "class" or not y.numel():
+        return
+    classes = out.shape[-1] if out.dim() > 1 else 1
+    low, high = (int(v) for v in torch.aminmax(y.long()))
+    if low < 0 or high >= classes:
+        raise ValueError(f"label value {high if high >= classes else low} is out of "
+                         f"range for a model with {classes} outputs (loss {loss!r} needs labels in 0..{classes - 1}); "
+                         "give the model more outputs or re-index the labels")
+
+
 def per_sample_loss(loss, out: torch.Tensor, y: torch.Tensor) -> Optional[torch.Tensor]:
     """Per-sample losses of a named loss; None for a user callable (it returns a scalar)."""
     if not isinstance(loss, str) or loss in TOKEN_LOSSES:
         return None
-    values = LOSSES[loss][0](out, y)
+    values = LOSSES[loss][0](out, y, "none")
     return values.reshape(values.shape[0], -1).mean(dim=1) if values.dim() > 1 else values
 
 
@@ -108,6 +120,8 @@ def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torc
         if weight is not None:
             raise ValueError(f"sampleWeightCol does not apply to loss {loss!r} (every real token counts once)")
         return causal_lm_loss(out, y) if loss == CAUSAL_LM else masked_lm_loss(out, y)
+    if weight is None and isinstance(loss, str):  # the mean of every element: the per-sample means' mean
+        return LOSSES[loss][0](out, y, "mean")
     values = per_sample_loss(loss, out, y)
     if values is None:
         if weight is not None:

@@ -123,7 +123,7 @@ class PipelineStep:
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         cfg = self.plain.cfg
-        return losses.compute_loss(cfg.losses[0], out, losses.prepare_label(y, out, cfg.losses[0], False), None)
+        return losses.compute_loss(cfg.losses[0], out, losses.prepare_label(y, out, cfg.losses[0], True), None)
 
     def __call__(self, model: Any, batch: Dict[str, Any], where: str, /) -> Outcome:
         cfg = self.plain.cfg

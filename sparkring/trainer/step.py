@@ -94,20 +94,29 @@ class PlainStep:
             with self.autocast():
                 out = losses.tensor_output(model(*args, **kwargs))
                 heads = self._heads(out)
-                ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, self.first)
+                check = self.first or device.type != "cpu"  # a bad class index on a GPU is a device-side assert
+                ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, check)
                       for label, head, loss in zip(labels, heads, cfg.losses)]
                 w = torch.as_tensor(batch[cfg.spec.weight]).to(device) if cfg.spec.weight else None
-                head_losses = [losses.compute_loss(loss, head, y, w) for loss, head, y in zip(cfg.losses, heads, ys)]
+                head_losses = self._losses(heads, ys, w)
         except Exception as exc:
             add_note(exc, f"sparkring: on rank {self.rank}, {where}")
             raise
-        total = head_losses[0] * cfg.loss_weights[0]
+        total = head_losses[0] if cfg.loss_weights[0] == 1.0 else head_losses[0] * cfg.loss_weights[0]
         for weight, value in zip(cfg.loss_weights[1:], head_losses[1:]):
             total = total + weight * value
         if self.output_shapes is None:
             self.output_shapes = [list(h.shape[1:]) for h in heads]
         self.first = False
         return total, heads, ys, head_losses
+
+    def _losses(self, heads, ys, weight) -> List[torch.Tensor]:
+        try:
+            return [losses.compute_loss(loss, head, y, weight) for loss, head, y in zip(self.cfg.losses, heads, ys)]
+        except IndexError:  # a class index out of range past the first batch: said as on the first
+            for loss, head, y in zip(self.cfg.losses, heads, ys):
+                losses.check_classes(y, head, loss)
+            raise
 
     def _heads(self, out) -> List[torch.Tensor]:
         labels = self.cfg.spec.labels
@@ -124,19 +133,24 @@ class PlainStep:
         then log_names()'s values. They stay there: the loop adds them up on the device and
         reads them on the host once per progress report (each read waits for the GPU)."""
         n = heads[0].shape[0]
-
-        def scalar(value) -> torch.Tensor:
-            return torch.as_tensor(value).detach().to(self.device, torch.float64).reshape(()) * n
-
         with torch.no_grad():
-            values = [scalar(total), torch.tensor(float(n), dtype=torch.float64, device=self.device)]
-            if not self.cfg.multi_head:
-                values += [scalar(fn(heads[0].detach(), ys[0])) for fn in self.cfg.metrics.values()]
-            else:
-                for head, y, value in zip(heads, ys, head_losses):
-                    values.append(scalar(value))
-                    values += [scalar(fn(head.detach(), y)) for fn in self.cfg.metrics.values()]
-        return torch.stack(values)
+            means = self._means(total, heads, ys, head_losses)
+            if self.device.type == "cpu":  # a CPU scalar reads without a sync: one small tensor, not a stack
+                return torch.tensor([float(means[0]) * n, float(n), *(float(v) * n for v in means[1:])],
+                                    dtype=torch.float64)
+            rows = torch.tensor(float(n), dtype=torch.float64, device=self.device)
+            sums = [torch.as_tensor(v).detach().to(self.device, torch.float64).reshape(()) * n for v in means]
+            return torch.stack([sums[0], rows, *sums[1:]])
+
+    def _means(self, total, heads, ys, head_losses) -> List[Any]:
+        """The batch's means in figures' order, the row count left out: the loss, then log_names()'s."""
+        values: List[Any] = [total]
+        if not self.cfg.multi_head:
+            return values + [fn(heads[0].detach(), ys[0]) for fn in self.cfg.metrics.values()]
+        for head, y, value in zip(heads, ys, head_losses):
+            values.append(value)
+            values += [fn(head.detach(), y) for fn in self.cfg.metrics.values()]
+        return values
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -55,3 +55,19 @@ def test_validation_figures_read_as_val_loss_and_val_metrics():
     assert step.validation_ended(None, torch.tensor([6.0, 3.0, 1.5], dtype=torch.float64)) == {
         "val_loss": 2.0, "val_first": 0.5}
     assert step.validation_ended(None, torch.zeros(3, dtype=torch.float64)) == {}
+
+
+def test_a_class_index_out_of_range_after_the_first_batch_is_named_as_on_the_first():
+    schema = T.StructType([T.StructField("features", VectorUDT()), T.StructField("label", T.DoubleType())])
+    spec = FeatureSpec.build(schema, features=["features"], labels=["label"])
+    cfg = TrainConfig(model=None, optimizer=None, losses=["cross_entropy"], metrics=metric_fns(None), dataset=None,
+                      store=None, run_id="r", spec=spec, loss_weights=[1.0], batch_size=4, val_batch_size=4,
+                      epochs=1, shuffle=False, seed=0, backward_passes_per_step=1, compression="none",
+                      lr_scaling="none", warmup_epochs=0.0, train_steps=1, val_steps=0, multi_head=False)
+    step, model = PlainStep(cfg, torch.device("cpu"), rank=1), torch.nn.Linear(2, 3)
+    good = {"features": torch.ones(2, 2), "label": torch.tensor([0.0, 2.0])}
+    total, heads, ys, head_losses = step(model, good, "epoch 0, training batch 0")  # checked in full
+    assert step.figures(total, heads, ys, head_losses)[1] == 2.0
+    with pytest.raises(ValueError, match=r"label value 7 is out of range for a model with 3 outputs") as info:
+        step(model, {"features": torch.ones(2, 2), "label": torch.tensor([1.0, 7.0])}, "epoch 2, training batch 5")
+    assert "sparkring: on rank 1, epoch 2, training batch 5" in getattr(info.value, "__notes__", [])
