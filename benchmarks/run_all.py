@@ -650,6 +650,50 @@ def bench_transform(spark, rows, reps, tmp):
                     (n / t_ours) / (20_000 / t_row), "(reference)"))
 
 
+def _lazy(module, name):
+    """A section function from a module imported only when the section runs (its imports are heavy)."""
+    def call(*args):
+        return getattr(__import__(module), name)(*args)
+    return call
+
+
+def _inputs(spark, rows, reps, tmp):
+    bench_sparse(spark, rows, reps)
+    bench_inputs(spark, rows, reps, tmp)
+    bench_recommender_fit(spark, rows, max(1, reps - 1), tmp)
+
+
+# name -> fn(spark, rows, reps, tmp), in the order they run; "fewer" sections (whole fits) take one rep less
+SECTIONS = {
+    "launch": lambda spark, rows, reps, tmp: bench_launch(spark, rows, reps),
+    "distributor": lambda spark, rows, reps, tmp: bench_distributor(spark, rows, reps),
+    "allreduce": lambda spark, rows, reps, tmp: bench_allreduce(spark, rows, reps),
+    "mpi": lambda spark, rows, reps, tmp: bench_mpi(spark, rows, reps),
+    "optimizer": lambda spark, rows, reps, tmp: bench_optimizer(spark, rows, reps),
+    "data": bench_data,
+    "shm": bench_shm,
+    "compat": _lazy("bench_petastorm", "bench_readers"),  # the compat venv only: --only compat
+    "versions": _lazy("bench_versions", "bench_versions"),  # the main venv, with .venv-compat beside it
+    "inputs": _inputs,
+    "store": _lazy("bench_store", "bench_store"),
+    "training": None,  # needs --train-rows: bound in main()
+    "speed": bench_speed,
+    "sharding": bench_sharding,
+    "model_parallel": bench_model_parallel,
+    "elastic": _lazy("bench_elastic", "bench_elastic"),
+    "autoscaling": lambda spark, rows, reps, tmp: _lazy("bench_elastic", "bench_autoscaling")(rows, tmp),
+    "text": _lazy("bench_text", "bench_text"),
+    "tune": _lazy("bench_tune", "bench_tune"),
+    "transform": bench_transform,
+    "connect": bench_connect,  # last: pyspark stays in "Connect mode" once a remote session existed
+}
+FEWER_REPS = {"training", "sharding", "model_parallel", "elastic", "text", "tune"}
+# the order of BENCHMARKS.md's table
+TABLE_ORDER = ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
+               "versions", "inputs", "training", "store", "speed", "sharding", "model_parallel", "elastic",
+               "autoscaling", "text", "tune", "transform")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,speed,sharding,"
@@ -672,10 +716,7 @@ def main():
         with open(results_path, "w") as f:
             json.dump(saved, f, indent=1)
         all_rows = []
-        for name in ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
-                     "versions", "inputs",
-                     "training", "store", "speed", "sharding", "model_parallel", "elastic", "autoscaling", "text", "tune",
-                     "transform"):
+        for name in TABLE_ORDER:
             for d in saved.get(name, []):
                 row = Row.__new__(Row)
                 row.__dict__.update(d)
@@ -695,110 +736,15 @@ def main():
               "the raw rows; `--only SECTION` reruns one section. The `reader=` rows come from the compat environment "
               "(`.venv-compat/bin/python benchmarks/run_all.py --only compat`; small and noisy); the `versions` row "
               "runs fit() in each environment's own interpreter.")
+    sections = dict(SECTIONS, training=lambda spark, rows, reps, tmp: bench_training(spark, rows, reps, tmp,
+                                                                                        args.train_rows))
     try:
-        for name, fn in (("launch", bench_launch), ("distributor", bench_distributor), ("allreduce", bench_allreduce), ("mpi", bench_mpi),
-                         ("optimizer", bench_optimizer)):
+        for name, run in sections.items():
             if name in only:
                 print(f"== {name}", flush=True)
                 rows = []
-                fn(spark, rows, args.reps)
+                run(spark, rows, max(1, args.reps - 1) if name in FEWER_REPS else args.reps, tmp)
                 done(name, rows)
-        if "data" in only:
-            print("== data", flush=True)
-            rows = []
-            bench_data(spark, rows, args.reps, tmp)
-            done("data", rows)
-        if "shm" in only:
-            print("== shm", flush=True)
-            rows = []
-            bench_shm(spark, rows, args.reps, tmp)
-            done("shm", rows)
-        if "compat" in only:  # the compat venv only: .venv-compat/bin/python benchmarks/run_all.py --only compat
-            from bench_petastorm import bench_readers
-
-            print("== compat", flush=True)
-            rows = []
-            bench_readers(spark, rows, args.reps, tmp)
-            done("compat", rows)
-        if "versions" in only:  # the main venv, with .venv-compat beside it
-            from bench_versions import bench_versions
-
-            print("== versions", flush=True)
-            rows = []
-            bench_versions(spark, rows, args.reps, tmp)
-            done("versions", rows)
-        if "inputs" in only:
-            print("== inputs", flush=True)
-            rows = []
-            bench_sparse(spark, rows, args.reps)
-            bench_inputs(spark, rows, args.reps, tmp)
-            bench_recommender_fit(spark, rows, max(1, args.reps - 1), tmp)
-            done("inputs", rows)
-        if "store" in only:
-            from bench_store import bench_store
-
-            print("== store", flush=True)
-            rows = []
-            bench_store(spark, rows, args.reps, tmp)
-            done("store", rows)
-        if "training" in only:
-            print("== training", flush=True)
-            rows = []
-            bench_training(spark, rows, max(1, args.reps - 1), tmp, args.train_rows)
-            done("training", rows)
-        if "speed" in only:
-            print("== speed", flush=True)
-            rows = []
-            bench_speed(spark, rows, args.reps, tmp)
-            done("speed", rows)
-        if "sharding" in only:
-            print("== sharding", flush=True)
-            rows = []
-            bench_sharding(spark, rows, max(1, args.reps - 1), tmp)
-            done("sharding", rows)
-        if "model_parallel" in only:
-            print("== model_parallel", flush=True)
-            rows = []
-            bench_model_parallel(spark, rows, max(1, args.reps - 1), tmp)
-            done("model_parallel", rows)
-        if "elastic" in only:
-            from bench_elastic import bench_elastic
-
-            print("== elastic", flush=True)
-            rows = []
-            bench_elastic(spark, rows, max(1, args.reps - 1), tmp)
-            done("elastic", rows)
-        if "autoscaling" in only:
-            from bench_elastic import bench_autoscaling
-
-            print("== autoscaling", flush=True)
-            rows = []
-            bench_autoscaling(rows, tmp)
-            done("autoscaling", rows)
-        if "text" in only:
-            from bench_text import bench_text
-
-            print("== text", flush=True)
-            rows = []
-            bench_text(spark, rows, max(1, args.reps - 1), tmp)
-            done("text", rows)
-        if "tune" in only:
-            from bench_tune import bench_tune
-
-            print("== tune", flush=True)
-            rows = []
-            bench_tune(spark, rows, max(1, args.reps - 1), tmp)
-            done("tune", rows)
-        if "transform" in only:
-            print("== transform", flush=True)
-            rows = []
-            bench_transform(spark, rows, args.reps, tmp)
-            done("transform", rows)
-        if "connect" in only:  # last: pyspark stays in "Connect mode" once a remote session existed
-            print("== connect", flush=True)
-            rows = []
-            bench_connect(spark, rows, args.reps, tmp)
-            done("connect", rows)
     finally:
         spark.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -98,11 +98,12 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
 
     def _fit_text(self, dataset):
         """Tokenize textCol on the executors, fit on the token columns, add the language-model figures."""
-        layout = text.text_layout(self, dataset, checks.model_shape(self))
+        shape = checks.model_shape(self)  # a factory's model built once, under the meta device
+        layout = text.text_layout(self, dataset, shape)
         if self.getOrDefault("store") is not None:  # before tokenizing: no Spark job for a Store out of reach
             checks.fit_store(self).check_writable()
         tokenized, counts = tokenize(dataset, Encoder(self.getOrDefault("tokenizer")), layout)
-        figures = text.TokenFigures(mean_tokens(counts), text.parameters(self.getOrDefault("model")),
+        figures = text.TokenFigures(mean_tokens(counts), sum(p.numel() for p in shape.parameters()),
                                     self.getOrDefault("peakFlops"), self.getOrDefault("task") != text.CLASSIFY)
         try:
             on_tokens = self.copy({self.getParam(name): value for name, value in text.token_params(self, layout).items()})

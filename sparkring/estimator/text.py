@@ -137,13 +137,6 @@ def merged(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model).merge_and_unload()  # type: ignore[operator]
 
 
-def parameters(model: Any) -> int:
-    if isinstance(model, torch.nn.Module):
-        return sum(p.numel() for p in model.parameters())
-    with torch.device("meta"):
-        return sum(p.numel() for p in model().parameters())
-
-
 @dataclass(frozen=True)
 class TokenFigures:
     """How a text fit's row figures become its token figures: ``per_row`` real tokens a row on

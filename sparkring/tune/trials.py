@@ -151,6 +151,7 @@ class TrialRuns:
     def begin(self, trial: Any) -> None:
         """Optuna's ``trial`` begins on this thread (its objective's), which fits it next."""
         self.mine.trial = trial
+        self.mine.index = None  # its fit's index in fitMultiple, once start() has it
 
     def start(self, index: int) -> Dict[Any, Any]:
         """Fit ``index`` of fitMultiple begins on this thread: its param map, from this thread's trial."""
@@ -165,7 +166,7 @@ class TrialRuns:
         fs, root = fsspec.core.url_to_fs(url, **store.storage_options)
         judge = Judge(trial, fs, root, self.lock)
         self.running[index] = (trial, judge)
-        self.mine.judge = judge
+        self.mine.index = index
         self._begin_mlflow(trial, params)
         with contextlib.suppress(Exception):  # Spark Connect: no SparkContext, no pools
             self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", f"sparkring-trial-{trial.number}")
@@ -196,20 +197,20 @@ class TrialRuns:
     def failed(self, exc: BaseException) -> None:
         """This thread's trial raised: FAIL with its error (Optuna records it); the study goes on."""
         trial = self.mine.trial
-        self._stop_judge(trial)
+        self._stop_judge()
         trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
         self._end(trial, "FAIL", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 
     def interrupted(self) -> None:
         """This thread's trial was interrupted with the tuner: FAIL, not counted (a later run redoes it)."""
         trial = self.mine.trial
-        self._stop_judge(trial)
+        self._stop_judge()
         trial.set_user_attr("interrupted", True)
         self._end(trial, "FAIL", "interrupted")
 
     def _end(self, trial: Any, state: str, why: str) -> None:
         log.info("trial %d: %s (%s)", trial.number, state, why)
-        self.mine.trial = None
+        self.mine.trial = self.mine.index = None
         self._end_mlflow(state)
 
     def forget_interrupted(self) -> None:
@@ -218,11 +219,11 @@ class TrialRuns:
             self.study.tell(trial.number, state=_state("FAIL"))
             log.info("trial %d of an earlier run was left running: marked FAIL and not counted", trial.number)
 
-    def _stop_judge(self, trial: Any) -> None:
-        for index, (running, judge) in list(self.running.items()):
-            if running.number == trial.number:
-                judge.stop()
-                self.running.pop(index, None)
+    def _stop_judge(self) -> None:
+        """This thread's fit ended without finished(): its judge stops answering."""
+        entry = self.running.pop(self.mine.index, None) if self.mine.index is not None else None
+        if entry is not None:
+            entry[1].stop()
 
     def _keep_if_best(self, value: float, number: int, model: Any) -> None:
         """The study's best model so far, kept in memory (``save_best`` writes it once, at the end)."""

@@ -69,7 +69,7 @@ def test_six_trials_two_at_a_time_prune_a_diverging_rate_record_a_failure_and_ke
     # ASHA compares trials once one has finished: a rate that diverges stops before its last epoch
     pruned = [r for r in rows.values() if r.state == "PRUNED"]
     assert pruned and all(r.params["lr"] >= 30 and r.epochs < 4 for r in pruned)
-    assert rows[5].state == "FAIL" and "this trial's model is broken" in rows[5].error
+    assert rows[5].state == "FAIL" and "forward fails on purpose" in rows[5].error
     complete = [r for r in rows.values() if r.state == "COMPLETE"]
     best = min(complete, key=lambda r: r.metric)
     assert result.best_params == best.params and result.best_params["lr"] < 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -189,14 +188,14 @@ def _task_slots(facts: SessionFacts, use_gpu: bool, resources: StageResources) -
     local-cluster's executors hold (None elsewhere: Spark refuses a barrier stage it cannot place)."""
     if resources.profile is None:
         return facts.gpu_slots if use_gpu else facts.slots
-    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", facts.master)
-    if not cluster:
+    if facts.local_cluster is None:
         return None
+    executors, cores = facts.local_cluster
     cpus = profile_task_amounts(resources.profile)[0] or facts.task_cpus
-    per_executor = int(cluster.group(2)) // cpus
+    per_executor = cores // cpus
     if resources.task_gpus > 0:
         per_executor = min(per_executor, int(facts.executor_gpus // resources.task_gpus))
-    return int(cluster.group(1)) * per_executor
+    return executors * per_executor
 
 
 def _check_slots(spark, facts: SessionFacts, use_gpu: bool, resources: StageResources, num_proc: Optional[int],

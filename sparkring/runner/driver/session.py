@@ -100,6 +100,21 @@ class SessionFacts:
         """Every task runs on this machine (local or local-cluster)."""
         return self.local or self.master.startswith("local-cluster")
 
+    @property
+    def local_cluster(self) -> Optional[Tuple[int, int]]:
+        """local-cluster[E, C, M]'s (executors E, cores C of each); None for any other master."""
+        return local_cluster_shape(self.master)
+
+
+def local_cluster_shape(master: str) -> Optional[Tuple[int, int]]:
+    """(executors, cores per executor) of a ``local-cluster[E, C, M]`` master URL, else None.
+
+    >>> local_cluster_shape("local-cluster[2, 1, 1024]")
+    (2, 1)
+    """
+    m = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
 
 def _local_cores(master: str) -> Optional[int]:
     m = re.fullmatch(r"local(?:\[(\*|\d+)(?:\s*,\s*\d+)?\])?", master)
@@ -237,14 +252,14 @@ def session_facts(spark) -> SessionFacts:
     script = _conf(spark, "spark.driver.resource.gpu.discoveryScript") if local and connect else None
 
     cores = _local_cores(master)
-    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    cluster = local_cluster_shape(master)
     if cores is not None:
         local_slots = cores // task_cpus
         slots: Optional[int] = local_slots
         known_gpus = len(driver_gpus) if not connect else int(driver_gpu_amount)
         gpu_slots: Optional[int] = min(local_slots, int(known_gpus // (task_gpus or 1)))
     elif cluster:
-        executors, per_exec = int(cluster.group(1)), int(cluster.group(2))
+        executors, per_exec = cluster
         slots = executors * (per_exec // task_cpus)
         gpu_slots = min(slots, executors * int(executor_gpus // task_gpus)) if task_gpus > 0 else 0
     else:
