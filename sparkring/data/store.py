@@ -75,6 +75,8 @@ class Store:
             path_or_url = tempfile.mkdtemp(prefix="sparkring-store-")
             atexit.register(_remove_if_mine, path_or_url, os.getpid())
         path_or_url = str(path_or_url)
+        if path_or_url.startswith("file:/") and not path_or_url.startswith("file://"):
+            path_or_url = "file://" + path_or_url[len("file:"):]  # Hadoop's file:/tmp/x, as Spark users write it
         if "://" not in path_or_url:
             path_or_url = os.path.abspath(os.path.expanduser(path_or_url))
         self.url = path_or_url

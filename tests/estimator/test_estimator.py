@@ -202,7 +202,8 @@ def test_model_and_estimator_save_and_load_round_trip(spark, store, tmp_path):
     df = H.classification_df(spark)
     est = _estimator(store, epochs=2, metrics={"first": H.first_value})
     model = est.fit(df)
-    model.write().overwrite().save(str(tmp_path / "model"))
+    model.write().overwrite().save(f"file:{tmp_path / 'model'}")  # Hadoop's spelling, as Spark users write it
+    assert (tmp_path / "model" / "metadata" / "part-00000").is_file()  # Spark's layout, where the path says
     loaded = SparkRingModel.load(str(tmp_path / "model"))
     assert loaded.history == model.history
     a = [r.probability for r in model.transform(df).orderBy("id").collect()]
