@@ -120,20 +120,23 @@ def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torc
         if weight is not None:
             raise ValueError(f"sampleWeightCol does not apply to loss {loss!r} (every real token counts once)")
         return causal_lm_loss(out, y) if loss == CAUSAL_LM else masked_lm_loss(out, y)
-    if weight is None and isinstance(loss, str):  # the mean of every element: the per-sample means' mean
-        return LOSSES[loss][0](out, y, "mean")
-    values = per_sample_loss(loss, out, y)
-    if values is None:
-        if weight is not None:
-            raise ValueError("sampleWeightCol needs a named loss (per-sample values to weight)")
-        result = loss(out, y)
-        if not isinstance(result, torch.Tensor) or result.dim() != 0:
-            raise ValueError("a loss callable must return a scalar tensor (reduce with .mean())")
-        return result
-    if weight is None:
-        return values.mean()
-    weight = weight.to(values.dtype).reshape(-1)
-    return (values * weight).sum() / weight.sum().clamp_min(1e-12)
+    if isinstance(loss, str):
+        try:
+            if weight is None:  # the mean of every element: the per-sample means' mean
+                return LOSSES[loss][0](out, y, "mean")
+            values = per_sample_loss(loss, out, y)
+        except IndexError:  # a class index out of range where no check ran: said as the check says it
+            check_classes(y, out, loss)
+            raise
+        assert values is not None
+        weight = weight.to(values.dtype).reshape(-1)
+        return (values * weight).sum() / weight.sum().clamp_min(1e-12)
+    if weight is not None:
+        raise ValueError("sampleWeightCol needs a named loss (per-sample values to weight)")
+    result = loss(out, y)
+    if not isinstance(result, torch.Tensor) or result.dim() != 0:
+        raise ValueError("a loss callable must return a scalar tensor (reduce with .mean())")
+    return result
 
 
 def predictions(loss, out: torch.Tensor) -> Dict[str, torch.Tensor]:

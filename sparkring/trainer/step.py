@@ -98,7 +98,7 @@ class PlainStep:
                 ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, check)
                       for label, head, loss in zip(labels, heads, cfg.losses)]
                 w = torch.as_tensor(batch[cfg.spec.weight]).to(device) if cfg.spec.weight else None
-                head_losses = self._losses(heads, ys, w)
+                head_losses = [losses.compute_loss(loss, head, y, w) for loss, head, y in zip(cfg.losses, heads, ys)]
         except Exception as exc:
             add_note(exc, f"sparkring: on rank {self.rank}, {where}")
             raise
@@ -109,14 +109,6 @@ class PlainStep:
             self.output_shapes = [list(h.shape[1:]) for h in heads]
         self.first = False
         return total, heads, ys, head_losses
-
-    def _losses(self, heads, ys, weight) -> List[torch.Tensor]:
-        try:
-            return [losses.compute_loss(loss, head, y, weight) for loss, head, y in zip(self.cfg.losses, heads, ys)]
-        except IndexError:  # a class index out of range past the first batch: said as on the first
-            for loss, head, y in zip(self.cfg.losses, heads, ys):
-                losses.check_classes(y, head, loss)
-            raise
 
     def _heads(self, out) -> List[torch.Tensor]:
         labels = self.cfg.spec.labels
