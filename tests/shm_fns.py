@@ -169,6 +169,18 @@ def rank_is_late(delay, straight_to_the_ring=False):
     return on_shared_memory()
 
 
+def waiting_cpu_share(delay):
+    """Rank 0's CPU seconds over wall seconds while it waits at the ring for rank 1, ``delay``
+    seconds late."""
+    sr.allreduce(torch.ones(10), op=sr.Sum)
+    x = torch.ones(10)
+    if sr.rank() == 1:
+        time.sleep(delay)
+    cpu, wall = time.thread_time(), time.perf_counter()
+    state.backend._host_ring.allreduce(x, x, "sum")
+    return (time.thread_time() - cpu) / (time.perf_counter() - wall), x.tolist() == [2.0] * 10
+
+
 def bandwidth(nbytes, reps):
     """Seconds per allreduce of ``nbytes`` of float32 (median of ``reps``)."""
     x = torch.ones(nbytes // 4)

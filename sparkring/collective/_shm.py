@@ -10,8 +10,11 @@ and raises its arrival flag; each rank reduces its 1/local_size slice of the chu
 slots into the result area (numpy ufuncs on the calling thread, in rank order, so every rank
 gets bitwise the same result) and raises its reduced flag; with several hosts the host's
 leader allreduces the result with the other leaders; every rank copies the result out. The
-flags are int64 words in the segment, waited on by spinning then yielding — never a message
-per chunk. A rank that is done copying out starts the next chunk's copy-in at once (its slot
+flags are int64 words in the segment, never a message per chunk; a rank raising one also bumps
+its own 32-bit bell word and wakes whoever sleeps on it, and a rank waiting for a flag spins a
+little, then sleeps on the bell of the rank it waits for (a futex): with more busy threads than
+cores (a data-decoding thread beside each rank) a waiting rank frees its core instead of
+spinning on it. A rank that is done copying out starts the next chunk's copy-in at once (its slot
 is free: every rank has reduced), overlapping the slower ranks' copy-out. Small same-shaped
 allgathers (the cross-rank argument check before every public collective) use the slots too.
 The segment's name is unlinked as soon as every local rank has mapped it: nothing is left in
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HorovodInternalError
-from . import environment
+from . import _futex, environment
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,11 @@ _COMBINE: Dict[str, Callable[..., torch.Tensor]] = {"sum": torch.add, "min": tor
 _NUMPY_COMBINE = {"sum": np.add, "min": np.minimum, "max": np.maximum, "product": np.multiply}
 _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
            torch.int32, torch.int64}
-_SPINS_BEFORE_YIELD = 200
+_SPINS_BEFORE_SLEEP = 50  # ~50-100 us: a peer that is nearly there is not slept on
+_SLEEP_S = 0.05  # the longest sleep on a bell between looks at the flags
 _PEER_CHECK_S = 0.2
+_BELLS = 2048  # byte offset of the int32 bell words in the header; the int64 flags come before
+_MAX_LOCAL_RANKS = (_BELLS // 8 - 1) // 2
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,10 @@ def unusable_reason(local_size: int, chunk_bytes: int = CHUNK_BYTES) -> Optional
     """Why this host cannot run the shared-memory allreduce, or None."""
     if os.environ.get(environment.SHM, "1").strip().lower() in ("0", "false", "off", "no"):
         return f"{environment.SHM}=0"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"{platform.machine()} orders stores weakly; the shared-memory path is x86-64 only"
+    if platform.machine().lower() not in ("x86_64", "amd64") or not _futex.available():
+        return f"{platform.machine()} orders stores weakly; the shared-memory path is x86-64 Linux only"
+    if local_size > _MAX_LOCAL_RANKS:
+        return f"{local_size} ranks on one host: the shared-memory ring takes at most {_MAX_LOCAL_RANKS}"
     try:
         st = os.statvfs(SHM_DIR)
     except OSError as exc:
@@ -113,7 +121,9 @@ class HostRing:
                  peer_pids: List[int], timeout_s: float, chunk_bytes: int, hosts: int):
         self._mm = mm
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
-        self._flags = np.frombuffer(mm, dtype=np.int64, count=_HEADER // 8)
+        self._flags = np.frombuffer(mm, dtype=np.int64, count=_BELLS // 8)
+        self._bells = np.frombuffer(mm, dtype=np.int32, count=local_size, offset=_BELLS)
+        self._bell_at = self._bells.ctypes.data
         # numpy views of the slots and result area per dtype, made once: building torch views
         # and their .numpy() per chunk cost more than copying a 1 MB chunk
         self._np_areas: Dict[np.dtype, List[np.ndarray]] = {}
@@ -216,7 +226,7 @@ class HostRing:
             self._generation += 1
             g = self._generation
             np.copyto(areas[me][:m], src[start:start + m])
-            self._flags[self._arrived.start + me] = g
+            self._raise(self._arrived.start + me, g)
             self._wait(self._arrived, g, "arrive")
             lo, hi = m * me // n, m * (me + 1) // n
             if hi > lo:
@@ -225,7 +235,7 @@ class HostRing:
                     combine(areas[0][lo:hi], areas[1][lo:hi], out=result)
                     for k in range(2, n):
                         combine(result, areas[k][lo:hi], out=result)
-            self._flags[self._reduced.start + me] = g
+            self._raise(self._reduced.start + me, g)
             self._wait(self._reduced, g, "reduce")
             if self._leader_group is not None:
                 self._cross_hosts(g, op, torch.from_numpy(areas[n][:m]))
@@ -241,7 +251,7 @@ class HostRing:
             self._generation += 1
             g = self._generation
             self._area(me, m, source.dtype).copy_(source[start:start + m])
-            self._flags[self._arrived.start + me] = g
+            self._raise(self._arrived.start + me, g)
             self._wait(self._arrived, g, "arrive")
             lo, hi = m * me // n, m * (me + 1) // n
             if hi > lo:
@@ -250,7 +260,7 @@ class HostRing:
                 combine(parts[0], parts[1], out=result)
                 for k in range(2, n):
                     combine(result, parts[k], out=result)
-            self._flags[self._reduced.start + me] = g
+            self._raise(self._reduced.start + me, g)
             self._wait(self._reduced, g, "reduce")
             if self._leader_group is not None:
                 self._cross_hosts(g, op, self._area(n, m, source.dtype))
@@ -262,7 +272,7 @@ class HostRing:
         leaders; the other local ranks wait for it."""
         if self._is_leader:
             dist.all_reduce(result, op=_REDUCE_OPS[op], group=self._leader_group)
-            self._flags[self._crossed] = generation
+            self._raise(self._crossed, generation)
         else:
             self._wait(slice(self._crossed, self._crossed + 1), generation, "cross-host allreduce")
 
@@ -283,11 +293,11 @@ class HostRing:
             g = self._generation
             if me == root:
                 np.copyto(area[:m], data[start:start + m])
-                self._flags[self._arrived.start + me] = g
+                self._raise(self._arrived.start + me, g)
             else:
                 self._wait(slice(self._arrived.start + root, self._arrived.start + root + 1), g, "broadcast")
                 np.copyto(data[start:start + m], area[:m])
-            self._flags[self._reduced.start + me] = g  # read: the area may be written again
+            self._raise(self._reduced.start + me, g)  # read: the area may be written again
             self._wait(self._reduced, g, "broadcast")
         if work.data_ptr() != tensor.data_ptr():
             with torch.no_grad():
@@ -311,13 +321,13 @@ class HostRing:
         else:
             areas = self._np_views(flat.numpy().dtype)
             np.copyto(areas[self.local_rank][:k], flat.numpy())
-        self._flags[self._arrived.start + self.local_rank] = g
+        self._raise(self._arrived.start + self.local_rank, g)
         self._wait(self._arrived, g, "allgather")
         if flat.dtype == torch.bfloat16:
             out = [self._area(j, k, flat.dtype).clone().view(tensor.shape) for j in range(self.local_size)]
         else:
             out = [torch.from_numpy(areas[j][:k].copy()).view(tensor.shape) for j in range(self.local_size)]
-        self._flags[self._reduced.start + self.local_rank] = g  # read: the slots may be written again
+        self._raise(self._reduced.start + self.local_rank, g)  # read: the slots may be written again
         self._wait(self._reduced, g, "allgather")
         return out
 
@@ -331,11 +341,11 @@ class HostRing:
             self._generation += 1
             g = self._generation
             self._area(me, m, shard.dtype).copy_(shard[start:start + m])
-            self._flags[self._arrived.start + me] = g
+            self._raise(self._arrived.start + me, g)
             self._wait(self._arrived, g, "all-gather")
             for j in range(n):
                 out[j * k + start:j * k + start + m].copy_(self._area(j, m, shard.dtype))
-            self._flags[self._reduced.start + me] = g  # read: the slots may be written again
+            self._raise(self._reduced.start + me, g)  # read: the slots may be written again
             self._wait(self._reduced, g, "all-gather")
 
     def reduce_scatter_sum(self, full: torch.Tensor, out: torch.Tensor) -> None:
@@ -351,35 +361,52 @@ class HostRing:
             g = self._generation
             mine = self._area(me, n * m, full.dtype).view(n, m)
             mine.copy_(full.view(n, k)[:, start:start + m])
-            self._flags[self._arrived.start + me] = g
+            self._raise(self._arrived.start + me, g)
             self._wait(self._arrived, g, "reduce-scatter")
             target = out[start:start + m]
             torch.add(self._area(0, n * m, full.dtype).view(n, m)[me], self._area(1, n * m, full.dtype).view(n, m)[me],
                       out=target)
             for j in range(2, n):
                 target.add_(self._area(j, n * m, full.dtype).view(n, m)[me])
-            self._flags[self._reduced.start + me] = g
+            self._raise(self._reduced.start + me, g)
             self._wait(self._reduced, g, "reduce-scatter")
+
+    def _raise(self, word: int, generation: int) -> None:
+        """Set this rank's flag ``word`` to ``generation``, then ring this rank's bell."""
+        self._flags[word] = generation
+        me = self.local_rank
+        self._bells[me] = (int(self._bells[me]) + 1) & 0x7FFFFFFF  # only this rank writes its bell
+        _futex.wake(self._bell_at + 4 * me)
+
+    def _writer(self, word: int) -> int:
+        """The local rank that raises flag ``word``: arrived[k] and reduced[k] are rank k's,
+        crossed is the leader's (local rank 0)."""
+        n = self.local_size
+        return word if word < n else word - n if word < 2 * n else 0
 
     def _wait(self, words: slice, generation: int, phase: str) -> None:
         flags = self._flags[words]
         if (flags >= generation).all():
             return
-        spins = 0
         started = time.monotonic()
         checked = started
-        while not (flags >= generation).all():
-            spins += 1
-            if spins > _SPINS_BEFORE_YIELD:
-                os.sched_yield()
-                now = time.monotonic()
-                if now - checked > _PEER_CHECK_S:
-                    checked = now
-                    self._check_peers(phase)
-                    if now - started > self._timeout_s:
-                        raise HorovodInternalError(
-                            f"shared-memory allreduce: waited {self._timeout_s:.0f}s at '{phase}' for a local rank "
-                            "(collective timeout)")
+        while True:
+            for _ in range(_SPINS_BEFORE_SLEEP):
+                if (flags >= generation).all():
+                    return
+            behind = int(np.argmin(flags >= generation))
+            writer = self._writer(words.start + behind)
+            bell = int(self._bells[writer])
+            if flags[behind] < generation:  # read after the bell: a raise since then changed it
+                _futex.wait(self._bell_at + 4 * writer, bell, _SLEEP_S)
+            now = time.monotonic()
+            if now - checked > _PEER_CHECK_S:
+                checked = now
+                self._check_peers(phase)
+                if now - started > self._timeout_s:
+                    raise HorovodInternalError(
+                        f"shared-memory allreduce: waited {self._timeout_s:.0f}s at '{phase}' for a local rank "
+                        "(collective timeout)")
 
     def _check_peers(self, phase: str) -> None:
         for pid, started in zip(self._peer_pids, self._peer_starts):
@@ -390,6 +417,7 @@ class HostRing:
 
     def close(self) -> None:
         self._flags = None  # type: ignore[assignment]
+        self._bells = None  # type: ignore[assignment]
         self._bytes = None  # type: ignore[assignment]
         try:
             self._mm.close()

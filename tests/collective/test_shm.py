@@ -102,6 +102,14 @@ def test_a_late_rank_within_the_timeout_is_waited_for_and_past_it_raises(shm_lef
     assert kind == "error" and "HorovodInternalError: shared-memory allreduce: waited 2s at 'arrive'" in tb, tb
 
 
+def test_a_rank_waiting_at_the_ring_for_a_late_peer_sleeps_instead_of_spinning(shm_left_as_found):
+    # with more busy threads than cores (a decoding thread beside each rank) a spinning waiter
+    # would take the core its late peer needs
+    (share, summed), (_, peer_summed) = spawn_ranks("shm_fns", "waiting_cpu_share", 2, timeout=60, delay=1.0)
+    assert summed and peer_summed
+    assert share < 0.2, f"the waiting rank used {share:.0%} of a core"
+
+
 def test_any_rank_that_cannot_use_shared_memory_sends_every_rank_through_gloo(shm_left_as_found, capfd):
     results = spawn_ranks("shm_fns", "every_op_and_dtype", 2, timeout=240, rank_env={1: {"SPARKRING_SHM": "0"}})
     assert [on_shm for on_shm, _ in results] == [False, False]
