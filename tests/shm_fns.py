@@ -181,6 +181,23 @@ def waiting_cpu_share(delay):
     return (time.thread_time() - cpu) / (time.perf_counter() - wall), x.tolist() == [2.0] * 10
 
 
+def async_ops_in_other_orders():
+    """Named async allreduces queued in a different order on each rank, then synchronized;
+    the results, and how many times the negotiation fell back to gloo's all_gather_object."""
+    import torch.distributed as dist
+
+    sr.init()
+    calls = []
+    real = dist.all_gather_object
+    dist.all_gather_object = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    names = ["a", "b", "c"] if sr.rank() == 0 else ["c", "a", "b"]
+    tensors = {n: torch.full((5,), float(sr.rank() + i)) for i, n in enumerate(sorted(names))}
+    handles = {n: sr.allreduce_async_(tensors[n], op=sr.Sum, name=n) for n in names}
+    results = {n: sr.synchronize(h).tolist() for n, h in handles.items()}
+    dist.all_gather_object = real
+    return results, len(calls)
+
+
 def bandwidth(nbytes, reps):
     """Seconds per allreduce of ``nbytes`` of float32 (median of ``reps``)."""
     x = torch.ones(nbytes // 4)

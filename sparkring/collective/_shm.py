@@ -331,6 +331,19 @@ class HostRing:
         self._wait(self._reduced, g, "allgather")
         return out
 
+    def allgather_bytes(self, data: bytes) -> Optional[List[bytes]]:
+        """Every local rank's ``data`` in rank order (one host only), or None on every rank
+        when the longest does not fit one slot (then the caller takes another path): the
+        negotiation of Horovod's async operations pickles what each rank has queued."""
+        sizes = self.allgather(torch.tensor([len(data)], dtype=torch.int64))
+        longest = max(int(n) for n in sizes)
+        if longest > self._chunk:
+            return None
+        mine = torch.zeros(max(1, longest), dtype=torch.uint8)
+        if data:
+            mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return [part[:int(n)].numpy().tobytes() for part, n in zip(self.allgather(mine), sizes)]
+
     # -- FSDP2's exchanges (one host): each rank moves about its input's bytes, not an allreduce's
     def all_gather_into(self, shard: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (local_size x the flat ``shard``) gets every local rank's shard in rank order."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import pickle
 from typing import Any, List, Optional
 
 import torch
@@ -313,6 +314,11 @@ class TorchBackend(Backend):
         return box[0]
 
     def allgather_object(self, obj):
+        ring = self.single_host_ring()
+        if ring is not None:  # a few shared-memory copies, not a gloo round trip of milliseconds
+            parts = ring.allgather_bytes(pickle.dumps(obj))
+            if parts is not None:
+                return [pickle.loads(part) for part in parts]
         out: List[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self._cpu_group or self._group)
         return out

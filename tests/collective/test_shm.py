@@ -110,6 +110,15 @@ def test_a_rank_waiting_at_the_ring_for_a_late_peer_sleeps_instead_of_spinning(s
     assert share < 0.2, f"the waiting rank used {share:.0%} of a core"
 
 
+def test_async_operations_in_other_orders_negotiate_through_shared_memory(shm_left_as_found):
+    # Horovod's async calls meet in a negotiation round; on one host it takes the segment (a few
+    # copies), not gloo's pickled all_gather_object (milliseconds a round)
+    results = spawn_ranks("shm_fns", "async_ops_in_other_orders", 2, timeout=60)
+    for values, gloo_rounds in results:
+        assert values == {"a": [1.0] * 5, "b": [3.0] * 5, "c": [5.0] * 5}
+        assert gloo_rounds == 0
+
+
 def test_any_rank_that_cannot_use_shared_memory_sends_every_rank_through_gloo(shm_left_as_found, capfd):
     results = spawn_ranks("shm_fns", "every_op_and_dtype", 2, timeout=240, rank_env={1: {"SPARKRING_SHM": "0"}})
     assert [on_shm for on_shm, _ in results] == [False, False]
