@@ -93,8 +93,10 @@ def unusable_reason(local_size: int, chunk_bytes: int = CHUNK_BYTES) -> Optional
     """Why this host cannot run the shared-memory allreduce, or None."""
     if os.environ.get(environment.SHM, "1").strip().lower() in ("0", "false", "off", "no"):
         return f"{environment.SHM}=0"
-    if platform.machine().lower() not in ("x86_64", "amd64") or not _futex.available():
-        return f"{platform.machine()} orders stores weakly; the shared-memory path is x86-64 Linux only"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{platform.machine()} orders stores weakly; the shared-memory path is x86-64 only"
+    if not _futex.available():
+        return f"{platform.system()} has no futex to sleep on; the shared-memory path is Linux only"
     if local_size > _MAX_LOCAL_RANKS:
         return f"{local_size} ranks on one host: the shared-memory ring takes at most {_MAX_LOCAL_RANKS}"
     try:
