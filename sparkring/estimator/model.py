@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import io
-import threading
-import uuid
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import cloudpickle
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -17,7 +14,6 @@ from pyspark.ml.util import MLReadable, MLWritable
 from ..data import DataError, FeatureSpec, petastorm_codecs
 from ..data.text import Encoder
 from ..errors import ConfigurationError
-from ..runner import to_bytes
 from ..runner.gpus import device_ordinal
 from ..trainer import losses
 from ..trainer.lightning import inference_call
@@ -25,46 +21,11 @@ from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 from .phases import FitPhases
+from .shipping import Shipments
 from .text import merged
 from .text_inference import TextInference, TextPredictor
 
 _OUT = "__sparkring_out"
-_worker_models: Dict[Tuple[str, str], torch.nn.Module] = {}  # (transform, device) -> model
-_worker_lock = threading.Lock()
-
-
-class _InlineBytes:
-    """The model's bytes carried in the UDF's closure, where a session has no broadcast
-    variables (Spark Connect: the closure travels in the plan, up to the server's gRPC
-    message limit, spark.connect.grpc.maxInboundMessageSize, 128 MiB by default)."""
-
-    def __init__(self, value: bytes):
-        self.value = value
-
-
-def _ship(spark, data: bytes):
-    """A broadcast variable on classic sessions, the bytes themselves on Spark Connect."""
-    from ..runner.driver.session import is_connect
-
-    return _InlineBytes(data) if is_connect(spark) else spark.sparkContext.broadcast(data)
-
-
-def _load_on_worker(key: str, broadcast, device: torch.device) -> torch.nn.Module:
-    """Deserialize the model once per Python worker and device, and reuse it for every batch
-    and task; the oldest transform's copies go (and their GPU memory with them)."""
-    with _worker_lock:
-        model = _worker_models.get((key, str(device)))
-        if model is None:
-            model = cloudpickle.loads(broadcast.value)
-            model.eval()
-            model.to(device)
-            while len(_worker_models) >= 2:
-                gone = _worker_models.pop(next(iter(_worker_models)))
-                if next(iter(gone.parameters()), torch.zeros(0)).is_cuda:
-                    del gone
-                    torch.cuda.empty_cache()
-            _worker_models[(key, str(device))] = model
-        return model
 
 
 def task_device(use_gpu: Optional[bool]) -> torch.device:
@@ -123,6 +84,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         self.phases: Optional[FitPhases] = None  # where the fit's wall time went (not saved)
         self.featureSpec: Optional[FeatureSpec] = None
         self.outputShapes: Optional[List[List[int]]] = None
+        self._shipments = Shipments()  # shared with copies: the same module ships once
 
     def getModel(self) -> torch.nn.Module:
         """The trained torch module (rank 0's weights, on CPU).
@@ -214,12 +176,12 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         from pyspark.sql.functions import pandas_udf
 
         recipe = self._text_inference(dataset)
-        broadcast = _ship(dataset.sparkSession, to_bytes(self.getModel()))
-        key, use_gpu, batch = uuid.uuid4().hex, self.getOrDefault("useGpu"), self.getOrDefault("inferenceBatchSize")
+        shipped = self._shipments.ship(dataset.sparkSession, self.getModel())
+        use_gpu, batch = self.getOrDefault("useGpu"), self.getOrDefault("inferenceBatchSize")
 
         def values(texts: pd.Series) -> List[Any]:
             device = task_device(use_gpu)
-            model = _load_on_worker(key, broadcast, device)
+            model = shipped.load(device)
             docs = [str(t) for t in texts]
             return [v for start in range(0, len(docs), batch) for v in recipe.run(model, device, docs[start:start + batch])]
 
@@ -271,13 +233,12 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
-        broadcast = _ship(spark, to_bytes(self.getModel()))
-        key = uuid.uuid4().hex
+        shipped = self._shipments.ship(spark, self.getModel())
         use_gpu = self.getOrDefault("useGpu")
 
         def forward(arrays: Sequence[pa.Array]) -> List[np.ndarray]:
             device = task_device(use_gpu)
-            return predictor.forward(_load_on_worker(key, broadcast, device), device, arrays)
+            return predictor.forward(shipped.load(device), device, arrays)
 
         inputs = [c.spark_column() for c in predictor.spec.columns]
         arrow_udf = getattr(F, "arrow_udf", None)

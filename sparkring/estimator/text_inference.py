@@ -1,7 +1,8 @@
 """transform() of a model fitted on a text column, one batch of documents at a time on the
-executors: generate (greedy or sampled continuations, left padding, the KV cache), embed (the
-last hidden state mean-pooled over real tokens), score (each row's loss and perplexity), or a
-sequence classifier's predict (each document's most likely class)."""
+executors: generate (greedy or sampled continuations, left padding, the KV cache; a Llama's greedy
+continuations by greedy_decoding), embed (the last hidden state mean-pooled over real tokens),
+score (each row's loss and perplexity), or a sequence classifier's predict (each document's most
+likely class)."""
 from __future__ import annotations
 
 import math
@@ -12,6 +13,7 @@ import pandas as pd
 import torch
 
 from ..data.text import Encoder
+from .greedy_decoding import GreedyLlama
 
 MODES = ("predict", "generate", "embed", "score")
 DEFAULT_GENERATION = {"max_new_tokens": 16, "do_sample": False}
@@ -77,11 +79,16 @@ class TextInference:
     def _generate(self, model: torch.nn.Module, device: torch.device, texts: List[str]) -> List[str]:
         ids, mask = self._batch(texts, left=True, device=device)
         settings = {**DEFAULT_GENERATION, **self.generation}
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask,  # type: ignore[operator]
-                                 pad_token_id=self.pad_id, eos_token_id=self.eos_id, use_cache=True, **settings)
+        greedy = GreedyLlama.for_model(model, settings)
+        if greedy is not None and bool(mask.any(-1).all()):  # an empty prompt takes generate()'s positions
+            new = greedy.generate(ids, mask, settings["max_new_tokens"], self.eos_id, self.pad_id)
+        else:
+            with torch.no_grad():
+                new = model.generate(input_ids=ids, attention_mask=mask,  # type: ignore[operator]
+                                     pad_token_id=self.pad_id, eos_token_id=self.eos_id, use_cache=True,
+                                     **settings)[:, ids.shape[1]:]
         return [self.encoder.decode([t for t in row.tolist() if t not in (self.pad_id, self.eos_id)])
-                for row in out[:, ids.shape[1]:].cpu()]
+                for row in new.cpu()]
 
 
 def _decoder(model: torch.nn.Module) -> torch.nn.Module:

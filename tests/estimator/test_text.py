@@ -120,6 +120,29 @@ def test_transform_generates_embeds_and_scores_text_and_the_tokenizer_survives_s
     assert [r.prediction for r in again] == generated
 
 
+def test_transform_ships_the_model_once_and_again_when_its_weights_change(spark, fitted_lm):
+    import copy
+
+    from sparkring.estimator.shipping import Shipments
+
+    net = copy.deepcopy(fitted_lm.getModel())
+    shipments = Shipments()
+    first = shipments.ship(spark, net)
+    assert shipments.ship(spark, net) is first  # unchanged weights: the executors keep their copy
+    generating = fitted_lm.copy({fitted_lm.getParam("model"): net, fitted_lm.getParam("inference"): "generate"})
+    prompts = spark.createDataFrame([("the big cat",), ("the small dog",)], ["text"])
+    before = [r.prediction for r in generating.transform(prompts).collect()]
+    assert [r.prediction for r in generating.transform(prompts).collect()] == before
+    with torch.no_grad():
+        net.lm_head.weight.neg_()  # the least likely token comes first now
+    assert shipments.ship(spark, net) is not first
+    after = [r.prediction for r in generating.transform(prompts).collect()]
+    assert after != before
+    fresh = fitted_lm.copy({fitted_lm.getParam("model"): copy.deepcopy(net),
+                            fitted_lm.getParam("inference"): "generate"})
+    assert [r.prediction for r in fresh.transform(prompts).collect()] == after
+
+
 def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(spark, tokenizer, tmp_path):
     from peft import LoraConfig
 

@@ -1,0 +1,102 @@
+"""The fitted model's weights on the executors for transform(): shipped once per session while the
+weights are unchanged, deserialized once per Python worker and device."""
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import cloudpickle
+import torch
+
+from ..runner import to_bytes
+
+logger = logging.getLogger(__name__)
+
+_worker_models: Dict[Tuple[str, str], torch.nn.Module] = {}  # (shipment, device) -> model
+_worker_lock = threading.Lock()
+
+
+class _InlineBytes:
+    """The model's bytes carried in the UDF's closure, where a session has no broadcast
+    variables (Spark Connect: the closure travels in the plan, up to the server's gRPC
+    message limit, spark.connect.grpc.maxInboundMessageSize, 128 MiB by default)."""
+
+    def __init__(self, value: bytes):
+        self.value = value
+
+
+@dataclass(frozen=True)
+class ShippedModel:
+    """The model's bytes where the executors read them, and the key its workers keep it under.
+
+    >>> shipped = Shipments().ship(spark, net)  # doctest: +SKIP
+    >>> shipped.load(torch.device("cpu"))  # on an executor: the module, in eval mode  # doctest: +SKIP
+    """
+
+    key: str
+    carrier: Any  # a Broadcast, or _InlineBytes on Spark Connect
+
+    def load(self, device: torch.device) -> torch.nn.Module:
+        """Deserialize the model once per Python worker and device, and reuse it for every
+        batch, task and transform() of this shipment; the oldest shipment's copies go (and
+        their GPU memory with them)."""
+        with _worker_lock:
+            model = _worker_models.get((self.key, str(device)))
+            if model is None:
+                model = cloudpickle.loads(self.carrier.value)
+                model.eval()
+                model.to(device)
+                while len(_worker_models) >= 2:
+                    gone = _worker_models.pop(next(iter(_worker_models)))
+                    if next(iter(gone.parameters()), torch.zeros(0)).is_cuda:
+                        del gone
+                        torch.cuda.empty_cache()
+                _worker_models[(self.key, str(device))] = model
+            return model
+
+
+def weights_version(model: torch.nn.Module) -> Tuple:
+    """What changes when the module's weights do: each tensor's storage and in-place version
+    (an optimizer step, load_state_dict or a no_grad update bumps it; a write through ``.data``
+    does not, which is why the Model docs say to set the model anew after such a change)."""
+    return tuple((name, t.data_ptr(), t._version) for name, t in model.state_dict(keep_vars=True).items())
+
+
+class Shipments:
+    """The last shipment of one fitted model's weights, reused by transform() calls on the same
+    session while the weights are unchanged (a stream's micro-batches, a pipeline scored again).
+
+    >>> shipments = Shipments(); a = shipments.ship(spark, net); b = shipments.ship(spark, net)  # doctest: +SKIP
+    >>> a is b  # doctest: +SKIP
+    True
+    """
+
+    def __init__(self) -> None:
+        self._last: Optional[Tuple[Any, torch.nn.Module, Tuple, ShippedModel]] = None
+        self._lock = threading.Lock()
+
+    def ship(self, spark, model: torch.nn.Module) -> ShippedModel:
+        """The model's shipment for ``spark``: the last one if its weights are unchanged."""
+        from ..runner.driver.session import is_connect
+
+        version = weights_version(model)
+        with self._lock:
+            if self._last is not None:
+                last_spark, last_model, last_version, shipped = self._last
+                if last_spark is spark and last_model is model and last_version == version:
+                    return shipped
+            data = to_bytes(model)
+            carrier = _InlineBytes(data) if is_connect(spark) else spark.sparkContext.broadcast(data)
+            shipped = ShippedModel(uuid.uuid4().hex, carrier)
+            logger.debug("shipped the model to the executors (%d bytes, key %s)", len(data), shipped.key)
+            self._last = (spark, model, version, shipped)
+            return shipped
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {}  # a pickled copy of the model ships its weights anew
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
