@@ -89,7 +89,8 @@ class GreedyLlama:
         causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
         # a padding position attends to itself only, so no softmax row is empty
         allowed = (causal & keep[:, None, None, :width]) | torch.eye(width, dtype=torch.bool, device=ids.device)
-        logits = self._forward(ids, positions, allowed, cache, 0)
+        rotary = self._rotary(width + max_new_tokens, ids.device)
+        logits = self._forward(ids, positions, allowed, cache, 0, rotary)
         new = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=ids.device)
         ended = torch.zeros(batch, dtype=torch.bool, device=ids.device)
         next_position = positions[:, -1:] + 1
@@ -101,17 +102,17 @@ class GreedyLlama:
                 return new[:, :step + 1]
             keep[:, width + step] = True
             logits = self._forward(token[:, None], next_position, keep[:, None, None, :width + step + 1], cache,
-                                   width + step)
+                                   width + step, rotary)
             next_position = next_position + 1
         return new
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache: "_KVCache",
-                 start: int) -> torch.Tensor:
+                 start: int, rotary: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The last position's logits of ``ids`` at ``positions``, their keys and values written to
         the cache from column ``start``."""
         batch, length = ids.shape
         x = F.embedding(ids, self.embedding)
-        cos, sin = self._rotary(positions, x.dtype)
+        cos, sin = (table[positions].to(x.dtype)[:, None] for table in rotary)
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attention_norm)
             q = self._rotate(F.linear(h, layer.q).view(batch, length, self.heads, -1).transpose(1, 2), cos, sin)
@@ -127,18 +128,23 @@ class GreedyLlama:
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # LlamaRMSNorm: normalized in float32, scaled by the weight in the model's dtype
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
-    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.float()
+    def _rotary(self, length: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0..length-1 in float32 (as LlamaRotaryEmbedding computes
+        them), sin negated in its first half so that rotating half a vector is one roll."""
+        freqs = torch.arange(length, device=device)[:, None].float() * self.inv_freq.float().to(device)
         angles = torch.cat((freqs, freqs), dim=-1)
-        return ((angles.cos() * self.rope_scale).to(dtype)[:, None],
-                (angles.sin() * self.rope_scale).to(dtype)[:, None])
+        half = angles.shape[-1] // 2
+        sign = torch.cat((-torch.ones(half, device=device), torch.ones(half, device=device)))
+        return angles.cos() * self.rope_scale, angles.sin() * self.rope_scale * sign
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        # x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x2, x1) = roll(x) with x2 negated
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 @dataclass
