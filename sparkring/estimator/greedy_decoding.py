@@ -7,7 +7,7 @@ cache objects, the 4-D mask rebuilt every step, logits processors and stopping c
 weights (no copies), reproduces ``LlamaForCausalLM``'s arithmetic op for op (RMSNorm in float32,
 rotary embedding, scaled dot-product attention, SwiGLU), and stops rows at end of sequence as
 ``generate()`` does; anything it does not cover (sampling, beams, penalties, other architectures,
-rope scaling, biases, a LoRA wrapper) goes to ``generate()``.
+rope scaling, biases, attention other than sdpa, a LoRA wrapper) goes to ``generate()``.
 """
 from __future__ import annotations
 
@@ -178,6 +178,9 @@ def _not_covered(model: Any, settings: Dict[str, Any]) -> str:
         return "biases in attention or MLP"
     if getattr(config, "hidden_act", "silu") != "silu" or (getattr(config, "pretraining_tp", 1) or 1) != 1:
         return f"hidden_act={config.hidden_act!r}, pretraining_tp={config.pretraining_tp}"
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention != "sdpa":  # the same attention kernel as the model's, for the same rounding
+        return f"attention implementation {attention!r} (this loop runs sdpa's)"
     generation = getattr(model, "generation_config", None)
     effective = {**(generation.to_diff_dict() if generation is not None else {}), **settings}
     other = sorted(k for k in effective if k not in _GREEDY_SETTINGS)

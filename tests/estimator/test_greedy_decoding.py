@@ -37,9 +37,9 @@ def _generated(model, ids, mask, new_tokens, eos=EOS):
     return out[:, ids.shape[1]:]
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_greedy_decoding_returns_the_tokens_generate_returns_for_left_padded_prompts(kv_heads):
-    model = _llama(kv_heads)
+@pytest.mark.parametrize("kv_heads,dtype", [(4, torch.float32), (2, torch.float32), (2, torch.bfloat16)])
+def test_greedy_decoding_returns_the_tokens_generate_returns_for_left_padded_prompts(kv_heads, dtype):
+    model = _llama(kv_heads).to(dtype)
     ids, mask = _left_padded([3, 9, 1, 6, 9])
     decoder = GreedyLlama.for_model(model, {"max_new_tokens": 12, "do_sample": False})
     assert decoder is not None
@@ -81,6 +81,7 @@ def test_models_it_does_not_reproduce_are_left_to_generate():
     scaled = _llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     assert GreedyLlama.for_model(scaled, {"max_new_tokens": 8}) is None
     assert GreedyLlama.for_model(_llama(attention_bias=True), {"max_new_tokens": 8}) is None
+    assert GreedyLlama.for_model(_llama(attn_implementation="eager"), {"max_new_tokens": 8}) is None
     torch.manual_seed(0)
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
