@@ -1,6 +1,11 @@
 """Ranks as plain processes on the runner's environment contract, for tests that need
 more ranks than the Spark sessions have slots (or no Spark at all). A watchdog turns a
-hang into a failure and no rank outlives the call."""
+hang into a failure and no rank outlives the call.
+
+Ranks fork from a server that imported torch and sparkring.collective once (multiprocessing's
+forkserver): a rank starts in a fraction of a second instead of importing torch for ~2 s, which
+over the ~150 rings the suite starts is minutes of CI. Nothing there has run a collective or an
+OpenMP region; each rank gets the caller's environment, working directory, stdout and stderr as spawn gives them."""
 import importlib
 import multiprocessing
 import os
@@ -8,6 +13,7 @@ import pickle
 import queue as queue_module
 import socket
 import traceback
+from multiprocessing import reduction
 
 
 class RankError(AssertionError):
@@ -19,13 +25,41 @@ class RankError(AssertionError):
         super().__init__(f"rank {rank} raised:\n{tb}")
 
 
-def _rank_entry(rank, size, port, module, fn_name, kwargs, queue, rank_env):
+# what the fork server imports once; a rank imports its test module itself
+PRELOAD = ["torch", "sparkring.collective"]
+
+
+class _CallersFd:
+    """One of the caller's file descriptors, sent along with the rank (the fork server's
+    descriptor passing): where the caller's stdout and stderr point now, capfd's file in a test."""
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup):
+    return dup.detach()
+
+
+def _rank_entry(rank, size, port, module, fn_name, kwargs, queue, rank_env, environ, stdio):
+    for target, fd in zip((1, 2), stdio):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
+    os.environ.update(environ)
     os.environ.update(SPARKRING_RANK=str(rank), SPARKRING_SIZE=str(size), SPARKRING_MASTER_ADDR="127.0.0.1",
                       SPARKRING_MASTER_PORT=str(port), SPARKRING_BACKEND="gloo", GLOO_SOCKET_IFNAME="lo",
                       OMP_NUM_THREADS="1")
     os.environ.update((rank_env or {}).get(rank, {}))
+    import torch
+
     import sparkring.collective as sr
 
+    # OpenMP read OMP_NUM_THREADS when the server loaded torch: what this rank's environment says
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     fn = getattr(importlib.import_module(module), fn_name)
     sr.init()
     try:
@@ -42,9 +76,13 @@ def _start(module, fn_name, size, kwargs, rank_env=None):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_entry, args=(r, size, port, module, fn_name, kwargs, queue, rank_env))
+    environ = dict(os.environ)
+    stdio = (_CallersFd(1), _CallersFd(2))
+    procs = [ctx.Process(target=_rank_entry,
+                         args=(r, size, port, module, fn_name, kwargs, queue, rank_env, environ, stdio))
              for r in range(size)]
     for p in procs:
         p.start()
