@@ -75,6 +75,9 @@ bench: java $(STAMP)
 PACK ?= dist/sparkring-env.tar.gz
 PACK_VENV ?= build/pack-venv
 PACK_LEVEL ?= 4
+# Left out of the archive (a third of its size): pyspark's jars (executors run their cluster's own
+# Spark; the JVM is never started from the archive) and torch's C++ test binaries.
+PACK_EXCLUDE ?= lib/python*/site-packages/pyspark/jars/* lib/python*/site-packages/torch/test/*
 pack: $(STAMP)
 	rm -rf $(PACK_VENV)
 	mkdir -p $(dir $(PACK_VENV))
@@ -82,7 +85,8 @@ pack: $(STAMP)
 	$(PYTHON) -m venv --copies $(PACK_VENV)
 	$(PACK_VENV)/bin/python -m pip install -q -c $(PACK_VENV).versions . $(PACK_EXTRA)
 	mkdir -p $(dir $(PACK))
-	$(VENV)/bin/venv-pack -q --force --compress-level $(PACK_LEVEL) -p $(PACK_VENV) -o $(PACK)
+	$(VENV)/bin/venv-pack -q --force --compress-level $(PACK_LEVEL) $(foreach p,$(PACK_EXCLUDE),--exclude '$(p)') \
+	  -p $(PACK_VENV) -o $(PACK)
 	@echo "packed $(PACK): spark-submit --archives $(PACK)#environment --conf spark.pyspark.python=./environment/bin/python ..."
 
 clean:
