@@ -13,16 +13,20 @@ BENCH_ARGS ?=
 
 .PHONY: test test-compat lint demo bench java clean gpu-check pack docs
 
+# Each venv compiles the checkout once (where PYTHONDONTWRITEBYTECODE is set, every Python process
+# of a run would compile it again; a module edited later is recompiled in memory, never read stale).
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,mpi,text,tune,s3]' 'moto[server]'
+	$(PY) -m compileall -q sparkring tests examples benchmarks conftest.py >/dev/null
 	touch $(STAMP)
 
 $(STAMP_COMPAT): pyproject.toml constraints-compat.txt Makefile
 	$(PYTHON) -m venv $(VENV_COMPAT)
 	$(PY_COMPAT) -m pip install -q --upgrade pip
 	$(PY_COMPAT) -m pip install -q -c constraints-compat.txt -e '.[test,mpi,petastorm]' opencv-python-headless
+	$(PY_COMPAT) -m compileall -q sparkring tests examples benchmarks conftest.py >/dev/null
 	touch $(STAMP_COMPAT)
 
 java:

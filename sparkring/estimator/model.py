@@ -182,8 +182,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         def values(texts: pd.Series) -> List[Any]:
             device = task_device(use_gpu)
             model = shipped.load(device)
-            docs = [str(t) for t in texts]
-            return [v for start in range(0, len(docs), batch) for v in recipe.run(model, device, docs[start:start + batch])]
+            return recipe.run(model, device, list(texts), batch)
 
         def infer(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
             for texts in batches:

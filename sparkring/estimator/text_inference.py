@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pandas as pd
 import torch
@@ -39,10 +39,20 @@ class TextInference:
         return {"generate": "string", "embed": "array<double>", "score": "struct<loss:double,perplexity:double>",
                 "predict": "double"}[self.mode]
 
-    def run(self, model: torch.nn.Module, device: torch.device, texts: List[str]) -> List[Any]:
-        """One value per document, as ``spark_type`` says."""
+    def run(self, model: torch.nn.Module, device: torch.device, texts: Sequence[str],
+            batch_size: Optional[int] = None) -> List[Any]:
+        """One value per document, as ``spark_type`` says, ``batch_size`` documents a forward pass
+        (all at once by default); generation settles once which decoding loop runs them."""
+        size = max(1, batch_size or len(texts))
+        settings = {**DEFAULT_GENERATION, **self.generation}
+        greedy = GreedyLlama.for_model(model, settings) if self.mode == "generate" else None
+        return [value for start in range(0, len(texts), size)
+                for value in self._run_batch(model, device, [str(t) for t in texts[start:start + size]], greedy)]
+
+    def _run_batch(self, model: torch.nn.Module, device: torch.device, texts: List[str],
+                   greedy: Optional[GreedyLlama]) -> List[Any]:
         if self.mode == "generate":
-            return self._generate(model, device, texts)
+            return self._generate(model, device, texts, greedy)
         with torch.no_grad():
             # documents were closed by end of sequence in training: scoring and classifying see them so
             ids, mask = self._batch(texts, left=False, device=device, close=self.mode in ("score", "predict"))
@@ -76,10 +86,10 @@ class TextInference:
             mask[i, span] = 1
         return ids.to(device), mask.to(device)
 
-    def _generate(self, model: torch.nn.Module, device: torch.device, texts: List[str]) -> List[str]:
+    def _generate(self, model: torch.nn.Module, device: torch.device, texts: List[str],
+                  greedy: Optional[GreedyLlama]) -> List[str]:
         ids, mask = self._batch(texts, left=True, device=device)
         settings = {**DEFAULT_GENERATION, **self.generation}
-        greedy = GreedyLlama.for_model(model, settings)
         if greedy is not None and bool(mask.any(-1).all()):  # an empty prompt takes generate()'s positions
             new = greedy.generate(ids, mask, settings["max_new_tokens"], self.eos_id, self.pad_id)
         else:
@@ -113,7 +123,5 @@ class TextPredictor:
 
     def predict_pandas(self, model: torch.nn.Module, device: torch.device, frame: pd.DataFrame) -> pd.DataFrame:
         texts = frame[self.column] if self.column in frame.columns else frame.iloc[:, 0]
-        docs = [str(t) for t in texts]
-        values = [v for start in range(0, len(docs), self.batch_size)
-                  for v in self.recipe.run(model, device, docs[start:start + self.batch_size])]
+        values = self.recipe.run(model, device, list(texts), self.batch_size)
         return pd.DataFrame({self.prediction: values}, index=frame.index)
