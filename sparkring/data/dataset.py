@@ -10,7 +10,6 @@ from . import reader, reuse
 from .petastorm_reader import check_reader, petastorm_row_groups
 from .reader import (
     RowSelector,
-    SplitMemory,
     arrow_row_groups,
     as_torch,
     decoded_pieces,
@@ -26,6 +25,7 @@ from .reader import (
     whole_groups,
 )
 from .spec import FeatureSpec
+from .split_memory import SharedBuffer, SplitLayout, SplitMemory, layout_columns
 from .transform import transformed
 
 METADATA_FILE = "_sparkring_metadata.json"
@@ -237,10 +237,8 @@ class Dataset:
         cols = list(columns) if columns is not None else list(self.columns)
         memory = self._memory_for("train", cols, cache=True)
         assert memory is not None
-        units = self._units("train")
-        for _ in decoded_pieces(self._row_groups("arrow", "train", cols), [(p, rg, 0, n) for p, rg, n in units],
-                                memory):
-            pass  # decoded once per process; later epochs and runs read the memory
+        # decoded once per process (per host where the ranks share it); later epochs read the memory
+        memory.fill_every(self._row_groups("arrow", "train", cols))
         total = memory.total // global_batch
         last = total if steps is None else min(total, start_step + steps)
         order = (np.random.default_rng([seed, epoch, 104_729]).permutation(memory.total) if shuffle
@@ -293,6 +291,37 @@ class Dataset:
         full = f"{self.data_dir}/{path}"
         local = self.store.local_path(full)
         return open_parquet(local) if local is not None else pq.ParquetFile(self.store.fs.open_input_file(full))
+
+    def memory_layouts(self, splits: Sequence[str], cache: Optional[bool] = None) -> List[Optional[SplitLayout]]:
+        """Where each split's decoded rows (every column) would sit in one buffer, for the splits
+        this process would hold in memory (``cache`` as in batches: None holds what fits in
+        reader.MEMORY_BYTES, in this order) when every column's row shape is known before
+        decoding; None for the others.
+
+        >>> ds.memory_layouts(["train", "val"])[0].nbytes  # doctest: +SKIP
+        264000128
+        """
+        columns = layout_columns(self.spec, self.columns)
+        held = sum(m.total * row_bytes(self.spec, list(k[1])) for k, m in self._memory.items())
+        out: List[Optional[SplitLayout]] = []
+        for split in splits:
+            units = self._units(split)
+            wanted = sum(u[2] for u in units) * row_bytes(self.spec, self.columns)
+            if columns is None or not units or cache is False or (cache is None and held + wanted > reader.MEMORY_BYTES):
+                out.append(None)
+                continue
+            held += wanted
+            out.append(SplitLayout.of(sum(u[2] for u in units), len(units), columns))
+        return out
+
+    def share_memory(self, split: str, buffer: SharedBuffer) -> None:
+        """Hold ``split``'s decoded rows (every column) in ``buffer``, a segment laid out by
+        memory_layouts that this host's other ranks map too: a row group one of them decodes
+        serves all (see sparkring.data.split_memory).
+
+        >>> ds.share_memory("train", SharedBuffer(segment.mm, segment.fd, layout))  # doctest: +SKIP
+        """
+        self._memory[(split, tuple(self.columns))] = SplitMemory(self._units(split), shared=buffer)
 
     def _memory_for(self, split: str, cols: List[str], cache: Optional[bool]) -> Optional[SplitMemory]:
         """The split's in-memory arrays for ``cols`` (made on first use), or None."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .spec import TENSOR, DataError, FeatureSpec, flat_values, to_numpy
+from .split_memory import Piece, RowGroupSlices, SplitMemory, Unit
 
 # What one reader (one rank) keeps decoded in memory: a split decoded for later epochs, and
 # the largest share shuffled as one window.
@@ -30,9 +30,6 @@ MEMORY_BYTES = 1 << 30
 # torch warns on each one (a catch_warnings per batch costs as much as the batch itself).
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
-Unit = Tuple[str, int, int]  # (file, row group, rows)
-
-
 def plan_rows(total: int, batch_size: int, rank: int, size: int, drop_last: bool) -> Tuple[int, int]:
     """(first row, row count) of ``rank``'s share of one epoch's row order."""
     if drop_last:
@@ -40,48 +37,6 @@ def plan_rows(total: int, batch_size: int, rank: int, size: int, drop_last: bool
         return rank * per_rank, per_rank
     base, extra = divmod(total, size)
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
-
-
-@dataclass
-class Piece:
-    """Rows ``lo:hi`` of one row group, decoded; ``start`` is where they sit in the split's
-    in-memory arrays (None when the split is not held in memory)."""
-
-    arrays: Dict[str, np.ndarray]
-    rows: int
-    start: Optional[int]
-
-
-class SplitMemory:
-    """A split's row groups decoded into one contiguous array per column, in storage order."""
-
-    def __init__(self, units: Sequence[Unit]):
-        self.offsets: Dict[Tuple[str, int], int] = {}
-        total = 0
-        for path, rg, n in units:
-            self.offsets[(path, rg)] = total
-            total += n
-        self.total = total
-        self.arrays: Dict[str, np.ndarray] = {}
-        self.filled: set = set()
-
-    def holds(self, key: Tuple[str, int]) -> bool:
-        return key in self.filled
-
-    def fill(self, key: Tuple[str, int], arrays: Dict[str, np.ndarray], at: int = 0) -> None:
-        """Rows ``at:`` of row group ``key`` (``complete`` says when all of it is there)."""
-        start = self.offsets[key] + at
-        for c, a in arrays.items():
-            if c not in self.arrays:
-                self.arrays[c] = np.empty((self.total,) + a.shape[1:], dtype=a.dtype)
-            self.arrays[c][start:start + len(a)] = a
-
-    def complete(self, key: Tuple[str, int]) -> None:
-        self.filled.add(key)
-
-    def view(self, key: Tuple[str, int], lo: int, hi: int) -> Piece:
-        start = self.offsets[key] + lo
-        return Piece({c: a[start:start + hi - lo] for c, a in self.arrays.items()}, hi - lo, start)
 
 
 def row_bytes(spec: FeatureSpec, cols: Sequence[str]) -> int:
@@ -107,8 +62,6 @@ def share(units: Sequence[Unit], first: int, count: int) -> List[Tuple[str, int,
 
 # Reads one row group's columns as numpy arrays of rows: (path, row group index) -> arrays.
 RowGroupReader = Callable[[str, int], Dict[str, np.ndarray]]
-# The same in consecutive slices of rows: (path, row group index) -> arrays of each slice, in order.
-RowGroupSlices = Callable[[str, int], Iterator[Dict[str, np.ndarray]]]
 
 SLICE_BYTES = 8 << 20  # decoded bytes of one slice (a prepared copy's row group is about as big)
 
@@ -220,27 +173,21 @@ def _source_column(column, col, integral: bool, path: str) -> np.ndarray:
 def decoded_pieces(read_slices: RowGroupSlices, pieces: Sequence[Tuple[str, int, int, int]],
                    memory: Optional[SplitMemory]) -> Iterator[Piece]:
     """Each piece (rows ``lo:hi`` of a row group) as the slices that hold it, each as soon as it
-    is decoded: from memory when the split holds the row group; filling the memory otherwise
-    (the whole row group, for later epochs), or stopping at ``hi`` without memory."""
+    is decoded: through the split's memory (see SplitMemory.pieces), or without memory decoding
+    up to ``hi``."""
     for path, rg, lo, hi in pieces:
-        key = (path, rg)
-        if memory is not None and memory.holds(key):
-            yield memory.view(key, lo, hi)
+        if memory is not None:
+            yield from memory.pieces((path, rg), lo, hi, read_slices)
             continue
         at = 0
         for arrays in read_slices(path, rg):
             n = len(next(iter(arrays.values()))) if arrays else 0
-            if memory is not None:
-                memory.fill(key, arrays, at)
             first, last = max(lo, at), min(hi, at + n)
             if first < last:
-                yield (memory.view(key, first, last) if memory is not None
-                       else Piece({c: a[first - at:last - at] for c, a in arrays.items()}, last - first, None))
+                yield Piece({c: a[first - at:last - at] for c, a in arrays.items()}, last - first, None)
             at += n
-            if memory is None and at >= hi:
+            if at >= hi:
                 break
-        if memory is not None:
-            memory.complete(key)
 
 
 def in_order(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str]) -> Iterator[Dict[str, np.ndarray]]:

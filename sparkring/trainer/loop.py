@@ -31,6 +31,7 @@ from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
 from .measure import StepClock, state_bytes
 from .placement import TrainerState, placement_for
+from .shared_rows import share_rows_on_host
 from .step import Step
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class Trainer:
         self.state_sizes = (0, 0)  # (parameters + optimizer state, gradients) in bytes, at the epoch's last update
         # float16 needs its loss scaled; bfloat16 has float32's range and does not
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "16-mixed" else None
+        # a host's ranks decode each row group once between them (the segments live as long as the fit)
+        self.shared_rows = share_rows_on_host(cfg.dataset, cache=True if cfg.elastic is not None else None)
         self.workers = 0
         if cfg.transform_fn is not None:
             self.workers = (cfg.reader_workers if cfg.reader_workers is not None
