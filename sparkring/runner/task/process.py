@@ -85,6 +85,11 @@ class ForkedWorker:
 
         import sparkring.collective  # noqa: F401
 
+        try:  # rank 0 of a fit writes TensorBoard scalars where it is installed (0.2 s to import)
+            import torch.utils.tensorboard  # noqa: F401
+        except Exception:  # noqa: BLE001 - optional; its own import errors are the rank's to meet
+            pass
+
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         inherited = open_files()
