@@ -458,18 +458,25 @@ def _process_start(pid: int) -> Optional[str]:
     return None if fields[0] in ("Z", "X", "x") else fields[19]
 
 
-def _segment(name: str, nbytes: int, create: bool) -> mmap.mmap:
-    """Map the segment ``name`` (creating it with every page reserved: a full /dev/shm then
-    fails here, not with SIGBUS at the first copy)."""
+def segment_fd(name: str, nbytes: int, create: bool) -> int:
+    """A descriptor of segment ``name`` in SHM_DIR, created with every page reserved (a full
+    /dev/shm then fails here, not with SIGBUS at the first copy)."""
     path = os.path.join(SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    if create:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+    return fd
+
+
+def _segment(name: str, nbytes: int, create: bool) -> mmap.mmap:
+    """Map the segment ``name`` (see segment_fd)."""
+    fd = segment_fd(name, nbytes, create)
     try:
-        if create:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError:
-                os.unlink(path)
-                raise
         return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)

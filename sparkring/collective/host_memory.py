@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from . import _runtime, basics
-from ._shm import SHM_DIR, HostLayout, host_id
+from ._shm import SHM_DIR, HostLayout, host_id, segment_fd
 
 logger = logging.getLogger(__name__)
 
@@ -116,17 +116,9 @@ def _map_leaders(names: List[Optional[str]], made: List[Optional[HostSegment]], 
 
 
 def _map(name: str, nbytes: int, create: bool, local_rank: int, local_size: int) -> HostSegment:
-    """Map segment ``name``, creating it with every page reserved (a full /dev/shm fails here, not
-    with SIGBUS at the first write)."""
-    path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    """Map segment ``name``, keeping its descriptor for the claims' locks."""
+    fd = segment_fd(name, nbytes, create)
     try:
-        if create:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError:
-                os.unlink(path)
-                raise
         return HostSegment(mmap.mmap(fd, nbytes), fd, nbytes, local_rank, local_size)
     except BaseException:
         os.close(fd)
