@@ -124,14 +124,14 @@ class _Sessions:
             builder = (builder.config("spark.driver.resource.gpu.amount", "2")
                        .config("spark.driver.resource.gpu.discoveryScript", FAKE_GPU_SCRIPT))
         if kind == "gpu":
-            # The machine's real GPUs (tests/gpu, make gpu-check). With one GPU two ranks share it
-            # (half a GPU per task: gloo), with two or more each rank has its own (NCCL).
+            # The machine's real GPUs (tests/gpu, make gpu-check), as the driver's resources: local
+            # mode's ranks take them by local rank. With Spark 4.3 a spark.task.resource.gpu.amount in
+            # local mode is refused without spark.executor.resource.gpu.amount, and with it no task
+            # is ever scheduled.
             import torch
 
-            gpus = torch.cuda.device_count()
-            builder = (builder.config("spark.driver.resource.gpu.amount", str(gpus))
-                       .config("spark.driver.resource.gpu.discoveryScript", REAL_GPU_SCRIPT)
-                       .config("spark.task.resource.gpu.amount", "0.5" if gpus == 1 else "1"))
+            builder = (builder.config("spark.driver.resource.gpu.amount", str(torch.cuda.device_count()))
+                       .config("spark.driver.resource.gpu.discoveryScript", REAL_GPU_SCRIPT))
         if kind == "cluster":
             builder = (builder.config("spark.executor.memory", "768m")
                        .config("spark.worker.resource.gpu.amount", "1")

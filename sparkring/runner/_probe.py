@@ -10,6 +10,7 @@ import os
 import platform
 import shutil
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -53,6 +54,19 @@ def find_mpiexec() -> Optional[str]:
         if found:
             return found
     return None
+
+
+def mpi_library() -> Optional[str]:
+    """The MPI library mpi4py runs on, as it names itself ("MPICH Version: 4.3.0 ...", "Open MPI
+    v4.1.6 ..."), read in a child interpreter: importing mpi4py.MPI here would initialise MPI in
+    this process. None where mpi4py is missing or does not load."""
+    code = ("import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+            "print(MPI.Get_library_version().splitlines()[0])")
+    try:
+        found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return found.stdout.strip() if found.returncode == 0 and found.stdout.strip() else None
 
 
 def installed_version(name: str) -> str:

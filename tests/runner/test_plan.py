@@ -1,4 +1,5 @@
 """The launch plan, decided before any Spark job from what the session offers (fast layer)."""
+import sys
 import types
 
 import pytest
@@ -36,3 +37,22 @@ def test_the_plan_refuses_unknown_backends_zero_ranks_and_nccl_without_gpus_befo
 def test_the_plan_takes_its_attempts_from_the_task_retries_of_the_master():
     assert plan(_session("local[2]"), 2).attempts == 1
     assert plan(_session("local[2,3]"), 2).attempts == 3
+
+
+def test_the_plan_refuses_the_mpi_backend_on_open_mpi_naming_the_library_and_the_fix(monkeypatch):
+    import sparkring.runner._probe as probe
+
+    monkeypatch.setattr(probe, "find_mpiexec", lambda: "/usr/bin/mpiexec")
+    monkeypatch.setattr(probe, "mpi_library", lambda: "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6")
+    with pytest.raises(ConfigurationError, match=r"backend='mpi' runs on MPICH, but mpi4py here runs on "
+                                                 r"Open MPI v4.1.6: .*mpich wheel.*backend='gloo'"):
+        plan(_session("local[2]"), 2, backend="mpi")
+
+
+def test_the_mpi_library_is_read_without_initialising_mpi_in_the_driver():
+    pytest.importorskip("mpi4py")
+    from sparkring.runner._probe import mpi_library
+
+    initialised_before = "mpi4py.MPI" in sys.modules
+    assert mpi_library().startswith("MPICH")  # the mpich wheel sparkring[mpi] installs
+    assert ("mpi4py.MPI" in sys.modules) == initialised_before

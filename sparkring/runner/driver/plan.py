@@ -84,7 +84,7 @@ class LaunchPlan:
 
 
 def _check_mpi_installed() -> None:
-    from .._probe import find_mpiexec
+    from .._probe import find_mpiexec, mpi_library
 
     missing = [name for name, ok in (("mpi4py", importlib.util.find_spec("mpi4py") is not None),
                                      ("mpiexec", find_mpiexec() is not None)) if not ok]
@@ -92,6 +92,15 @@ def _check_mpi_installed() -> None:
         raise ConfigurationError(
             f"backend='mpi' needs {' and '.join(missing)} on the driver and every executor: "
             "pip install 'sparkring[mpi]' (mpi4py and the mpich wheel), or use backend='gloo'")
+    library = mpi_library()
+    if library is not None and "Open MPI" in library:
+        # Each rank starts under its own mpiexec and joins the others by MPI_Comm_connect, which
+        # Open MPI allows only beside an ompi-server; its mpiexec also fails a rank that ends
+        # without MPI_Finalize (seen on a GPU machine whose image has Open MPI).
+        raise ConfigurationError(
+            f"backend='mpi' runs on MPICH, but mpi4py here runs on {library.split(',')[0]}: install "
+            "'sparkring[mpi]' in an environment without Open MPI's mpi4py (mpi4py with the mpich wheel), "
+            "or use backend='gloo'")
 
 
 def _check_gpus(facts: SessionFacts, names: ParamNames) -> None:

@@ -44,7 +44,7 @@ from ..protocol import (
 )
 from ..versions import package_versions, skew, skew_message
 from .gang import STOPPED_MARK, GangContext, TaskRanks
-from .mpi import mpi_network_env, mpi_shm_segments, remove_orphan_segments
+from .mpi import mpi_launch_env, mpi_shm_segments, remove_orphan_segments
 from .network import free_ports, interface_of, resolve
 from .outbox import Outbox, Relay
 from .rank import RankProcess, supervise
@@ -171,7 +171,7 @@ def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workd
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
         env.setdefault("NCCL_SOCKET_IFNAME", iface)
     if transport(spec.backend).starts_under_mpiexec:
-        for key, value in mpi_network_env(iface, joined.my_ip).items():
+        for key, value in mpi_launch_env(iface, joined.my_ip).items():
             env.setdefault(key, value)
     env.setdefault("OMP_NUM_THREADS", str(max(1, spec.task_cpus)))
     if host_gpus_ is not None:

@@ -1,5 +1,6 @@
 """What an MPI rank needs of its task beyond the others': MPI's listeners kept on the task's
-interface, and the shared-memory segments MPICH leaves behind removed."""
+interface, Open MPI's launcher allowed to start as root, and the shared-memory segments MPICH
+leaves behind removed."""
 from __future__ import annotations
 
 import logging
@@ -10,11 +11,16 @@ from typing import Dict, Optional, Set
 log = logging.getLogger(__name__)
 
 
-def mpi_network_env(iface: Optional[str], ip: str) -> Dict[str, str]:
-    """Keep MPI's own listeners on the task's interface (loopback in local mode)."""
+def mpi_launch_env(iface: Optional[str], ip: str) -> Dict[str, str]:
+    """Keep MPI's own listeners on the task's interface (loopback in local mode); where the
+    executor runs as root (most containers), let Open MPI's mpiexec start the rank: it refuses
+    root otherwise (seen on a GPU machine), as Horovod's launcher also allows. MPICH ignores both
+    names."""
     env = {"MPIR_CVAR_CH3_INTERFACE_HOSTNAME": ip}
     if iface:
         env.update({"UCX_NET_DEVICES": iface, "FI_TCP_IFACE": iface, "FI_SOCKETS_IFACE": iface})
+    if os.geteuid() == 0:
+        env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     return env
 
 
