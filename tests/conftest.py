@@ -125,7 +125,7 @@ class _Sessions:
                        .config("spark.driver.resource.gpu.discoveryScript", FAKE_GPU_SCRIPT))
         if kind == "gpu":
             # The machine's real GPUs (tests/gpu, make gpu-check), as the driver's resources: local
-            # mode's ranks take them by local rank. With Spark 4.3 a spark.task.resource.gpu.amount in
+            # mode's ranks take them by local rank. With Spark 3.5 and 4.3 a spark.task.resource.gpu.amount in
             # local mode is refused without spark.executor.resource.gpu.amount, and with it no task
             # is ever scheduled.
             import torch

@@ -98,9 +98,6 @@ def test_auto_backend_is_gloo_when_torch_has_no_nccl(monkeypatch):
 def test_ranks_sharing_a_gpu_refuse_nccl_and_auto_picks_gloo_with_one_warning(nccl_built, caplog):
     with pytest.raises(ConfigurationError, match=r"backend='nccl' but ranks on one host would share a GPU"):
         plan(_session("local-cluster[2,2,1024]", **HALF_GPU_CLUSTER), 4, backend="nccl")
-    with pytest.raises(ConfigurationError, match=r"backend='nccl' but ranks on one host would share a GPU"):
-        plan(_session("local[4]", driver_gpus=["0", "1"], **{"spark.task.resource.gpu.amount": "0.5"}), 4,
-             use_gpu=True, backend="nccl")
     caplog.clear()
     with caplog.at_level("WARNING", logger="sparkring.runner.driver.plan"):
         half = plan(_session("local-cluster[2,2,1024]", **HALF_GPU_CLUSTER), 4)
@@ -109,11 +106,14 @@ def test_ranks_sharing_a_gpu_refuse_nccl_and_auto_picks_gloo_with_one_warning(nc
         "ranks on one host share a GPU, which NCCL refuses: backend='auto' uses gloo; give every task a whole GPU "
         "(spark.task.resource.gpu.amount=1) for NCCL"]
     assert plan(_session("local[2]", driver_gpus=["0", "1"]), 2, use_gpu=True).backend == "nccl"
-    # half a GPU per task in local mode shares a GPU even with a GPU per rank on the driver: refused
-    # before any job (it used to wait out start_timeout and blame the cluster's slots)
-    with pytest.raises(ConfigurationError, match=r"backend='nccl' but ranks on one host would share a GPU"):
-        plan(_session("local[2]", driver_gpus=["0", "1"], **{"spark.task.resource.gpu.amount": "0.5"}), 2,
-             use_gpu=True, backend="nccl")
+
+
+def test_task_gpus_in_local_mode_are_refused_before_any_job_naming_the_driver_gpus_instead():
+    # local mode never schedules a task that asks for a GPU: the ranks would wait forever
+    for amount in ("0.5", "1"):
+        with pytest.raises(ConfigurationError, match=rf"spark.task.resource.gpu.amount={amount} in local mode: Spark "
+                                                     r"never schedules.*spark.driver.resource.gpu.amount"):
+            plan(_session("local[2]", driver_gpus=["0", "1"], **{"spark.task.resource.gpu.amount": amount}), 2)
 
 
 # -- how ranks start, what they are shipped --------------------------------------------------

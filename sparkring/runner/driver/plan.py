@@ -103,6 +103,18 @@ def _check_mpi_installed() -> None:
             "or use backend='gloo'")
 
 
+def _check_local_task_gpus(facts: SessionFacts) -> None:
+    """Local mode offers its tasks no resources: a task that asks for a GPU is never scheduled
+    (every job of the session waits: seen with Spark 3.5 and 4.3, on an H200 and with fake discovery), so
+    the ranks would never start."""
+    if facts.local and facts.task_gpus > 0:
+        raise ConfigurationError(
+            f"spark.task.resource.gpu.amount={facts.task_gpus:g} in local mode: Spark never schedules a task that "
+            "asks for GPUs there, so the ranks could not start. Remove it (and spark.executor.resource.gpu.amount); "
+            "sparkring hands the driver's GPUs (spark.driver.resource.gpu.amount and "
+            "spark.driver.resource.gpu.discoveryScript) to the ranks by local rank")
+
+
 def _check_gpus(facts: SessionFacts, names: ParamNames) -> None:
     if facts.local:
         if not (facts.driver_gpus or (facts.connect and facts.driver_gpu_amount > 0)):
@@ -124,13 +136,11 @@ def nccl_available() -> bool:
 
 def _ranks_share_gpus(facts: SessionFacts, num_proc: int, task_gpus: float) -> bool:
     """Spark would give two ranks of one host the same GPU: a fractional
-    spark.task.resource.gpu.amount (in every mode: local mode hands a GPU's address to as many
-    tasks as the fraction allows), or local mode with fewer driver GPUs than ranks."""
-    fractional = 0 < task_gpus < 1
+    spark.task.resource.gpu.amount, or local mode with fewer driver GPUs than ranks."""
     if facts.local:
         known = len(facts.driver_gpus) if not facts.connect else int(facts.driver_gpu_amount)
-        return fractional or num_proc > known
-    return fractional
+        return num_proc > known
+    return 0 < task_gpus < 1
 
 
 def _decide_backend(backend: str, use_gpu: bool, shared_gpus: bool, names: ParamNames) -> str:
@@ -275,6 +285,7 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     if num_proc is not None and num_proc < 1:
         raise ConfigurationError(f"{names.num_proc}={num_proc}: it must be at least 1")
     facts = session_facts(spark)
+    _check_local_task_gpus(facts)
     if use_gpu is None:
         use_gpu = facts.task_gpus > 0
     if backend != "auto" and transport(backend).needs_gpus and not use_gpu:
