@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -15,6 +16,14 @@ class Handle(abc.ABC):
 
     @abc.abstractmethod
     def is_completed(self) -> bool: ...
+
+
+@dataclass
+class RingHealth:
+    """Whether a collective of a ring saw a peer rank go away (its transport said so): shared
+    by the ring, its process sets and its handles."""
+
+    peer_lost: bool = False
 
 
 class Backend(abc.ABC):
@@ -77,6 +86,11 @@ class Backend(abc.ABC):
     def rendezvous(self) -> Optional[Any]:
         """The key-value store every rank of this ring reaches (None for a ring of one)."""
         return None
+
+    def peer_lost(self) -> bool:
+        """True once a collective of this ring raised HorovodInternalError because a peer rank
+        went away: no ring of the same ranks forms again, so leaving it hands no port over."""
+        return False
 
     def join_stores(self) -> Optional[Tuple[Any, Any]]:
         """Two connections to a key-value store every rank reaches (the second one for a

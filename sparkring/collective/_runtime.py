@@ -112,7 +112,9 @@ def _leave(hand_over: bool) -> None:
             state.joiner.close()
             state.joiner = None
         if state.backend is not None:
-            if hand_over:
+            # without the peer that went away no ring of these ranks forms again, and rank 0
+            # would wait for it to read the next port
+            if hand_over and not state.backend.peer_lost():
                 _agree_next_port(state.backend)
             state.backend.shutdown()
             state.backend = None

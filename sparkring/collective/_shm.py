@@ -136,6 +136,7 @@ class HostRing:
         self._peer_pids = peer_pids
         self._peer_starts = [_process_start(pid) for pid in peer_pids]
         self._timeout_s = timeout_s
+        self.peer_lost = False  # a local peer's process ended under a collective
         self._chunk = chunk_bytes
         self._generation = 0
         self.hosts = hosts
@@ -426,6 +427,7 @@ class HostRing:
     def _check_peers(self, phase: str) -> None:
         for pid, started in zip(self._peer_pids, self._peer_starts):
             if _process_start(pid) != started:
+                self.peer_lost = True
                 raise HorovodInternalError(f"the collective ring broke: a peer rank went away (process {pid} on "
                                            f"this host ended while this rank waited at '{phase}' of a shared-memory "
                                            "collective)")

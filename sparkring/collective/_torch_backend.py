@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import HorovodInternalError, SparkRingError, is_peer_loss
-from ._backend import Backend, Handle
+from ._backend import Backend, Handle, RingHealth
 from ._buffers import ResultBuffers
 from ._shm import HostRing
 from ._store import client_store, rendezvous_store
@@ -68,12 +68,13 @@ def _peer_loss_raises_horovod_internal_error(cls):
 
 def _translated(method):
     @functools.wraps(method)
-    def call(*args, **kwargs):
+    def call(self, *args, **kwargs):
         try:
-            return method(*args, **kwargs)
+            return method(self, *args, **kwargs)
         except RuntimeError as exc:
             if isinstance(exc, SparkRingError) or not is_peer_loss(str(exc)):
                 raise
+            self._health.peer_lost = True
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise HorovodInternalError(f"the collective ring broke: a peer rank went away ({first_line})") from exc
     return call
@@ -81,9 +82,10 @@ def _translated(method):
 
 @_peer_loss_raises_horovod_internal_error
 class _TorchHandle(Handle):
-    def __init__(self, work, tensor: torch.Tensor):
+    def __init__(self, work, tensor: torch.Tensor, health: RingHealth):
         self._work = work
         self._tensor = tensor
+        self._health = health
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -119,6 +121,7 @@ class TorchBackend(Backend):
         else:
             store = rendezvous_store(self._master[0], self._master[1], size, rank, self._start_timeout)
         self._store = store
+        self._health = RingHealth()  # process sets share it (their __dict__ is a copy of this one's)
         self._results = ResultBuffers()
         self._scratch_bytes: Optional[torch.Tensor] = None
         if self._owns_group:
@@ -133,6 +136,9 @@ class TorchBackend(Backend):
 
     def rendezvous(self):
         return self._store if self.size > 1 else None
+
+    def peer_lost(self) -> bool:
+        return self._health.peer_lost or (self._host_ring is not None and self._host_ring.peer_lost)
 
     def join_stores(self):
         if self.size == 1 or self._master is None:
@@ -171,9 +177,9 @@ class TorchBackend(Backend):
             else:
                 flat = tensor.reshape(-1)
                 tensor.copy_(ring.allreduce(flat, flat, op).view(tensor.shape))
-            return _TorchHandle(None, tensor)
+            return _TorchHandle(None, tensor, self._health)
         work = dist.all_reduce(tensor, op=_OPS[op], group=self._group, async_op=True)
-        return _TorchHandle(work, tensor)
+        return _TorchHandle(work, tensor, self._health)
 
     def result_like(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._results.like(tensor)
@@ -277,9 +283,9 @@ class TorchBackend(Backend):
         ring = self._host_ring_for(tensor)
         if ring is not None and ring.broadcasts():
             ring.broadcast(tensor, root_rank)
-            return _TorchHandle(None, tensor)
+            return _TorchHandle(None, tensor, self._health)
         work = dist.broadcast(tensor, src=self._global[root_rank], group=self._group, async_op=True)
-        return _TorchHandle(work, tensor)
+        return _TorchHandle(work, tensor, self._health)
 
     def alltoall(self, outputs, inputs):
         if self.name == "gloo":
