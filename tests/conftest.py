@@ -6,8 +6,9 @@ The Connect session talks to a Spark Connect server in a process of its own, sta
 installed pyspark (``spark-submit --class ...SparkConnectServer``, bound to 127.0.0.1): that is
 what a real deployment looks like (the client has no JVM, no SparkContext, and reaches the
 server over gRPC only), where ``builder.remote("local[2]")`` would run the server inside the
-test process and let classic-only calls slip through unnoticed. Its master is local[2,3], so
-barrier-stage retries are tested over Connect too. Connect tests run last: pyspark marks the
+test process and let classic-only calls slip through unnoticed. Its master is local[2,2] with
+two stage attempts, so barrier-stage retries are tested over Connect too (one retry: each test
+that fails every attempt waits through them all). Connect tests run last: pyspark marks the
 whole process as "Connect mode" once a remote session exists."""
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def _spark_major() -> int:
 
 # pyspark 3.5's wheel has no Spark Connect server (it comes from Maven, out of reach here)
 CONNECT_SERVER_MISSING = "pyspark < 4 ships no Spark Connect server jar" if _spark_major() < 4 else None
-CONNECT_MASTER = "local[2,3]"
+CONNECT_MASTER = "local[2,2]"
+# a barrier stage is retried up to spark.stage.maxConsecutiveAttempts times, whatever the master says
+CONNECT_CONFS = {"spark.stage.maxConsecutiveAttempts": "2"}
 
 
 class _Sessions:
@@ -78,7 +81,7 @@ class _Sessions:
 
         if kind == "connect":
             if self.server is None:
-                self.server = ConnectServer(log_dir, CONNECT_MASTER)
+                self.server = ConnectServer(log_dir, CONNECT_MASTER, CONNECT_CONFS)
             self.spark = SparkSession.builder.remote(self.server.url).getOrCreate()
             self.kind = kind
             return self.spark
@@ -254,7 +257,8 @@ def spark_gpu(_spark_sessions):
 
 @pytest.fixture
 def spark_connect(_spark_sessions, tmp_path_factory):
-    """A Spark Connect session on a server process (master local[2,3]) bound to 127.0.0.1."""
+    """A Spark Connect session on a server process (master local[2,2], two stage attempts) bound
+    to 127.0.0.1."""
     if CONNECT_SERVER_MISSING:
         pytest.skip(CONNECT_SERVER_MISSING)
     return _spark_sessions.get("connect", str(tmp_path_factory.getbasetemp()))

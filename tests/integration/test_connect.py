@@ -1,5 +1,5 @@
 """run(), fit(), transform(), save/load and the CLI on a real Spark Connect session (a server
-process on 127.0.0.1 with master local[2,3]), live and with streaming switched off."""
+process on 127.0.0.1 with master local[2,2]), live and with streaming switched off."""
 import os
 import subprocess
 import sys
@@ -54,7 +54,7 @@ def test_rank_failure_on_connect_names_the_rank_with_its_traceback(spark_connect
         run(rank_fns.fail_on_rank, args=(1,), num_proc=2, stream=stream, spark=spark_connect, verbose=0)
     assert info.value.rank == 1
     assert "ValueError: boom on purpose in rank 1" in info.value.remote_traceback
-    # three stage attempts (local[2,3]), each stopped as soon as rank 1 fails
+    # two stage attempts (the server's), each stopped as soon as rank 1 fails
     assert time.monotonic() - started < 60
     assert _no_rank_processes() == []
 

@@ -52,7 +52,7 @@ def test_doctor_names_the_executor_whose_versions_differ_from_the_driver(spark, 
 def test_doctor_runs_on_a_spark_connect_session(spark_connect):
     report = sparkring.doctor(spark_connect)
     assert report.ok, report
-    assert sum(e.tasks for e in report.executors) == 2  # the server's local[2,3]
+    assert sum(e.tasks for e in report.executors) == 2  # the server's local[2,2]
     assert all(e.facts.versions == report.driver_versions and e.facts.driver_reachable for e in report.executors)
 
 
