@@ -18,7 +18,10 @@ BENCH_ARGS ?=
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,mpi,text,tune,s3]' 'moto[server]'
+	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,mpi,text,tune,s3]' 'moto[server]'
+	@# pip compiles what it installs on one core; compileall on every core (a few files it cannot compile,
+	@# written for newer Pythons, it skips as pip does)
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	$(PY) -m compileall -q sparkring tests examples benchmarks conftest.py >/dev/null
 	touch $(STAMP)
 
