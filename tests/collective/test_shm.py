@@ -97,7 +97,7 @@ def test_a_rank_killed_mid_run_fails_its_peer_fast_and_leaves_no_segment(shm_lef
 def test_a_late_rank_within_the_timeout_is_waited_for_and_past_it_raises(shm_left_as_found):
     assert spawn_ranks("shm_fns", "rank_is_late", 2, timeout=60, delay=1.5) == [True, True]
     env = {r: {"SPARKRING_COLLECTIVE_TIMEOUT": "2"} for r in range(2)}
-    outcomes = spawn_errors("shm_fns", "rank_is_late", 2, timeout=60, rank_env=env, delay=6, straight_to_the_ring=True)
+    outcomes = spawn_errors("shm_fns", "rank_is_late", 2, timeout=60, rank_env=env, delay=4, straight_to_the_ring=True)
     kind, tb = outcomes[0]
     assert kind == "error" and "HorovodInternalError: shared-memory allreduce: waited 2s at 'arrive'" in tb, tb
 
