@@ -112,6 +112,8 @@ class _Sessions:
             builder = builder.config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
         else:
             builder = builder.config("spark.executor.memory", "900m")
+        if kind == "retry":  # three attempts of a barrier stage, as local[2,3] says for other stages
+            builder = builder.config("spark.stage.maxConsecutiveAttempts", "3")
         if kind == "elastic":
             builder = builder.config("spark.decommission.enabled", "true")
         if kind == "autoscale":  # no executor until a job asks; an idle one goes after 5 s
@@ -222,7 +224,8 @@ def spark(_spark_sessions):
 
 @pytest.fixture
 def spark_retry(_spark_sessions):
-    """local[2,3]: Spark retries failed tasks (and barrier stages)."""
+    """local[2,3]: Spark retries failed tasks, and barrier stages (three attempts: a barrier
+    stage's attempts are spark.stage.maxConsecutiveAttempts, set to 3 here)."""
     return _spark_sessions.get("retry")
 
 

@@ -34,9 +34,12 @@ def test_the_plan_refuses_unknown_backends_zero_ranks_and_nccl_without_gpus_befo
         plan(_session("local[2]"), 2, backend="nccl")
 
 
-def test_the_plan_takes_its_attempts_from_the_task_retries_of_the_master():
+def test_the_plan_takes_its_attempts_from_the_stage_attempts_where_the_master_allows_retries():
     assert plan(_session("local[2]"), 2).attempts == 1
-    assert plan(_session("local[2,3]"), 2).attempts == 3
+    # Spark reruns a barrier stage up to spark.stage.maxConsecutiveAttempts times (4), whatever F > 1 says
+    assert plan(_session("local[2,3]"), 2).attempts == 4
+    assert plan(_session("local[2,2]", **{"spark.stage.maxConsecutiveAttempts": "3"}), 2).attempts == 3
+    assert plan(_session("local-cluster[2,1,1024]", **{"spark.task.maxFailures": "1"}), 2).attempts == 1
 
 
 def test_the_plan_refuses_the_mpi_backend_on_open_mpi_naming_the_library_and_the_fix(monkeypatch):

@@ -152,7 +152,7 @@ def test_unscheduled_gpus_are_refused_with_the_fix():
     with pytest.raises(ConfigurationError, match="spark.task.resource.gpu.amount is not set"):
         plan(_fake_session("local-cluster[2,1,1024]"), 2, use_gpu=True)
     assert plan(_fake_session("local[4,3]")).num_proc == 4
-    assert plan(_fake_session("local[4,3]")).attempts == 3
+    assert plan(_fake_session("local[4,3]")).attempts == 4  # spark.stage.maxConsecutiveAttempts (default 4)
     assert plan(_fake_session("local-cluster[3,2,512]", **{"spark.task.cpus": "2"})).num_proc == 3
 
 

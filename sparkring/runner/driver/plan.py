@@ -308,8 +308,11 @@ def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, 
     else:
         num_proc = _check_slots(spark, facts, bool(use_gpu), resources, num_proc, registration_wait, names)
     _check_security(facts)
-    # an ordinary stage is never rerun as a whole: a lost task is a lost rank (elastic, or the run fails)
-    attempts = 1 if facts.autoscaling else max(1, min(facts.max_failures, facts.max_stage_attempts))
+    # an ordinary stage is never rerun as a whole: a lost task is a lost rank (elastic, or the run fails).
+    # Spark reruns a failed barrier map stage with a fresh task set each time, up to
+    # maxConsecutiveAttempts, so a task's failures never add up to spark.task.maxFailures (local[N,F]);
+    # maxFailures=1 is read as "no retries" (the stage is then a result stage, never rerun).
+    attempts = 1 if facts.autoscaling or facts.max_failures <= 1 else max(1, facts.max_stage_attempts)
     shared = bool(use_gpu) and _ranks_share_gpus(facts, num_proc, resources.task_gpus / resources.ranks_per_task)
     chosen = _decide_backend(backend, bool(use_gpu), shared, names)
     result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=chosen, attempts=attempts,
