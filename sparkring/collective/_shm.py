@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ..errors import HorovodInternalError
 from . import _futex, environment
+from ._backend import RingHealth
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class HostRing:
         self._peer_pids = peer_pids
         self._peer_starts = [_process_start(pid) for pid in peer_pids]
         self._timeout_s = timeout_s
-        self.peer_lost = False  # a local peer's process ended under a collective
+        self.health = RingHealth()  # the backend hands in its ring's own after build()
         self._chunk = chunk_bytes
         self._generation = 0
         self.hosts = hosts
@@ -427,7 +428,7 @@ class HostRing:
     def _check_peers(self, phase: str) -> None:
         for pid, started in zip(self._peer_pids, self._peer_starts):
             if _process_start(pid) != started:
-                self.peer_lost = True
+                self.health.peer_lost = True
                 raise HorovodInternalError(f"the collective ring broke: a peer rank went away (process {pid} on "
                                            f"this host ended while this rank waited at '{phase}' of a shared-memory "
                                            "collective)")

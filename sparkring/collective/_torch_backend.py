@@ -133,12 +133,14 @@ class TorchBackend(Backend):
         self._cpu_group = dist.new_group(backend="gloo") if name == "nccl" else None
         # CPU allreduce between ranks of one host through shared memory (gloo goes through TCP)
         self._host_ring = HostRing.build(rank, size, timeout_s) if name == "gloo" and size > 1 else None
+        if self._host_ring is not None:  # its peer checks report to the ring's health too
+            self._host_ring.health = self._health
 
     def rendezvous(self):
         return self._store if self.size > 1 else None
 
     def peer_lost(self) -> bool:
-        return self._health.peer_lost or (self._host_ring is not None and self._host_ring.peer_lost)
+        return self._health.peer_lost
 
     def join_stores(self):
         if self.size == 1 or self._master is None:
