@@ -1,7 +1,7 @@
 """A DataFrame that only scans Parquet files (local, or on S3 through s3fs), read where the files
-lie: the plan check,
-the row groups, shapes and checks from the files' footers (no Spark job, no copy), and the
-Dataset over them.
+lie: the plan check, the row groups, shapes and checks from the files' footers (no Spark job, no
+copy), and the Dataset over them. The same survey tells prepare when it can copy the files with
+pyarrow (:mod:`sparkring.data.file_copy`) instead of having Spark decode them.
 
 Written by hand because nothing joins the two halves: Spark tells what a DataFrame reads only
 through its plan (``inputFiles`` lists the files whatever filters or expressions follow), and
@@ -64,7 +64,7 @@ def scanned_files(df, names: Sequence[str]) -> Optional[List[str]]:
 
 
 @dataclass
-class _FileFacts:
+class FileFacts:
     """What one file's footer says about the needed columns."""
 
     path: str
@@ -96,14 +96,14 @@ def _tensor_leaf(col: ColumnSpec, chunks: Dict[str, Any]):
 
 
 def _file_facts(path: str, columns: Sequence[ColumnSpec],
-                storage_options: Optional[Dict[str, Any]] = None) -> Optional[_FileFacts]:
+                storage_options: Optional[Dict[str, Any]] = None) -> Optional[FileFacts]:
     """The file's row groups, each tensor column's row width and each scalar's smallest
     value, from its footer; None where the footer cannot vouch for the layout."""
     import pyarrow as pa
 
     meta = open_parquet(path, storage_options).metadata
     schema = meta.schema.to_arrow_schema()
-    facts = _FileFacts(path, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+    facts = FileFacts(path, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
     for col in columns:
         if schema.get_field_index(col.name) < 0:
             return None
@@ -132,7 +132,7 @@ def _file_facts(path: str, columns: Sequence[ColumnSpec],
     return facts
 
 
-def _splits(files: Sequence[_FileFacts], validation: Optional[float], seed: int) -> Dict[str, List[Dict[str, Any]]]:
+def _splits(files: Sequence[FileFacts], validation: Optional[float], seed: int) -> Dict[str, List[Dict[str, Any]]]:
     """Each file's rows per row group in the train and val splits (validation_rows draws them)."""
     splits: Dict[str, List[Dict[str, Any]]] = {"train": [], "val": []}
     for i, f in enumerate(files):
@@ -148,16 +148,23 @@ def _supported(col: ColumnSpec) -> bool:
     return "." not in col.name and (col.kind == SCALAR or (col.kind == TENSOR and col.levels == 1))
 
 
-def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = None, seed: Optional[int] = None,
-                  integral: Sequence[str] = (), validation: Optional[float] = None) -> Optional[Dataset]:
-    """A Dataset reading ``df``'s own Parquet files, or None when ``df`` is not only a scan of
-    local or S3 Parquet files whose footers vouch for every column ``spec`` names (see the module
-    docstring). ``integral`` columns (class-index labels) are checked on the ranks as they read;
-    a ``validation`` fraction holds out rows drawn per row group (``reader.validation_rows``).
+@dataclass
+class ScannedFiles:
+    """The Parquet files a DataFrame only scans, as their footers describe the needed columns:
+    what reading them in place, or copying them with pyarrow, starts from."""
 
-    >>> ds = read_in_place(spark.read.parquet("/data/train"), Store("/tmp/runs"), spec)  # doctest: +SKIP
-    >>> ds.num_rows("train")  # doctest: +SKIP
-    1000000
+    files: List[FileFacts]
+    spec: FeatureSpec  # tensor columns measured from the footers
+    storage_options: Dict[str, Any]
+
+
+def scan_facts(df, store: Store, spec: FeatureSpec) -> Optional[ScannedFiles]:
+    """The files ``df`` reads and what their footers vouch for, or None when ``df`` is not only a
+    scan of local or S3 Parquet files whose footers vouch for every column ``spec`` names (a
+    filter, a computed column, a sparse or null vector, ragged arrays: see the module docstring).
+
+    >>> scan_facts(spark.read.parquet("/data/train"), Store("/tmp/runs"), spec).files[0].row_groups  # doctest: +SKIP
+    [250000]
     """
     if not all(_supported(c) for c in spec.columns):
         return None
@@ -174,13 +181,26 @@ def read_in_place(df, store: Store, spec: FeatureSpec, run_id: Optional[str] = N
               [c.name for c in spec.columns if c.kind == TENSOR]}
     if any(len(w) != 1 for w in widths.values()):
         return None
-    spec = spec.measured({name: [w.pop()] for name, w in widths.items()})
+    files = sorted((f for f in found if sum(f.row_groups)), key=lambda f: f.path)
+    return ScannedFiles(files, spec.measured({name: [w.pop()] for name, w in widths.items()}), options)
+
+
+def read_in_place(scan: ScannedFiles, store: Store, run_id: Optional[str] = None, seed: Optional[int] = None,
+                  integral: Sequence[str] = (), validation: Optional[float] = None) -> Dataset:
+    """A Dataset reading the scanned Parquet files where they lie (``scan_facts`` found them).
+    ``integral`` columns (class-index labels) are checked on the ranks as they read; a
+    ``validation`` fraction holds out rows drawn per row group (``reader.validation_rows``).
+
+    >>> scan = scan_facts(spark.read.parquet("/data/train"), Store("/tmp/runs"), spec)  # doctest: +SKIP
+    >>> read_in_place(scan, Store("/tmp/runs")).num_rows("train")  # doctest: +SKIP
+    1000000
+    """
+    spec, files = scan.spec, scan.files
     values: Dict[str, Dict[str, Any]] = {}
     for c in spec.columns:
         if c.kind == SCALAR and c.dtype != "bool":
-            lows = [f.minimum[c.name] for f in found if c.name in f.minimum]
+            lows = [f.minimum[c.name] for f in files if c.name in f.minimum]
             values[c.name] = {"min": min(lows) if lows else None, "non_integral": None}
-    files = sorted((f for f in found if sum(f.row_groups)), key=lambda f: f.path)
     splits = _splits(files, validation, seed or 0)
     if not any(f["rows"] for f in splits["train"]):
         raise DataError("every row went to validation: no training rows are left; lower validation=")

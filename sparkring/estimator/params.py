@@ -289,7 +289,8 @@ PARAMS: Tuple[ParamSpec, ...] = (
               minimum=1),
     ParamSpec("readInPlace", "bool", True, "when the DataFrame only scans local Parquet files (spark.read.parquet, "
               "columns selected at most) holding scalars, dense vectors or flat numeric arrays, and validation is "
-              "not a column name, ranks read those files where they lie instead of a prepared copy (no prepare job)",
+              "not a column name, ranks read those files where they lie instead of a prepared copy (no prepare job); "
+              "with False, the executors copy such files with pyarrow (docs/speed.md)",
               TypeConverters.toBoolean),
     ParamSpec("keepData", "bool", False, "keep the prepared Parquet after fit", TypeConverters.toBoolean),
     ParamSpec("timeout", "float | None", None, "seconds before a rank is considered hung (default: none)"),

@@ -1,7 +1,9 @@
 """A DataFrame that only scans Parquet files is read where the files lie: no prepare job, the
 same rows as prepare would write, validation rows drawn per row group, and prepare (with its
 errors) for anything else."""
+import logging
 import os
+import shutil
 
 import est_helpers as H
 import numpy as np
@@ -121,6 +123,41 @@ def test_a_validation_fraction_holds_out_rows_drawn_per_row_group_by_the_seed(sp
     assert not train & val and train | val == set(range(301))
     assert 40 < len(val) < 115  # a quarter of 301, drawn
     assert split_ids(7) == (train, val) and split_ids(8)[1] != val
+
+
+def _rows_of(ds, split):
+    batches = list(ds.batches(16, shuffle=False, drop_last=False, split=split))
+    got = {c: np.concatenate([b[c].numpy() for b in batches]) for c in batches[0]}
+    order = np.argsort(got["id"])
+    return {c: v[order] for c, v in got.items()}
+
+
+@pytest.mark.compat
+def test_a_scan_prepared_as_a_copy_is_copied_by_pyarrow_with_the_rows_and_split_of_reading_in_place(
+        spark, store, scanned, caplog):
+    with caplog.at_level(logging.INFO, logger="sparkring.data.prepare"):
+        copied = prepare(scanned, store, columns=COLUMNS, validation=0.25, seed=7)
+    assert "copying 3 Parquet file(s) into the Store with pyarrow" in caplog.text
+    in_place = prepare(scanned, store, columns=COLUMNS, validation=0.25, seed=7, in_place=True)
+    assert not copied.in_place and in_place.in_place
+    assert copied.shapes == in_place.shapes == {"id": [], "features": [3], "label": [], "pair": [2]}
+    assert copied.values("label").minimum == 0.0 and copied.values("label").non_integral == 0
+    for split in ("train", "val"):
+        assert copied.num_rows(split) == in_place.num_rows(split) > 0
+        ours, theirs = _rows_of(copied, split), _rows_of(in_place, split)
+        for c in COLUMNS:
+            assert ours[c].dtype == theirs[c].dtype
+            np.testing.assert_array_equal(ours[c], theirs[c])
+    source = os.path.dirname(scanned.inputFiles()[0].replace("file://", ""))
+    shutil.rmtree(source)  # the copy is the Store's own
+    assert len(_rows_of(copied, "train")["id"]) == copied.num_rows()
+
+
+def test_ragged_arrays_in_a_scan_prepared_as_a_copy_are_refused_before_any_rank_runs(spark, store, tmp_path):
+    rows = [(0, [1.0]), (1, [1.0, 2.0, 3.0])]  # 4 values in 2 rows: the footer reads 2 per row
+    df = _write(spark, str(tmp_path / "ragged"), rows, ["id", "pair"], partitions=1)
+    with pytest.raises(DataError, match=r"column 'pair' holds arrays of different lengths \(1 to 3\)"):
+        prepare(df, store, columns=["id", "pair"])
 
 
 def test_a_null_in_a_scanned_column_gets_prepares_error(spark, store, tmp_path):
