@@ -68,12 +68,13 @@ def unit_batches(unit: CopyUnit, columns: Sequence[ColumnSpec], validation: Opti
 
     parquet = open_parquet(unit.path, storage_options)
     names = [c.name for c in columns]
+    leaves = [f"{c.name}.values" if c.vector else c.name for c in columns]  # a vector's other fields: not decoded
     for row_group in unit.row_groups:
         rows = parquet.metadata.row_group(row_group).num_rows
         held = (validation_rows(seed, unit.file_index, row_group, rows, validation) if validation
                 else np.zeros(rows, dtype=bool))
         start = 0
-        for batch in parquet.iter_batches(batch_size=COPY_BATCH_ROWS, row_groups=[row_group], columns=names,
+        for batch in parquet.iter_batches(batch_size=COPY_BATCH_ROWS, row_groups=[row_group], columns=leaves,
                                           use_threads=False):
             arrays = [_as_spark_hands_it(batch.column(i), c) for i, c in enumerate(columns)]
             yield pa.RecordBatch.from_arrays(arrays, names=names), held[start:start + batch.num_rows]
