@@ -98,7 +98,7 @@ def test_a_store_out_of_reach_fails_the_fit_before_any_spark_job_naming_its_url(
     assert len(tracker.getJobIdsForGroup(None)) == jobs
 
 
-def test_parquet_files_on_s3_are_read_in_place_by_the_ranks_to_the_weights_of_local_files(
+def test_parquet_files_on_s3_are_read_in_place_by_the_ranks_to_the_weights_of_local_files_or_copied(
         spark, s3, tmp_path, monkeypatch):
     # Spark here has no hadoop-aws connector to scan s3a:// itself: the same files are scanned
     # locally and the plan check answers with their copies' s3a:// URLs, as it would for a scan
@@ -122,3 +122,19 @@ def test_parquet_files_on_s3_are_read_in_place_by_the_ranks_to_the_weights_of_lo
     on_s3 = _estimator(store, epochs=1, runId="s3a", keepData=True).fit(df)
     _same_weights(on_s3, on_local, atol=1e-6)
     assert store.listdir(store.data_path("s3a")) == ["_sparkring_metadata.json"]  # no copy: the files themselves
+
+    # a copy asked for (readInPlace=False) is made by the executors from the bucket's files into
+    # the bucket: the rows and validation split of reading them in place
+    import numpy as np
+
+    from sparkring.data import prepare
+
+    columns = ["id", "features", "label"]
+    copied = prepare(df, store, columns=columns, validation=0.25, seed=1)
+    read = prepare(df, store, columns=columns, validation=0.25, seed=1, in_place=True)
+    assert not copied.in_place and read.in_place and "train" in store.listdir(copied.data_dir)
+    for split in ("train", "val"):
+        ids = [np.sort(np.concatenate([b["id"].numpy() for b in ds.batches(64, shuffle=False, drop_last=False,
+                                                                             split=split)])) for ds in (copied, read)]
+        assert len(ids[0]) > 0
+        np.testing.assert_array_equal(*ids)
