@@ -153,6 +153,20 @@ def test_a_scan_prepared_as_a_copy_is_copied_by_pyarrow_with_the_rows_and_split_
     assert len(_rows_of(copied, "train")["id"]) == copied.num_rows()
 
 
+def test_many_small_scanned_files_share_the_copy_tasks(spark, store, tmp_path, caplog):
+    rows = [(i, Vectors.dense([i, -i]), float(i % 2)) for i in range(40)]
+    df = _write(spark, str(tmp_path / "small"), rows, ["id", "features", "label"], partitions=10)
+    assert len(df.inputFiles()) == 10
+    with caplog.at_level(logging.INFO, logger="sparkring.data.prepare"):
+        ds = prepare(df, store, columns=["id", "features", "label"])
+    tasks = 2 * spark.sparkContext.defaultParallelism
+    assert f"copying 10 Parquet file(s) into the Store with pyarrow ({tasks} tasks)" in caplog.text
+    assert len(os.listdir(os.path.join(ds.data_dir, "train"))) == tasks  # one file a task
+    got = _rows_of(ds, "train")
+    np.testing.assert_array_equal(got["id"], np.arange(40))
+    np.testing.assert_array_equal(got["features"][:, 1], -np.arange(40, dtype=np.float32))
+
+
 def test_ragged_arrays_in_a_scan_prepared_as_a_copy_are_refused_before_any_rank_runs(spark, store, tmp_path):
     rows = [(0, [1.0]), (1, [1.0, 2.0, 3.0])]  # 4 values in 2 rows: the footer reads 2 per row
     df = _write(spark, str(tmp_path / "ragged"), rows, ["id", "pair"], partitions=1)
