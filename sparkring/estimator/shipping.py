@@ -1,7 +1,15 @@
 """The fitted model's weights on the executors for transform(): shipped once per session while the
-weights are unchanged, deserialized once per Python worker and device."""
+weights are unchanged, deserialized once per Python worker and device.
+
+A reused PySpark worker runs a full garbage collection after every task (pyspark/daemon.py), which
+walks every object the worker holds: with torch, transformers and a model loaded that is ~0.3 s a
+task on one core, more than a small task's whole work. The worker's objects are frozen out of the
+collector (``gc.freeze``) once a model is loaded, so each task's collection only walks what
+the task made; a model evicted from the cache is unfrozen and collected first.
+"""
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import uuid
@@ -50,12 +58,27 @@ class ShippedModel:
                 model.eval()
                 model.to(device)
                 while len(_worker_models) >= 2:
-                    gone = _worker_models.pop(next(iter(_worker_models)))
-                    if next(iter(gone.parameters()), torch.zeros(0)).is_cuda:
-                        del gone
-                        torch.cuda.empty_cache()
+                    _evict(_worker_models.pop(next(iter(_worker_models))))
                 _worker_models[(self.key, str(device))] = model
+                _freeze_what_lives()
             return model
+
+
+def _evict(model: torch.nn.Module) -> None:
+    """Let an old shipment's model go (its GPU memory back to the device)."""
+    on_gpu = next(iter(model.parameters()), torch.zeros(0)).is_cuda
+    del model
+    if on_gpu:
+        torch.cuda.empty_cache()
+
+
+def _freeze_what_lives() -> None:
+    """Keep the worker's live objects (modules, the cached models) out of later collections,
+    after collecting what the cache let go of (frozen objects are never collected)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    logger.debug("froze %d objects out of this worker's garbage collections", gc.get_freeze_count())
 
 
 def weights_version(model: torch.nn.Module) -> Tuple:
