@@ -41,11 +41,15 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def alternate(ours: Callable, baseline: Callable, reps: int):
-    """Run the two side by side, alternating, and return the median seconds of each."""
+def alternate(ours: Callable, baseline: Callable, reps: int, settle: float = 0.0):
+    """Run the two side by side, alternating, and return the median seconds of each; ``settle``
+    seconds of quiet before each run let what the other side left running (its workers' garbage
+    collection after a task) finish off the clock of neither."""
     a, b = [], []
     for _ in range(reps):
+        time.sleep(settle)
         a.append(timed(ours))
+        time.sleep(settle)
         b.append(timed(baseline))
     return statistics.median(a), statistics.median(b)
 
