@@ -182,7 +182,7 @@ def _generate_row(spark, rows, reps, tok, vocab, new_tokens, prompts=256, batch=
 
     ours()  # both sides with their Python workers up (transformers imported) before timing
     theirs()
-    t_ours, t_theirs = alternate(ours, theirs, max(3, reps), settle=1.0)
+    t_ours, t_theirs = alternate(ours, theirs, max(5, reps), settle=1.0)
     rows.append(Row("text", f"transform(inference='generate') rows/s, {prompts} prompts in {tasks} tasks, {new_tokens} new tokens, "
                     f"batches of {batch}, vs pyspark's predict_batch_udf running the same generate()",
                     f"{prompts / t_ours:,.1f} rows/s", f"predict_batch_udf {prompts / t_theirs:,.1f} rows/s",
