@@ -4,13 +4,12 @@ hand-written FSDP2 loop under Spark's TorchDistributor, and transform(inference=
 against pyspark's predict_batch_udf running the same generate()."""
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import statistics
 import sys
 
-from common import Row, alternate
+from common import Row, alternate, own_python_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -118,20 +117,6 @@ def bench_text(spark, rows, reps, tmp, n=1200, epochs=3):
     _generate_row(spark, rows, reps, tok, vocab, new_tokens=16, prompts=1024, tasks=8)
 
 
-@contextlib.contextmanager
-def _own_python_workers(spark):
-    """UDFs made inside run in Python workers of their own, as each side would in a job of its own:
-    Spark keeps one pool of reused workers per environment (the environment a UDF is made with
-    travels with it), and what one side leaves in a shared worker (its imports and models, which
-    PySpark's garbage collection after every task walks) would change the other's time."""
-    environment = spark.sparkContext.environment
-    environment["SPARKRING_BENCH_WORKERS"] = "baseline"
-    try:
-        yield
-    finally:
-        del environment["SPARKRING_BENCH_WORKERS"]
-
-
 def _generate_row(spark, rows, reps, tok, vocab, new_tokens, prompts=256, batch=32, tasks=2):
     import numpy as np
     import torch
@@ -168,7 +153,7 @@ def _generate_row(spark, rows, reps, tok, vocab, new_tokens, prompts=256, batch=
                              for row in out[:, width:]])
         return predict
 
-    with _own_python_workers(spark):
+    with own_python_workers(spark):
         generated = predict_batch_udf(make_predict_fn, return_type=StringType(), batch_size=batch)("text")
 
     def consume(frame):

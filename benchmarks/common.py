@@ -1,6 +1,7 @@
 """Shared helpers for the benchmarks: a local Spark session, timing, the results table."""
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -52,6 +53,20 @@ def alternate(ours: Callable, baseline: Callable, reps: int, settle: float = 0.0
         time.sleep(settle)
         b.append(timed(baseline))
     return statistics.median(a), statistics.median(b)
+
+
+@contextlib.contextmanager
+def own_python_workers(spark):
+    """UDFs made inside run in Python workers of their own, as each side would in a job of its own:
+    Spark keeps one pool of reused workers per environment (the environment a UDF is made with
+    travels with it), and what one side leaves in a shared worker (its imports and models, which
+    PySpark's garbage collection after every task walks) would change the other's time."""
+    environment = spark.sparkContext.environment
+    environment["SPARKRING_BENCH_WORKERS"] = "baseline"
+    try:
+        yield
+    finally:
+        del environment["SPARKRING_BENCH_WORKERS"]
 
 
 class Row:
