@@ -4,11 +4,13 @@ stopped at the exact write of a checkpoint (a hook on the request, not a sleep) 
 again: the fit fails naming the Store and the checkpoint, nothing written before is lost, and the
 same runId resumes from the last complete checkpoint to the uninterrupted weights."""
 import est_helpers as H
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
 
 from sparkring import SparkRingEstimator, SparkRingModel, Store
+from sparkring.data import prepare
 from sparkring.errors import RankFailedError, StoreError
 from sparkring.trainer.checkpoints import latest
 
@@ -125,10 +127,6 @@ def test_parquet_files_on_s3_are_read_in_place_by_the_ranks_to_the_weights_of_lo
 
     # a copy asked for (readInPlace=False) is made by the executors from the bucket's files into
     # the bucket: the rows and validation split of reading them in place
-    import numpy as np
-
-    from sparkring.data import prepare
-
     columns = ["id", "features", "label"]
     copied = prepare(df, store, columns=columns, validation=0.25, seed=1)
     read = prepare(df, store, columns=columns, validation=0.25, seed=1, in_place=True)
