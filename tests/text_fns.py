@@ -1,5 +1,6 @@
 """Tiny language models and text for the text tests: a BPE tokenizer trained on the tests' own
 sentences and a 2-layer Llama built from its config (nothing is downloaded)."""
+import os
 import random
 
 WORDS = ["the", "cat", "dog", "sat", "ran", "on", "under", "a", "mat", "tree", "big", "small", "red", "blue"]
@@ -24,6 +25,23 @@ def tokenizer(mask=False):
     trainer = trainers.BpeTrainer(vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"] + (["<mask>"] * mask))
     tok.train_from_iterator(sentences(), trainer)
     return tok
+
+
+class CountedTokenizer:
+    """A tokenizers.Tokenizer that writes its process id to ``path`` each time it is unpickled."""
+
+    def __init__(self, tok, path):
+        self.tok, self.path = tok, path
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        with open(self.path, "a") as out:
+            out.write(f"{os.getpid()}\n")
+
+    def __getattr__(self, name):  # encode_batch, decode, token_to_id, ... (not while unpickling)
+        if name in ("tok", "path", "__setstate__"):
+            raise AttributeError(name)
+        return getattr(self.tok, name)
 
 
 def llama(vocab_size, seed=0):

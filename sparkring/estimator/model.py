@@ -175,14 +175,15 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         from pyspark.sql import functions as F
         from pyspark.sql.functions import pandas_udf
 
-        recipe = self._text_inference(dataset)
-        shipped = self._shipments.ship(dataset.sparkSession, self.getModel())
+        recipe, encoder = self._text_inference(dataset)
+        # the tokenizer travels with the weights, loaded once per Python worker, not in every task's closure
+        shipped = self._shipments.ship(dataset.sparkSession, self.getModel(), tokenizer=encoder)
         use_gpu, batch = self.getOrDefault("useGpu"), self.getOrDefault("inferenceBatchSize")
 
         def values(texts: pd.Series) -> List[Any]:
             device = task_device(use_gpu)
             model = shipped.load(device)
-            return recipe.run(model, device, list(texts), batch)
+            return recipe.run(model, shipped.tokenizer(), device, list(texts), batch)
 
         def infer(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
             for texts in batches:
@@ -195,7 +196,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         udf = pandas_udf(infer_scores if recipe.mode == "score" else infer, recipe.spark_type)
         return dataset.withColumn(self.getPredictionCol(), udf(F.col(self.getOrDefault("textCol"))))
 
-    def _text_inference(self, dataset=None) -> TextInference:
+    def _text_inference(self, dataset=None) -> Tuple[TextInference, Encoder]:
+        """What transform() runs on textCol's documents, and the tokenizer it runs with."""
         mode, column = self.getOrDefault("inference"), self.getOrDefault("textCol")
         if column is None:
             raise ConfigurationError(f"inference={mode!r} needs a model fitted on a text column (textCol, task); this "
@@ -214,12 +216,13 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                                      f"{type(self.getModel()).__name__} has none: use 'embed' or 'score'")
         encoder = Encoder(self.getOrDefault("tokenizer"))
         eos, pad = encoder.special_ids()
-        return TextInference(encoder, mode, eos, pad, max_length=self.getOrDefault("sequenceLength"),
-                             generation=dict(self.getOrDefault("generation") or {}))
+        return TextInference(mode, eos, pad, max_length=self.getOrDefault("sequenceLength"),
+                             generation=dict(self.getOrDefault("generation") or {})), encoder
 
     def _text_predictor(self) -> TextPredictor:
         """A text model's recipe for a pandas DataFrame of documents (the MLflow pyfunc's)."""
-        return TextPredictor(self._text_inference(), self.getOrDefault("textCol"), self.getPredictionCol(),
+        recipe, encoder = self._text_inference()
+        return TextPredictor(recipe, encoder, self.getOrDefault("textCol"), self.getPredictionCol(),
                              self.getOrDefault("inferenceBatchSize"))
 
     def _transform_predict(self, dataset):

@@ -143,6 +143,17 @@ def test_transform_ships_the_model_once_and_again_when_its_weights_change(spark,
     assert [r.prediction for r in fresh.transform(prompts).collect()] == after
 
 
+def test_the_tokenizer_is_deserialized_once_per_python_worker_not_once_per_task(spark, fitted_lm, tokenizer, tmp_path):
+    unpickled = tmp_path / "unpickled"
+    counted = text_fns.CountedTokenizer(tokenizer, str(unpickled))
+    generating = fitted_lm.copy({fitted_lm.getParam("tokenizer"): counted, fitted_lm.getParam("inference"): "generate"})
+    prompts = spark.createDataFrame([(s,) for s in text_fns.sentences(12, seed=4)], ["text"]).repartition(6)
+    first = [r.prediction for r in generating.transform(prompts).collect()]
+    assert [r.prediction for r in generating.transform(prompts).collect()] == first  # 12 tasks in all
+    workers = unpickled.read_text().split()
+    assert 1 <= len(workers) <= 2 and len(set(workers)) == len(workers), workers  # local[2]: two workers at most
+
+
 def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(spark, tokenizer, tmp_path):
     from peft import LoraConfig
 
