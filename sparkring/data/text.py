@@ -43,6 +43,16 @@ class Encoder:
     def __getstate__(self):
         return {"source": self.source, "_loaded": None}
 
+    def wraps_same_tokenizer(self, other: Any) -> bool:
+        """Whether ``other`` is an Encoder of the same tokenizer object or the same directory.
+
+        >>> Encoder("/models/tok").wraps_same_tokenizer(Encoder("/models/tok"))
+        True
+        """
+        if not isinstance(other, Encoder):
+            return False
+        return other.source is self.source or (isinstance(self.source, str) and other.source == self.source)
+
     @property
     def tokenizer(self) -> Any:
         if self._loaded is None:

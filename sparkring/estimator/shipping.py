@@ -21,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 import cloudpickle
 import torch
 
+from ..data.text import Encoder
 from ..runner import to_bytes
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,5 @@ def _carrier(spark, data: bytes) -> Any:
 
 
 def _same_tokenizer(last: Any, new: Any) -> bool:
-    """Whether ``new`` wraps the tokenizer ``last`` did (the same object, or the same directory)."""
-    last_source, new_source = getattr(last, "source", last), getattr(new, "source", new)
-    return last_source is new_source or (isinstance(new_source, str) and last_source == new_source)
+    """Whether ``new`` is the tokenizer ``last`` was (an Encoder decides for itself)."""
+    return last is new or (isinstance(new, Encoder) and new.wraps_same_tokenizer(last))
