@@ -64,7 +64,7 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
                                       **kwargs)
     if not isinstance(model, SparkRingModel):
         raise TypeError(f"log_model takes a SparkRingModel or a PipelineModel, got {type(model).__name__}")
-    text = model.getOrDefault("textCol") is not None  # documents in: the tokenizer travels in the recipe
+    text = model.config().text_col is not None  # documents in: the tokenizer travels in the recipe
     predictor = model._text_predictor() if text else model._predictor(df)
     net_bytes = to_bytes(model.getModel())
     with tempfile.TemporaryDirectory() as tmp:
@@ -76,7 +76,7 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
         example = None
         if df is not None:
             # vectors as arrays: what MLflow can describe in a signature and write as an example
-            columns = [model.getOrDefault("textCol")] if text else [c.spark_column() for c in predictor.spec.columns]
+            columns = [model.config().text_col] if text else [c.spark_column() for c in predictor.spec.columns]
             sample = df.select(*columns).limit(5).toPandas()
             example = _as_json_reads_it(sample) if not sample.empty else None
         if example is not None and "signature" not in kwargs and not text:

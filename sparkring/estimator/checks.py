@@ -12,12 +12,12 @@ from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
 from ..data.store import check_run_id
 from ..runner import ESTIMATOR_NAMES, ConfigurationError, LaunchPlan, check_picklable, check_timeouts, plan
 from ..trainer import EarlyStopping, losses, pipeline, tensor_parallel
-from ..trainer.config import ModelParallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
 from ..trainer.lightning import is_lightning_module
 from . import tracking
-from .params import OBJECT_PARAMS, PARAMS, check_values
+from .config import EstimatorConfig
+from .params import OBJECT_PARAMS, param_values
 
 
 @dataclass(frozen=True)
@@ -32,36 +32,36 @@ class FitDecisions:
     lightning: bool  # the model is a LightningModule (decided once, from the model's shape)
 
 
-def fit_store(est) -> Store:
+def fit_store(config: EstimatorConfig) -> Store:
     """The Store a fit keeps its data and checkpoints in: the ``store`` Param's (a Store or a URL),
     else a temporary local one.
 
-    >>> fit_store(SparkRingEstimator(store="/tmp/runs")).url  # doctest: +SKIP
+    >>> fit_store(SparkRingEstimator(store="/tmp/runs").config()).url  # doctest: +SKIP
     '/tmp/runs'
     """
-    store = est.getOrDefault("store") or Store()
+    store = config.store or Store()
     return store if isinstance(store, Store) else Store(str(store))
 
 
-def decide(est, df) -> FitDecisions:
+def decide(config: EstimatorConfig, df) -> FitDecisions:
     """Every check that needs no Spark job, with the facts fit() goes on with (the model factory
     runs here once, under the meta device).
 
-    >>> decide(estimator, df).lightning  # doctest: +SKIP
+    >>> decide(estimator.config(), df).lightning  # doctest: +SKIP
     False
     """
-    shape = model_shape(est)
-    lightning, metrics = check_training(est, shape)
-    spec = check_columns(est, df)
-    validation = est.getOrDefault("validation")
-    es = early_stopping(est, validation is not None, metrics, lightning)
-    launch_plan = plan_launch(est, df.sparkSession, est.getOrDefault("numProc"))
-    check_sharding(est, launch_plan, lightning, shape)
-    check_model_parallel(est, launch_plan, lightning, shape)
-    check_elastic(est, launch_plan, lightning)
-    if est.getOrDefault("runId") is not None:
-        check_run_id(est.getOrDefault("runId"))
-    store = fit_store(est)
+    shape = model_shape(config)
+    lightning, metrics = check_training(config, shape)
+    spec = check_columns(config, df)
+    validation = config.validation
+    es = early_stopping(config, validation is not None, metrics, lightning)
+    launch_plan = plan_launch(config, df.sparkSession, config.num_proc)
+    check_sharding(config, launch_plan, lightning, shape)
+    check_model_parallel(config, launch_plan, lightning, shape)
+    check_elastic(config, launch_plan, lightning)
+    if config.run_id is not None:
+        check_run_id(config.run_id)
+    store = fit_store(config)
     if store.is_temporary and not launch_plan.facts.single_host:
         raise ConfigurationError("store is not set and this is a cluster: ranks on other hosts cannot read "
                                  "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
@@ -70,10 +70,10 @@ def decide(est, df) -> FitDecisions:
                         lightning=lightning)
 
 
-def model_shape(est) -> torch.nn.Module:
+def model_shape(config: EstimatorConfig) -> torch.nn.Module:
     """The model Param as a module: itself, or what its factory builds under the meta device
     (no memory, no RNG), which every check before the Spark job looks at."""
-    model = est.getOrDefault("model")
+    model = config.model
     if isinstance(model, torch.nn.Module):
         return model
     if not callable(model):
@@ -92,51 +92,51 @@ def model_shape(est) -> torch.nn.Module:
     return built
 
 
-def plan_launch(est, spark, num_proc: Optional[int]) -> LaunchPlan:
+def plan_launch(config: EstimatorConfig, spark, num_proc: Optional[int]) -> LaunchPlan:
     """The launch the estimator's Params ask for on this session (refused where it cannot run)."""
-    return plan(spark, num_proc=num_proc, use_gpu=est.getOrDefault("useGpu"), backend=est.getOrDefault("backend"),
-                stream=est.getOrDefault("streamLogs"), names=ESTIMATOR_NAMES,
-                shared_memory=est.getOrDefault("sharedMemory"), registration_wait=est.getOrDefault("startTimeout"),
-                ranks_per_task=est.getOrDefault("ranksPerTask"), resource_profile=est.getOrDefault("resourceProfile"),
-                min_proc=est.getOrDefault("minProc"))
+    return plan(spark, num_proc=num_proc, use_gpu=config.use_gpu, backend=config.backend,
+                stream=config.stream_logs, names=ESTIMATOR_NAMES,
+                shared_memory=config.shared_memory, registration_wait=config.start_timeout,
+                ranks_per_task=config.ranks_per_task, resource_profile=config.resource_profile,
+                min_proc=config.min_proc)
 
 
-def elastic_plan(est, num_proc: int) -> Optional[ElasticPlan]:
+def elastic_plan(config: EstimatorConfig, num_proc: int) -> Optional[ElasticPlan]:
     """The elastic plan where minProc or checkpointEvery asks for one (None: a plain fit)."""
-    min_proc, every = est.getOrDefault("minProc"), est.getOrDefault("checkpointEvery")
-    if min_proc is None and every is None:
+    if not config.elastic:
         return None
     # the rows of a step are read by the data-parallel ranks only (a model group reads the same ones)
-    group = est.getOrDefault("tensorParallel") * est.getOrDefault("pipelineParallel")
-    return ElasticPlan(global_batch=est.getOrDefault("batchSize") * (num_proc // group), target_size=num_proc,
-                       min_size=num_proc if min_proc is None else min_proc, checkpoint_every=every)
+    return ElasticPlan(global_batch=config.batch_size * config.model_parallel.data_size(num_proc),
+                       target_size=num_proc, min_size=num_proc if config.min_proc is None else config.min_proc,
+                       checkpoint_every=config.checkpoint_every)
 
 
-def check_elastic(est, launch_plan: LaunchPlan, lightning: bool) -> None:
+def check_elastic(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: bool) -> None:
     """What an elastic fit cannot run, refused before any Spark job."""
-    min_proc = est.getOrDefault("minProc")
+    min_proc = config.min_proc
     if min_proc is not None and min_proc > launch_plan.num_proc:
         raise ConfigurationError(f"minProc={min_proc} is more than numProc={launch_plan.num_proc}: the fit starts "
                                  "with numProc ranks and may go on with as few as minProc; lower minProc")
     if min_proc is not None and min_proc % launch_plan.ranks_per_task:
         raise ConfigurationError(f"minProc={min_proc} is not a multiple of ranksPerTask={launch_plan.ranks_per_task}: "
                                  "a lost task takes all its ranks with it")
-    if elastic_plan(est, launch_plan.num_proc) is None:
+    if elastic_plan(config, launch_plan.num_proc) is None:
         return
     what = "minProc" if min_proc is not None else "checkpointEvery"
     if lightning:
         raise ConfigurationError(f"{what} (an elastic fit) does not train a LightningModule yet; drop {what}")
-    if est.getOrDefault("backwardPassesPerStep") != 1:
+    if config.backward_passes_per_step != 1:
         raise ConfigurationError(f"{what} (an elastic fit) steps on every global batch: drop "
                                  "backwardPassesPerStep (or raise batchSize instead)")
 
 
-def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.nn.Module) -> None:
+def check_sharding(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: bool,
+                   shape: torch.nn.Module) -> None:
     """What a sharded strategy cannot run, refused before any Spark job."""
-    strategy = est.getOrDefault("strategy")
+    strategy = config.strategy
     if strategy == "ddp":
-        for sharded_only in ("cpuOffload", "asyncCheckpoint"):
-            if est.getOrDefault(sharded_only):
+        for sharded_only, given in (("cpuOffload", config.cpu_offload), ("asyncCheckpoint", config.async_checkpoint)):
+            if given:
                 raise ConfigurationError(f"{sharded_only}=True applies to a sharded model: set strategy='fsdp' "
                                          f"(or 'hsdp'), or drop {sharded_only}")
         return
@@ -148,7 +148,7 @@ def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.n
                                  "rank runs on one host: there it is strategy='fsdp'")
     if lightning:
         raise ConfigurationError(f"strategy={strategy!r} does not train a LightningModule yet: use strategy='ddp'")
-    if isinstance(est.getOrDefault("optimizer"), torch.optim.Optimizer):
+    if isinstance(config.optimizer, torch.optim.Optimizer):
         raise ConfigurationError(f"strategy={strategy!r} builds the optimizer over each rank's shards: pass "
                                  "optimizer= as a factory, e.g. optimizer=lambda params: torch.optim.Adam(params)")
     sparse = [name for name, m in shape.named_modules()
@@ -156,49 +156,51 @@ def check_sharding(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.n
     if sparse:
         raise ConfigurationError(f"strategy={strategy!r} shards parameters, which sparse gradients cannot be: "
                                  f"module(s) {sparse} use sparse=True; drop it or use strategy='ddp'")
-    if est.getOrDefault("precision") == "16-mixed":
+    if config.precision == "16-mixed":
         raise ConfigurationError(f"precision='16-mixed' scales the loss for replicated gradients; with "
                                  f"strategy={strategy!r} use precision='bf16-mixed' (FSDP2 computes in bfloat16 "
                                  "and reduces in float32)")
-    if est.getOrDefault("gradientCompression") != "none":
+    if config.gradient_compression != "none":
         raise ConfigurationError(f"gradientCompression applies to strategy='ddp'; with {strategy!r} FSDP2 "
                                  "reduce-scatters gradients in their own dtype")
 
 
-def check_model_parallel(est, launch_plan: LaunchPlan, lightning: bool, shape: torch.nn.Module) -> None:
+def check_model_parallel(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: bool,
+                         shape: torch.nn.Module) -> None:
     """What tensor and pipeline parallelism cannot run, refused before any Spark job, naming the
     Param and the fix."""
-    tp, pp = est.getOrDefault("tensorParallel"), est.getOrDefault("pipelineParallel")
-    for param, needs in (("parallelizePlan", "tensorParallel"), ("pipelineSplit", "pipelineParallel"),
-                         ("microbatches", "pipelineParallel")):
-        if est.getOrDefault(param) is not None and est.getOrDefault(needs) == 1:
+    tp, pp = config.tensor_parallel, config.pipeline_parallel
+    for param, given, needs, degree in (("parallelizePlan", config.parallelize_plan, "tensorParallel", tp),
+                                        ("pipelineSplit", config.pipeline_split, "pipelineParallel", pp),
+                                        ("microbatches", config.microbatches, "pipelineParallel", pp)):
+        if given is not None and degree == 1:
             raise ConfigurationError(f"{param} applies with {needs} > 1: set {needs} or drop {param}")
     if tp == 1 and pp == 1:
         return
     what = " x ".join(f"{name}={value}" for name, value in (("tensorParallel", tp), ("pipelineParallel", pp))
                       if value > 1)
-    for refused, why in _model_parallel_refusals(est, lightning, shape):
+    for refused, why in _model_parallel_refusals(config, lightning, shape):
         if refused:
             raise ConfigurationError(f"{what} {why}")
-    num_proc = launch_plan.num_proc
-    if num_proc % (tp * pp):
+    num_proc, group = launch_plan.num_proc, config.model_parallel.group_size
+    if num_proc % group:
         raise ConfigurationError(f"{what} does not divide numProc={num_proc}: numProc must be a multiple of "
-                                 f"{tp * pp} (e.g. numProc={max(tp * pp, num_proc - num_proc % (tp * pp))})")
+                                 f"{group} (e.g. numProc={max(group, num_proc - num_proc % group)})")
     if not transport(launch_plan.backend).torch_distributed:
         raise ConfigurationError(f"{what} needs torch.distributed collectives (DTensor, point-to-point sends): use "
                                  "backend='gloo' or 'nccl', not 'mpi'")
-    if tp > 1 and not callable(est.getOrDefault("parallelizePlan")):
-        _check_plan(est.getOrDefault("parallelizePlan"), shape, strict=pp == 1)
+    if tp > 1 and not callable(config.parallelize_plan):
+        _check_plan(config.parallelize_plan, shape, strict=pp == 1)
     if pp > 1:
-        _check_pipeline(est, shape)
-    if elastic_plan(est, num_proc) is not None:
-        _check_elastic_groups(est, launch_plan, what)
+        _check_pipeline(config, shape)
+    if elastic_plan(config, num_proc) is not None:
+        _check_elastic_groups(config, launch_plan, what)
 
 
-def _check_elastic_groups(est, launch_plan: LaunchPlan, what: str) -> None:
+def _check_elastic_groups(config: EstimatorConfig, launch_plan: LaunchPlan, what: str) -> None:
     """An elastic fit loses and regains whole model groups (tp x pp ranks): dp is what changes."""
-    tp, pp, num_proc = est.getOrDefault("tensorParallel"), est.getOrDefault("pipelineParallel"), launch_plan.num_proc
-    group, min_proc = tp * pp, est.getOrDefault("minProc") or num_proc
+    tp, pp, num_proc = config.tensor_parallel, config.pipeline_parallel, launch_plan.num_proc
+    group, min_proc = config.model_parallel.group_size, config.min_proc or num_proc
     if min_proc % group:
         raise ConfigurationError(f"minProc={min_proc} is not a multiple of {what} ({group} ranks train one replica "
                                  f"together and are lost together): use minProc={max(group, min_proc - min_proc % group)}")
@@ -209,8 +211,8 @@ def _check_elastic_groups(est, launch_plan: LaunchPlan, what: str) -> None:
             f"of {tp} GPUs), or drop minProc/checkpointEvery")
     if pp == 1:
         return
-    global_batch = est.getOrDefault("batchSize") * (num_proc // group)
-    micro = est.getOrDefault("microbatches") or pp
+    global_batch = config.batch_size * (num_proc // group)
+    micro = config.microbatches or pp
     for dp in range(min_proc // group, num_proc // group + 1):
         share, rest = divmod(global_batch, dp)
         if rest or share % micro:
@@ -221,23 +223,23 @@ def _check_elastic_groups(est, launch_plan: LaunchPlan, what: str) -> None:
                 f"batchSize whose global batch divides by every size from minProc to numProc, in whole microbatches")
 
 
-def _model_parallel_refusals(est, lightning: bool, shape: torch.nn.Module) -> List[Tuple[bool, str]]:
-    tp, pp = est.getOrDefault("tensorParallel"), est.getOrDefault("pipelineParallel")
+def _model_parallel_refusals(config: EstimatorConfig, lightning: bool, shape: torch.nn.Module) -> List[Tuple[bool, str]]:
+    tp, pp = config.tensor_parallel, config.pipeline_parallel
     return [
         (tp > 1 and pp > 1 and not isinstance(shape, torch.nn.Sequential),
          "needs an nn.Sequential model (its stages keep their modules; torch's tracer, which cuts other models, turns "
          "them into InterpreterModules that tensor parallelism cannot split)"),
         (lightning, "does not train a LightningModule yet: drop it"),
-        (est.getOrDefault("strategy") == "hsdp", "acts with strategy='ddp' or 'fsdp' across the groups, not 'hsdp'"),
-        (isinstance(est.getOrDefault("optimizer"), torch.optim.Optimizer),
+        (config.strategy == "hsdp", "acts with strategy='ddp' or 'fsdp' across the groups, not 'hsdp'"),
+        (isinstance(config.optimizer, torch.optim.Optimizer),
          "builds the optimizer over each rank's part of the model: pass optimizer= as a factory, e.g. "
          "optimizer=lambda params: torch.optim.Adam(params)"),
-        (est.getOrDefault("precision") == "16-mixed", "does not scale float16 losses: use precision='bf16-mixed'"),
-        (est.getOrDefault("gradientCompression") != "none", "exchanges gradients in their own dtype: drop "
+        (config.precision == "16-mixed", "does not scale float16 losses: use precision='bf16-mixed'"),
+        (config.gradient_compression != "none", "exchanges gradients in their own dtype: drop "
                                                             "gradientCompression"),
-        (est.getOrDefault("backwardPassesPerStep") != 1, "steps after every batch: drop backwardPassesPerStep"),
-        (pp > 1 and len(est.labelColumns()) > 1, "trains one head: pass one labelCol"),
-        (pp > 1 and est.getOrDefault("sampleWeightCol") is not None, "does not weight rows: drop sampleWeightCol"),
+        (config.backward_passes_per_step != 1, "steps after every batch: drop backwardPassesPerStep"),
+        (pp > 1 and len(config.label_columns) > 1, "trains one head: pass one labelCol"),
+        (pp > 1 and config.sample_weight_col is not None, "does not weight rows: drop sampleWeightCol"),
     ]
 
 
@@ -248,11 +250,9 @@ def _check_plan(plan, shape: torch.nn.Module, strict: bool) -> None:
         raise ConfigurationError(str(exc)) from None
 
 
-def _check_pipeline(est, shape: torch.nn.Module) -> None:
+def _check_pipeline(config: EstimatorConfig, shape: torch.nn.Module) -> None:
     """The stages, split points and microbatches of a pipeline, checked against the model and batch."""
-    parallel = ModelParallel(est.getOrDefault("tensorParallel"), None, est.getOrDefault("pipelineParallel"),
-                             tuple(est.getOrDefault("pipelineSplit") or ()), est.getOrDefault("pipelineSchedule"),
-                             est.getOrDefault("microbatches"))
+    parallel = config.model_parallel
     split = parallel.pipeline_split
     if split and len(split) + 1 != parallel.stages:
         per_rank = f" ({parallel.stages_per_rank} stages per rank with {parallel.schedule})" \
@@ -267,10 +267,10 @@ def _check_pipeline(est, shape: torch.nn.Module) -> None:
                                  f"{pipeline.SEQUENTIAL_HINT}")
     if not split:
         try:
-            pipeline.balanced_split(shape, parallel.stages, tuple(est.getOrDefault("fsdpWrap") or ()))
+            pipeline.balanced_split(shape, parallel.stages, tuple(config.fsdp_wrap or ()))
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
-    batch, micro = est.getOrDefault("batchSize"), parallel.microbatch_count
+    batch, micro = config.batch_size, parallel.microbatch_count
     if batch % micro:
         raise ConfigurationError(f"microbatches={micro} does not divide batchSize={batch}: each microbatch must "
                                  f"have as many rows (e.g. batchSize={batch - batch % micro or micro})")
@@ -280,26 +280,26 @@ def _check_pipeline(est, shape: torch.nn.Module) -> None:
                                  "multiple of it")
 
 
-def check_training(est, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:
+def check_training(config: EstimatorConfig, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:
     """The model, optimizer, losses, metrics and Param values; (is a LightningModule, metrics)."""
     lightning = is_lightning_module(model)
     if lightning:
-        check_lightning_module(est, model)
+        check_lightning_module(config, model)
     else:
-        opt = est.getOrDefault("optimizer")
+        opt = config.optimizer
         if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
             raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
                                      "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
-    check_timeouts(est.getOrDefault("timeout"), None, ESTIMATOR_NAMES)
-    clip = est.getOrDefault("gradientClipNorm")
+    check_timeouts(config.timeout, None, ESTIMATOR_NAMES)
+    clip = config.gradient_clip_norm
     if clip is not None and not clip > 0:
         raise ConfigurationError(f"gradientClipNorm={clip}: give a positive norm (e.g. 1.0), or leave it unset")
     # what ships to the ranks, checked here so that a lock or an open file in the model
     # is named before the data is written
-    check_picklable({name: est.getOrDefault(name) for name in OBJECT_PARAMS
-                     if est.isDefined(name) and est.getOrDefault(name) is not None})
-    labels = est.labelColumns()
-    loss_list = est.lossList()
+    values = param_values(config)
+    check_picklable({name: values[name] for name in OBJECT_PARAMS if values[name] is not None})
+    labels = config.label_columns
+    loss_list = config.losses
     if not lightning and any(loss is None for loss in loss_list):
         raise ConfigurationError("loss is not set: pass loss='cross_entropy' (or mse, nll, l1, "
                                  "bce_with_logits, smooth_l1) or a callable(output, label)")
@@ -308,39 +308,37 @@ def check_training(est, model: torch.nn.Module) -> Tuple[bool, Dict[str, Any]]:
                                  f"({labels}): give one loss per label")
     if len(set(labels)) != len(labels):
         raise ConfigurationError(f"labelCol names a column twice: {labels}")
-    weights = est.getOrDefault("lossWeights")
+    weights = config.loss_weights
     if weights is not None and len(weights) != len(labels):
         raise ConfigurationError(f"lossWeights has {len(weights)} entries but labelCol names {len(labels)} "
                                  "labels: give one weight per label")
-    if len(est.predictionColumns()) != len(labels):
-        raise ConfigurationError(f"predictionCol names {len(est.predictionColumns())} columns but labelCol "
+    if len(config.prediction_columns) != len(labels):
+        raise ConfigurationError(f"predictionCol names {len(config.prediction_columns)} columns but labelCol "
                                  f"names {len(labels)} labels: give one prediction column per label")
     try:
         for loss in loss_list if not lightning else []:
             losses.check_loss(loss)
-        metrics = losses.metric_fns(est.getOrDefault("metrics"))
+        metrics = losses.metric_fns(config.metrics)
     except ValueError as exc:
         raise ConfigurationError(str(exc)) from None
-    check_values({spec.name: est.getOrDefault(spec.name) for spec in PARAMS})
-    for name in ("transformFn", "transformFnInference"):
-        fn = est.getOrDefault(name)
+    for name, fn in (("transformFn", config.transform_fn), ("transformFnInference", config.transform_fn_inference)):
         if fn is not None and not callable(fn):
             raise ConfigurationError(f"{name} must be a callable(batch: dict) -> dict, got {type(fn).__name__}")
-    check_reader(est.getOrDefault("reader"))
-    tracking.check_mode(est.getOrDefault("mlflowLogging"))
+    check_reader(config.reader)
+    tracking.check_mode(config.mlflow_logging)
     return lightning, metrics
 
 
-def check_columns(est, df) -> FeatureSpec:
+def check_columns(config: EstimatorConfig, df) -> FeatureSpec:
     """The columns the Params name exist and have usable types; the FeatureSpec they make."""
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import types as T
 
-    labels, loss_list = est.labelColumns(), est.lossList()
+    labels, loss_list = config.label_columns, config.losses
     fields = {f.name: f.dataType for f in df.schema.fields}
-    transform_fn = est.getOrDefault("transformFn")
-    if est.getOrDefault("modelInputs") is None and transform_fn is None:
-        for c in est.featureColumns():
+    transform_fn = config.transform_fn
+    if config.model_inputs is None and transform_fn is None:
+        for c in config.feature_columns:
             if c not in fields:
                 raise ConfigurationError(f"featuresCol {c!r} is not a column of the DataFrame; it has "
                                          f"{df.columns}. Set featuresCol= (a vector column or a list of columns)")
@@ -357,7 +355,7 @@ def check_columns(est, df) -> FeatureSpec:
         if not isinstance(fields[label], (T.NumericType, T.BooleanType, VectorUDT, T.ArrayType)):
             raise ConfigurationError(f"labelCol {label!r} has type {fields[label].simpleString()}; it must be "
                                      "numeric (index string labels with StringIndexer)")
-    weight = est.getOrDefault("sampleWeightCol") if est.isDefined("sampleWeightCol") else None
+    weight = config.sample_weight_col
     if weight is not None:
         if weight not in fields or not isinstance(fields[weight], T.NumericType):
             raise ConfigurationError(f"sampleWeightCol {weight!r} must be a numeric column of the DataFrame")
@@ -365,13 +363,13 @@ def check_columns(est, df) -> FeatureSpec:
             raise ConfigurationError("sampleWeightCol needs a named loss (a callable loss returns a scalar, "
                                      "so rows cannot be weighted)")
     try:
-        spec = FeatureSpec.build(df.schema, inputs=est.getOrDefault("modelInputs"),
-                                 features=est.featureColumns(), labels=labels, weight=weight,
-                                 shapes=est.getOrDefault("inputShapes"), transform=transform_fn is not None,
+        spec = FeatureSpec.build(df.schema, inputs=config.model_inputs,
+                                 features=config.feature_columns, labels=labels, weight=weight,
+                                 shapes=config.input_shapes, transform=transform_fn is not None,
                                  codecs=petastorm_codecs(df))
     except DataError as exc:
         raise ConfigurationError(str(exc)) from None
-    validation = est.getOrDefault("validation")
+    validation = config.validation
     if isinstance(validation, str):
         if validation not in fields or not isinstance(fields[validation], T.BooleanType):
             raise ConfigurationError(f"validation={validation!r} must name a boolean column of the DataFrame")
@@ -381,22 +379,23 @@ def check_columns(est, df) -> FeatureSpec:
     return spec
 
 
-def check_lightning_module(est, module: torch.nn.Module) -> None:
+def check_lightning_module(config: EstimatorConfig, module: torch.nn.Module) -> None:
     """A LightningModule decides its optimizer, loss and metrics itself: the Params that would
     decide them too are refused rather than silently ignored."""
     problem = lightning_problem(module)
     if problem is not None:
         raise ConfigurationError(problem)
-    given = [name for name in ("optimizer", "loss", "metrics", "lossWeights")
-             if est.isSet(name) and est.getOrDefault(name) is not None]
+    given = [name for name, value in (("optimizer", config.optimizer), ("loss", config.loss),
+                                      ("metrics", config.metrics), ("lossWeights", config.loss_weights))
+             if value is not None]
     if given:
         raise ConfigurationError(f"model is a LightningModule, which decides {', '.join(given)} itself "
                                  "(configure_optimizers: optimizer and LR schedulers; training_step: the loss; "
                                  "est.log: metrics): drop " + ", ".join(f"{name}=" for name in given))
 
 
-def early_stopping(est, has_val: bool, metrics, lightning: bool = False) -> Optional[EarlyStopping]:
-    es = est.getOrDefault("earlyStopping")
+def early_stopping(config: EstimatorConfig, has_val: bool, metrics, lightning: bool = False) -> Optional[EarlyStopping]:
+    es = config.early_stopping
     if es is None:
         return None
     if isinstance(es, int):
@@ -406,8 +405,8 @@ def early_stopping(est, has_val: bool, metrics, lightning: bool = False) -> Opti
                                  "(and optional 'monitor', 'mode', 'min_delta')")
     monitor = es.get("monitor", "val_loss" if has_val else "loss")
     known = ["loss"] + list(metrics)
-    if len(est.labelColumns()) > 1:
-        known += [f"{label}_{name}" for label in est.labelColumns() for name in ["loss"] + list(metrics)]
+    if len(config.label_columns) > 1:
+        known += [f"{label}_{name}" for label in config.label_columns for name in ["loss"] + list(metrics)]
     known += [f"val_{k}" for k in known] if has_val else []
     # a LightningModule's figures are what it logs: checked when the first epoch ends
     if monitor not in known and not lightning:
@@ -419,17 +418,17 @@ def early_stopping(est, has_val: bool, metrics, lightning: bool = False) -> Opti
                          min_delta=float(es.get("min_delta", 0.0)))
 
 
-def class_labels(est) -> List[Tuple[str, Any]]:
+def class_labels(config: EstimatorConfig) -> List[Tuple[str, Any]]:
     """(label column, loss) of each head whose loss takes class indices."""
-    return [(label, loss) for label, loss in zip(est.labelColumns(), est.lossList())
+    return [(label, loss) for label, loss in zip(config.label_columns, config.losses)
             if losses.label_kind(loss) == "class"]
 
 
-def check_labels(est, ds) -> None:
+def check_labels(config: EstimatorConfig, ds) -> None:
     """Class-index losses need integral, non-negative labels: checked against what prepare saw
     of them in its pass over the DataFrame (no pass of their own). A boolean label is always
     a class index; an array label's values meet the loss on the ranks."""
-    for label, loss in class_labels(est):
+    for label, loss in class_labels(config):
         values = ds.values(label)
         if values is None:
             continue

@@ -4,80 +4,66 @@ checkpointEvery ask for one), with a non-finite loss turned into TrainingError."
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from ..collective import environment
 from ..collective.elastic import Relaunches
 from ..errors import NonFiniteLossError, RankFailedError, TrainingError
 from ..runner import ConfigurationError, ElasticLaunch, ElasticPolicy, LaunchPlan, launch, relaunch_until_done
-from ..trainer import RankResult, Sharding, TrainConfig, train_rank
+from ..trainer import RankResult, TrainConfig, train_rank
 from ..trainer.checkpoints import resume_point
-from ..trainer.config import ModelParallel
 from ..trainer.elastic import stop_request
 from .checks import FitDecisions, elastic_plan, plan_launch
+from .config import EstimatorConfig
 from .params import PARAMS
 
 
-def _compile_options(value: Any) -> Optional[Dict[str, Any]]:
-    """The compile Param as torch.compile's keyword arguments (None: eager)."""
-    if value is True:
-        return {}
-    return dict(value) if isinstance(value, dict) else None
-
-
-def steps_per_epoch(values: Dict[str, Any], ds, num_proc: int) -> Tuple[int, int]:
+def steps_per_epoch(config: EstimatorConfig, ds, num_proc: int) -> Tuple[int, int]:
     """Training and validation steps of each rank's epoch, decided here for every rank: the
     Params where set, else what the data gives each of ``num_proc`` ranks (training steps in
     whole multiples of backwardPassesPerStep; validation: the longest rank's share).
 
-    >>> steps_per_epoch(est.paramValues(), ds, num_proc=2)  # doctest: +SKIP
+    >>> steps_per_epoch(est.config(), ds, num_proc=2)  # doctest: +SKIP
     (15, 4)
     """
-    bs = values["batchSize"]
-    val_bs = values["valBatchSize"] or bs
-    passes = values["backwardPassesPerStep"]
+    bs = config.batch_size
+    passes = config.backward_passes_per_step
     if ds.num_batches(bs, num_proc) == 0:
         raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
                                  f"on each of numProc={num_proc} ranks: lower batchSize or numProc")
-    train = values["trainStepsPerEpoch"] or ds.num_batches(bs, num_proc)
+    train = config.train_steps_per_epoch or ds.num_batches(bs, num_proc)
     train -= train % passes
     if train == 0:
         raise ConfigurationError(f"an epoch of {ds.num_batches(bs, num_proc)} step(s) per rank holds no whole "
                                  f"backwardPassesPerStep={passes}: lower backwardPassesPerStep or batchSize")
     val = 0
     if ds.num_rows("val") > 0:
-        val = values["validationStepsPerEpoch"] or max(
-            ds.num_batches(val_bs, num_proc, "val", False, r) for r in range(num_proc))
+        val = config.validation_steps_per_epoch or max(
+            ds.num_batches(config.validation_batch_size, num_proc, "val", False, r) for r in range(num_proc))
     return train, val
 
 
-def train_config(est, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
+def train_config(config: EstimatorConfig, decided: FitDecisions, ds, run_id: str) -> TrainConfig:
     """The ranks' TrainConfig: every Param whose ParamSpec names a field, as it is, and what
     the driver decided (losses per head, steps, sharding, elastic plan, ...).
 
-    >>> train_config(est, decide(est, df), ds, "r1").batch_size  # doctest: +SKIP
+    >>> train_config(est.config(), decide(est.config(), df), ds, "r1").batch_size  # doctest: +SKIP
     32
     """
-    values = est.paramValues()
-    labels = est.labelColumns()
+    labels = config.label_columns
     num_proc = decided.plan.num_proc
-    parallel = ModelParallel(values["tensorParallel"], values["parallelizePlan"], values["pipelineParallel"],
-                             tuple(values["pipelineSplit"] or ()), values["pipelineSchedule"], values["microbatches"])
-    train_steps, val_steps = steps_per_epoch(values, ds, parallel.data_size(num_proc))
-    as_is = {spec.field: values[spec.name] for spec in PARAMS if spec.field is not None}
-    sharding = Sharding(values["strategy"], tuple(values["fsdpWrap"] or ()), values["initFn"],
-                        values["asyncCheckpoint"], cpu_offload=values["cpuOffload"],
-                        bf16_compute=values["precision"] == "bf16-mixed",
-                        activation_checkpointing=values["activationCheckpointing"])
+    parallel = config.model_parallel
+    train_steps, val_steps = steps_per_epoch(config, ds, parallel.data_size(num_proc))
+    as_is = {spec.field: getattr(config, spec.attr) for spec in PARAMS if spec.field is not None}
     return TrainConfig(
-        **as_is, losses=est.lossList(), metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
-        spec=ds.spec, loss_weights=values["lossWeights"] or [1.0] * len(labels),
-        val_batch_size=values["valBatchSize"] or values["batchSize"], train_steps=train_steps, val_steps=val_steps,
-        callbacks=list(values["callbacks"] or []), early_stopping=decided.early_stopping,
+        **as_is, losses=config.losses, metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
+        spec=ds.spec, loss_weights=config.loss_weights or [1.0] * len(labels),
+        val_batch_size=config.validation_batch_size, train_steps=train_steps, val_steps=val_steps,
+        callbacks=list(config.callbacks or []), early_stopping=decided.early_stopping,
         use_gpu=decided.plan.use_gpu, has_validation=ds.num_rows("val") > 0, multi_head=len(labels) > 1,
-        skip_non_finite=values["onNonFinite"] == "skip_step", lightning=decided.lightning, sharding=sharding,
-        parallel=parallel,
-        compile=_compile_options(values["compile"]), elastic=elastic_plan(est, num_proc))
+        skip_non_finite=config.on_non_finite == "skip_step", lightning=decided.lightning,
+        sharding=config.sharding, parallel=parallel, compile=config.compile_options,
+        elastic=elastic_plan(config, num_proc))
 
 
 class _FitPolicy(ElasticPolicy):
@@ -110,36 +96,34 @@ class _FitPolicy(ElasticPolicy):
         self._say(message)
 
 
-def launch_fit(spark, est, cfg: TrainConfig, decided: FitDecisions, on_event: Callable[[int, Any], None],
-               say: Callable[[str], None]) -> RankResult:
+def launch_fit(spark, config: EstimatorConfig, cfg: TrainConfig, decided: FitDecisions,
+               on_event: Callable[[int, Any], None], say: Callable[[str], None]) -> RankResult:
     """Train on the ranks the plan decided (again, with the ranks there are, for an elastic fit);
     rank 0's result. A non-finite loss raises TrainingError naming the epoch, step and rank.
 
-    >>> launch_fit(spark, est, cfg, decided, on_event, print).history  # doctest: +SKIP
+    >>> launch_fit(spark, est.config(), cfg, decided, on_event, print).history  # doctest: +SKIP
     """
-    values = est.paramValues()
-    verbose = values["verbose"]
+    verbose = config.verbose
     # the timeline Param: every rank records its spans, the launch merges them into this file
-    trace_env = {environment.TIMELINE: values["timeline"]} if values["timeline"] is not None else None
+    trace_env = {environment.TIMELINE: config.timeline} if config.timeline is not None else None
 
     def launch_once(now: LaunchPlan, counts: Optional[Relaunches]) -> List[Any]:
         # validation splits its rows among the ranks there are: its steps follow their number
         run_cfg = cfg if cfg.elastic is None or counts is None else dataclasses.replace(
             cfg, elastic=dataclasses.replace(cfg.elastic, relaunches=counts),
-            val_steps=steps_per_epoch(values, cfg.dataset, cfg.parallel.data_size(now.num_proc))[1])
-        return launch(spark, now, train_rank, args=(run_cfg,), timeout=values["timeout"],
-                      start_timeout=values["startTimeout"], verbose=2 if verbose >= 2 else (1 if verbose else 0),
+            val_steps=steps_per_epoch(config, cfg.dataset, cfg.parallel.data_size(now.num_proc))[1])
+        return launch(spark, now, train_rank, args=(run_cfg,), timeout=config.timeout,
+                      start_timeout=config.start_timeout, verbose=2 if verbose >= 2 else (1 if verbose else 0),
                       on_event=on_event, env=trace_env)
 
     try:
         if cfg.elastic is None:
             return launch_once(decided.plan, None)[0]
         # the driver launches again when ranks are lost, not Spark's stage retry (same size only)
-        how = ElasticLaunch(cfg.elastic.target_size, cfg.elastic.min_size, values["maxRestarts"],
-                            values["startTimeout"], start_timeout_name="startTimeout", min_size_name="minProc",
-                            ranks_per_task=decided.plan.ranks_per_task,
-                            ranks_per_replica=cfg.parallel.tensor_parallel * cfg.parallel.pipeline_parallel)
-        policy = _FitPolicy(how, launch_once, lambda n: dataclasses.replace(plan_launch(est, spark, n), attempts=1),
+        how = ElasticLaunch(cfg.elastic.target_size, cfg.elastic.min_size, config.max_restarts,
+                            config.start_timeout, start_timeout_name="startTimeout", min_size_name="minProc",
+                            ranks_per_task=decided.plan.ranks_per_task, ranks_per_replica=cfg.parallel.group_size)
+        policy = _FitPolicy(how, launch_once, lambda n: dataclasses.replace(plan_launch(config, spark, n), attempts=1),
                             say, cfg.store, cfg.run_id)
         return relaunch_until_done(spark, dataclasses.replace(decided.plan, attempts=1), policy,
                                    stop_request(cfg.store, cfg.run_id))[0]

@@ -91,7 +91,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
         >>> net = model.getModel(); net(torch.randn(1, 64))  # doctest: +SKIP
         """
-        return self.getOrDefault("model")
+        return self.config().model
 
     def copy(self, extra=None):
         that = super().copy(extra)
@@ -104,7 +104,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def _inference_spec(self, dataset=None) -> FeatureSpec:
         """The spec the model was trained with (its inputs only), or one built from the Params
         and ``dataset``'s schema (a model loaded without one); checked against ``dataset``."""
-        transform_fn = self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn")
+        cfg = self.config()
+        transform_fn = cfg.transform_fn_for_inference
         if self.featureSpec is not None:
             spec = self.featureSpec
         elif dataset is None:
@@ -112,15 +113,15 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                              "it): give the DataFrame to score")
         else:
             try:
-                spec = FeatureSpec.build(dataset.schema, inputs=self.getOrDefault("modelInputs"),
-                                         features=self.featureColumns(), shapes=self.getOrDefault("inputShapes"),
+                spec = FeatureSpec.build(dataset.schema, inputs=cfg.model_inputs,
+                                         features=cfg.feature_columns, shapes=cfg.input_shapes,
                                          transform=transform_fn is not None, codecs=petastorm_codecs(dataset))
             except DataError as exc:
                 raise ValueError(str(exc)) from None
         needed = [c for inp in spec.inputs for c in inp.columns]
         missing = [c for c in needed if dataset is not None and c not in dataset.columns]
         if missing:
-            param = "modelInputs" if self.getOrDefault("modelInputs") is not None else "featuresCol"
+            param = "modelInputs" if cfg.model_inputs is not None else "featuresCol"
             raise ValueError(f"{param} column(s) {missing} are not in the DataFrame to transform; it has "
                              f"{dataset.columns}")
         columns = tuple(spec.column(c) for c in dict.fromkeys(needed))
@@ -128,7 +129,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
     def _head_kinds(self, spec: FeatureSpec) -> List[Tuple[str, int]]:
         """Per head: 'classification', or 'regression' with its output width."""
-        loss_list = self.lossList()
+        cfg = self.config()
+        loss_list = cfg.losses
         shapes: Optional[List[List[int]]] = self.outputShapes
         if shapes is None and not all(isinstance(x, str) and x in losses.CLASSIFICATION for x in loss_list):
             example = spec.example_args()
@@ -157,16 +159,18 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
     def _predictor(self, dataset=None) -> Predictor:
         """The inference recipe for this DataFrame's columns (see inference.Predictor)."""
+        cfg = self.config()
         spec = self._inference_spec(dataset)
-        loss_list = self.lossList()
-        fields = output_fields(loss_list, self._head_kinds(spec), self.predictionColumns(),
+        loss_list = cfg.losses
+        fields = output_fields(loss_list, self._head_kinds(spec), cfg.prediction_columns,
                                self.getProbabilityCol(), self.getRawPredictionCol())
         return Predictor(spec=spec, loss_list=tuple(loss_list), fields=fields,
-                         batch_size=self.getOrDefault("inferenceBatchSize"),
-                         transform_fn=self.getOrDefault("transformFnInference") or self.getOrDefault("transformFn"))
+                         batch_size=cfg.inference_batch_size,
+                         transform_fn=cfg.transform_fn_for_inference)
 
     def _transform(self, dataset):
-        if self.getOrDefault("inference") != "predict" or self.getOrDefault("textCol") is not None:
+        cfg = self.config()
+        if cfg.inference != "predict" or cfg.text_col is not None:
             return self._transform_text(dataset)
         return self._transform_predict(dataset)
 
@@ -175,10 +179,12 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         from pyspark.sql import functions as F
         from pyspark.sql.functions import pandas_udf
 
+        cfg = self.config()
+
         recipe, encoder = self._text_inference(dataset)
         # the tokenizer travels with the weights, loaded once per Python worker, not in every task's closure
         shipped = self._shipments.ship(dataset.sparkSession, self.getModel(), tokenizer=encoder)
-        use_gpu, batch = self.getOrDefault("useGpu"), self.getOrDefault("inferenceBatchSize")
+        use_gpu, batch = cfg.use_gpu, cfg.inference_batch_size
 
         def values(texts: pd.Series) -> List[Any]:
             device = task_device(use_gpu)
@@ -194,36 +200,38 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                 yield pd.DataFrame(values(texts), columns=["loss", "perplexity"])
 
         udf = pandas_udf(infer_scores if recipe.mode == "score" else infer, recipe.spark_type)
-        return dataset.withColumn(self.getPredictionCol(), udf(F.col(self.getOrDefault("textCol"))))
+        return dataset.withColumn(self.getPredictionCol(), udf(F.col(cfg.text_col)))
 
     def _text_inference(self, dataset=None) -> Tuple[TextInference, Encoder]:
         """What transform() runs on textCol's documents, and the tokenizer it runs with."""
-        mode, column = self.getOrDefault("inference"), self.getOrDefault("textCol")
+        cfg = self.config()
+        mode, column = cfg.inference, cfg.text_col
         if column is None:
             raise ConfigurationError(f"inference={mode!r} needs a model fitted on a text column (textCol, task); this "
                                      "one reads numeric columns: use inference='predict'")
         if dataset is not None and column not in dataset.columns:
             raise ConfigurationError(f"inference={mode!r} reads textCol={column!r}, which the DataFrame lacks "
                                      f"(it has {dataset.columns})")
-        if mode == "predict" and self.getOrDefault("task") != "sequence-classification":
+        if mode == "predict" and cfg.task != "sequence-classification":
             raise ConfigurationError("a language model fitted on textCol writes with inference='generate', 'embed' or "
                                      "'score' (inference='predict' is a sequence classifier's)")
-        if mode in ("generate", "score") and self.getOrDefault("task") == "masked-lm":
+        if mode in ("generate", "score") and cfg.task == "masked-lm":
             raise ConfigurationError(f"inference={mode!r} is a causal language model's (next tokens); a masked-LM "
                                      "encoder writes with inference='embed'")
         if mode == "generate" and not hasattr(self.getModel(), "generate"):
             raise ConfigurationError(f"inference='generate' needs a model with generate() (a Hugging Face causal LM); "
                                      f"{type(self.getModel()).__name__} has none: use 'embed' or 'score'")
-        encoder = Encoder(self.getOrDefault("tokenizer"))
+        encoder = Encoder(cfg.tokenizer)
         eos, pad = encoder.special_ids()
-        return TextInference(mode, eos, pad, max_length=self.getOrDefault("sequenceLength"),
-                             generation=dict(self.getOrDefault("generation") or {})), encoder
+        return TextInference(mode, eos, pad, max_length=cfg.sequence_length,
+                             generation=dict(cfg.generation or {})), encoder
 
     def _text_predictor(self) -> TextPredictor:
         """A text model's recipe for a pandas DataFrame of documents (the MLflow pyfunc's)."""
+        cfg = self.config()
         recipe, encoder = self._text_inference()
-        return TextPredictor(recipe, encoder, self.getOrDefault("textCol"), self.getPredictionCol(),
-                             self.getOrDefault("inferenceBatchSize"))
+        assert cfg.text_col is not None  # _text_inference refuses a model without one
+        return TextPredictor(recipe, encoder, cfg.text_col, self.getPredictionCol(), cfg.inference_batch_size)
 
     def _transform_predict(self, dataset):
         from pyspark.ml.functions import array_to_vector
@@ -231,12 +239,14 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         from pyspark.sql import functions as F
         from pyspark.sql.functions import pandas_udf
 
+        cfg = self.config()
+
         predictor = self._predictor(dataset)
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
         shipped = self._shipments.ship(spark, self.getModel())
-        use_gpu = self.getOrDefault("useGpu")
+        use_gpu = cfg.use_gpu
 
         def forward(arrays: Sequence[pa.Array]) -> List[np.ndarray]:
             device = task_device(use_gpu)
@@ -277,7 +287,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     # -- persistence ------------------------------------------------------------------
     def write(self):
         saved = self
-        if self.getOrDefault("mergeAdapters") and hasattr(self.getModel(), "merge_and_unload"):
+        if self.config().merge_adapters and hasattr(self.getModel(), "merge_and_unload"):
             saved = self.copy({self.getParam("model"): merged(self.getModel()), self.getParam("lora"): None})
         buf = io.BytesIO()
         torch.save(saved.getModel().state_dict(), buf)

@@ -4,6 +4,7 @@ Param reference all come."""
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -14,9 +15,19 @@ from ..data import READERS
 from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
 from ..trainer.activation import MODES as ACTIVATION_MODES
-from ..trainer.config import PIPELINE_SCHEDULES, STRATEGIES
+from ..trainer.config import COMPRESSIONS, LR_SCALINGS, ON_NON_FINITE, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES
+from .config import TASKS, EstimatorConfig
 from .text_inference import MODES as INFERENCE_MODES
 from .tracking import MODES as MLFLOW_MODES
+
+
+def _one_of(choices: Tuple[Any, ...]) -> str:
+    """A choice Param's type as the signature and the reference show it: its allowed values.
+
+    >>> _one_of(("ddp", "fsdp", None))
+    "'ddp' | 'fsdp' | None"
+    """
+    return " | ".join(map(repr, choices))
 
 
 def _identity(value: Any) -> Any:
@@ -121,6 +132,11 @@ class ParamSpec:
     shared: bool = False                      # pyspark's own shared Param (HasSeed, HasProbabilityCol, ...)
     field: Optional[str] = None               # the TrainConfig field it fills as it is (train_config())
 
+    @property
+    def attr(self) -> str:
+        """Its field of EstimatorConfig: the name in snake_case (``batchSize`` -> ``batch_size``)."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", self.name).lower()
+
 
 PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("model", "torch.nn.Module | Callable[[], Module]", None,
@@ -162,11 +178,11 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "concatenate documents (each closed by end-of-sequence) and cut them to sequenceLength, position ids "
               "and a Hugging Face model's attention restarting per document (causal-lm only); False: one document "
               "per row, cut and padded", TypeConverters.toBoolean),
-    ParamSpec("task", "str | None", None,
+    ParamSpec("task", _one_of((None,) + TASKS), None,
               "what a textCol fit trains: causal-lm (next-token prediction, labels are the shifted inputs, padding "
               "ignored), sequence-classification (labelCol's class per document, one unpacked document per row) or "
               "masked-lm (an encoder fills in 15% of each document's tokens, hidden by seed; one unpacked document "
-              "per row)", _to_optional_string, choices=(None, "causal-lm", "sequence-classification", "masked-lm")),
+              "per row)", _to_optional_string, choices=(None,) + TASKS),
     ParamSpec("lora", "peft.LoraConfig | None", None,
               "a textCol fit trains only LoRA adapters on the model (peft): the base weights stay frozen and are not "
               "exchanged; the fitted model keeps the adapters", is_object=True),
@@ -194,7 +210,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("shuffle", "bool", True, "shuffle training rows every epoch", TypeConverters.toBoolean, field="shuffle"),
     ParamSpec("seed", "int", 0, "seed of the shuffle, the validation split and the model's initial weights",
               shared=True, field="seed"),
-    ParamSpec("backend", "str", "auto", "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
+    ParamSpec("backend", _one_of(BACKENDS), "auto", "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
               TypeConverters.toString, choices=BACKENDS),
     ParamSpec("useGpu", "bool | None", None, "train on GPUs (default: when Spark schedules GPUs)"),
     ParamSpec("ranksPerTask", "int | None", None,
@@ -207,7 +223,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("store", "Store | str | None", None,
               "sparkring.Store for data, checkpoints, logs (default: a temporary local one)", is_object=True),
     ParamSpec("runId", "str | None", None, "name of the run in the store; fitting again with the same runId resumes"),
-    ParamSpec("strategy", "str", "ddp", "ddp (the model whole on every rank) | fsdp (FSDP2: parameters, gradients and "
+    ParamSpec("strategy", _one_of(STRATEGIES), "ddp", "ddp (the model whole on every rank) | fsdp (FSDP2: parameters, gradients and "
               "optimizer state sharded across the ranks) | hsdp (sharded within each host, replicated across hosts)",
               TypeConverters.toString, choices=STRATEGIES),
     ParamSpec("fsdpWrap", "list[str] | None", None, "module class names sharded as units (default: every layer of "
@@ -234,11 +250,11 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("pipelineSplit", "list[str] | None", None, "module names where stages 1, 2, ... begin: top-level "
               "children of an nn.Sequential (e.g. ['4']), or any module of another model (e.g. ['layers.2'], cut by "
               "torch's tracer); default: blocks balanced by parameter count", _to_optional_names),
-    ParamSpec("pipelineSchedule", "str", "1f1b", "gpipe | 1f1b | interleaved-1f1b (two stages per rank): torch's "
+    ParamSpec("pipelineSchedule", _one_of(PIPELINE_SCHEDULES), "1f1b", "gpipe | 1f1b | interleaved-1f1b (two stages per rank): torch's "
               "pipeline schedules", TypeConverters.toString, choices=PIPELINE_SCHEDULES),
     ParamSpec("microbatches", "int | None", None, "microbatches per step with pipelineParallel > 1; must divide "
               "batchSize (default: pipelineParallel)", _to_optional_int, minimum=1),
-    ParamSpec("activationCheckpointing", "str", "none", "none | full (recompute every block's activations in "
+    ParamSpec("activationCheckpointing", _one_of(ACTIVATION_MODES), "none", "none | full (recompute every block's activations in "
               "backward instead of keeping them) | selective (every other block); blocks are fsdpWrap's units "
               "(default: every layer of the model's top-level children that holds parameters); any strategy",
               TypeConverters.toString, choices=ACTIVATION_MODES),
@@ -251,15 +267,15 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "options, e.g. {'mode': 'max-autotune'}); the fitted model holds the module itself, not the compiled "
               "wrapper; the first (compiling) step's seconds go to the first epoch's first_step_seconds",
               _to_compile),
-    ParamSpec("gradientCompression", "str", "none", "none | fp16 | bf16: how gradients travel in the allreduce",
-              TypeConverters.toString, choices=("none", "fp16", "bf16"), field="compression"),
-    ParamSpec("precision", "str", "32", "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "
+    ParamSpec("gradientCompression", _one_of(COMPRESSIONS), "none", "none | fp16 | bf16: how gradients travel in the allreduce",
+              TypeConverters.toString, choices=COMPRESSIONS, field="compression"),
+    ParamSpec("precision", _one_of(PRECISIONS), "32", "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "
               "to bfloat16 or float16 on the rank's device; 16-mixed scales the loss (GradScaler) and skips a step "
               "whose reduced gradients overflow, on every rank alike; a sharded strategy keeps bfloat16 parameters "
               "for compute and reduces gradients in float32", TypeConverters.toString,
-              choices=("32", "bf16-mixed", "16-mixed"), field="precision"),
-    ParamSpec("learningRateScaling", "str", "none", "none | linear (lr x numProc)", TypeConverters.toString,
-              choices=("none", "linear"), field="lr_scaling"),
+              choices=PRECISIONS, field="precision"),
+    ParamSpec("learningRateScaling", _one_of(LR_SCALINGS), "none", "none | linear (lr x numProc)",
+              TypeConverters.toString, choices=LR_SCALINGS, field="lr_scaling"),
     ParamSpec("warmupEpochs", "float", 0.0, "epochs to ramp lr up to its scaled value", TypeConverters.toFloat,
               field="warmup_epochs"),
     ParamSpec("trainStepsPerEpoch", "int | None", None, "steps per epoch (default: one pass)", _to_optional_int,
@@ -270,15 +286,15 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "(epoch, logs); they run on rank 0", is_object=True),
     ParamSpec("earlyStopping", "int | dict | None", None,
               "patience (int) or dict(monitor, patience, mode, min_delta)", is_object=True),
-    ParamSpec("onNonFinite", "str", "raise", "raise (TrainingError naming epoch, step and rank; the last good "
+    ParamSpec("onNonFinite", _one_of(ON_NON_FINITE), "raise", "raise (TrainingError naming epoch, step and rank; the last good "
               "checkpoint is kept) | skip_step (every rank skips that update; history counts skipped_steps)",
-              TypeConverters.toString, choices=("raise", "skip_step")),
-    ParamSpec("reader", "str", "arrow", "how ranks read the prepared data: 'arrow' (pyarrow) or 'petastorm' "
+              TypeConverters.toString, choices=ON_NON_FINITE),
+    ParamSpec("reader", _one_of(READERS), "arrow", "how ranks read the prepared data: 'arrow' (pyarrow) or 'petastorm' "
               "(petastorm's make_batch_reader: the same rows and batches; Spark 3.5 only)", TypeConverters.toString,
               choices=READERS, field="reader"),
     ParamSpec("verbose", "int", 1, "0 silent, 1 progress bar and epoch lines, 2 also every rank's output",
               TypeConverters.toInt),
-    ParamSpec("inference", "str", "predict",
+    ParamSpec("inference", _one_of(INFERENCE_MODES), "predict",
               "what transform() writes to predictionCol: predict (the model's outputs, as always) or, for a textCol "
               "model, generate (the continuation of each document), embed (the last hidden state mean-pooled), "
               "score (each row's loss and perplexity)", TypeConverters.toString, choices=INFERENCE_MODES),
@@ -313,7 +329,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean),
     ParamSpec("lossWeights", "list[float] | None", None, "weight of each head's loss in the total (default: 1 each)",
               _to_loss_weights),
-    ParamSpec("mlflowLogging", "str", "auto", "auto (log the fit into the active MLflow run, if any) | on (also start "
+    ParamSpec("mlflowLogging", _one_of(MLFLOW_MODES), "auto", "auto (log the fit into the active MLflow run, if any) | on (also start "
               "a run when none is active) | off", TypeConverters.toString, choices=MLFLOW_MODES),
 )
 BY_NAME: Dict[str, ParamSpec] = {spec.name: spec for spec in PARAMS}
@@ -386,9 +402,30 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
         """
         return {spec.name: self.getOrDefault(spec.name) for spec in PARAMS}
 
+    def config(self) -> EstimatorConfig:
+        """Every Param's value as one typed EstimatorConfig, after the table's checks (allowed values,
+        least values): what fit(), transform() and the Tuner read.
+
+        >>> SparkRingParams().config().batch_size
+        32
+        """
+        values = self.paramValues()
+        check_values(values)
+        return EstimatorConfig(**{spec.attr: values[spec.name] for spec in PARAMS})
+
+    def _set_config(self, config: EstimatorConfig) -> None:
+        """Set every Param whose value in ``config`` is not the one held (a text fit's token columns)."""
+        changed = {spec.name: getattr(config, spec.attr) for spec in PARAMS
+                   if getattr(config, spec.attr) is not self.getOrDefault(spec.name)}
+        self._set(**changed)
+
     def featureColumns(self) -> List[str]:
-        cols = self.getOrDefault("featuresCol")
-        return [cols] if isinstance(cols, str) else list(cols)
+        """featuresCol as a list.
+
+        >>> SparkRingParams().featureColumns()
+        ['features']
+        """
+        return self.config().feature_columns
 
     def labelColumns(self) -> List[str]:
         """labelCol as a list (one entry per model head).
@@ -396,8 +433,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
         >>> est.labelColumns()  # doctest: +SKIP
         ['rating', 'clicked']
         """
-        cols = self.getOrDefault(self.labelCol)
-        return [cols] if isinstance(cols, str) else list(cols)
+        return self.config().label_columns
 
     def lossList(self) -> List[Any]:
         """loss as a list, one per head (a single loss serves every head).
@@ -405,10 +441,7 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
         >>> est.lossList()  # doctest: +SKIP
         ['mse', 'bce_with_logits']
         """
-        loss = self.getOrDefault("loss")
-        if isinstance(loss, (list, tuple)):
-            return list(loss)
-        return [loss] * len(self.labelColumns())
+        return self.config().losses
 
     def predictionColumns(self) -> List[str]:
         """predictionCol as a list: one per head (``<label>_prediction`` when several heads share a default).
@@ -416,11 +449,16 @@ class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPr
         >>> est.predictionColumns()  # doctest: +SKIP
         ['rating_hat', 'click_hat']
         """
-        pred = self.getOrDefault(self.predictionCol)
-        labels = self.labelColumns()
-        if isinstance(pred, str):
-            return [pred] if len(labels) == 1 else [f"{label}_{pred}" for label in labels]
-        return list(pred)
+        return self.config().prediction_columns
+
+
+def param_values(config: EstimatorConfig) -> Dict[str, Any]:
+    """``config`` as Param name -> value (what MLflow logs as the fit's params).
+
+    >>> param_values(SparkRingParams().config())["batchSize"]
+    32
+    """
+    return {spec.name: getattr(config, spec.attr) for spec in PARAMS}
 
 
 def _make_accessors(cls) -> None:

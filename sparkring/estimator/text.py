@@ -2,6 +2,7 @@
 columns it becomes, and the language-model figures (tokens/s, perplexity, MFU) in its history."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -12,8 +13,8 @@ from pyspark.sql import types as T
 from ..data.text import Encoder, Masking, TextLayout, TokenCounts
 from ..errors import ConfigurationError, DataError
 from ..trainer.losses import CAUSAL_LM, MASKED_LM
+from .config import TASKS, EstimatorConfig
 
-TASKS = ("causal-lm", "sequence-classification", "masked-lm")
 CAUSAL, CLASSIFY, MASKED = TASKS
 
 
@@ -36,26 +37,27 @@ def _check_head(task: str, shape: torch.nn.Module) -> None:
                                  "use task='masked-lm', or an ...ForCausalLM model")
 
 
-def text_layout(est, df, shape: torch.nn.Module) -> TextLayout:
+def text_layout(config: EstimatorConfig, df, shape: torch.nn.Module) -> TextLayout:
     """textCol's checks (refused before any Spark job, naming the Param and the fix) and how its
     documents become rows."""
-    column = est.getOrDefault("textCol")
+    column = config.text_col
+    assert column is not None, "a fit on a text column"
     fields = {f.name: f.dataType for f in df.schema.fields}
     if column not in fields:
         raise ConfigurationError(f"textCol={column!r} is not a column of the DataFrame (it has {sorted(fields)})")
     if not isinstance(fields[column], T.StringType):
         raise ConfigurationError(f"textCol={column!r} is {fields[column].simpleString()}, not a string column: "
                                  "cast it, or train on numeric columns with featuresCol")
-    task = est.getOrDefault("task")
+    task = config.task
     if task not in TASKS:
         raise ConfigurationError(f"textCol needs task= one of {', '.join(map(repr, TASKS))} (what to train on the "
                                  f"text), got {task!r}")
     _check_head(task, shape)
     # a classifier reads one document per row (its label beside it), and an encoder's attention looks
     # both ways (no restart at a document's start): only a causal LM packs
-    pack = est.getOrDefault("packSequences") and task == CAUSAL
-    validation = est.getOrDefault("validation")
-    keep = tuple(c for c in ([est.getOrDefault("labelCol")] if task == CLASSIFY else [])
+    pack = config.pack_sequences and task == CAUSAL
+    validation = config.validation
+    keep = tuple(c for c in (config.label_columns if task == CLASSIFY else [])
                  + ([validation] if isinstance(validation, str) else []))
     if isinstance(validation, str) and pack:
         raise ConfigurationError("validation names a column, but packSequences=True mixes documents in one row: "
@@ -64,36 +66,36 @@ def text_layout(est, df, shape: torch.nn.Module) -> TextLayout:
     if missing:
         raise ConfigurationError(f"task={task!r} reads column(s) {missing}, which the DataFrame lacks (it has "
                                  f"{sorted(fields)}): set labelCol")
-    if est.getOrDefault("sampleWeightCol") is not None and task != CLASSIFY:
+    if config.sample_weight_col is not None and task != CLASSIFY:
         raise ConfigurationError(f"sampleWeightCol does not apply to task={task!r}: every real token counts once")
     try:
-        encoder = Encoder(est.getOrDefault("tokenizer"))
+        encoder = Encoder(config.tokenizer)
         eos, pad = encoder.special_ids()
-        masking = (Masking(encoder.mask_id(), encoder.vocab_size(), seed=est.getOrDefault("seed") or 0)
+        masking = (Masking(encoder.mask_id(), encoder.vocab_size(), seed=config.seed or 0)
                    if task == MASKED else None)
     except DataError as exc:
         raise ConfigurationError(str(exc)) from None
-    return TextLayout(column=column, sequence_length=est.getOrDefault("sequenceLength"), pack=pack, eos_id=eos,
+    return TextLayout(column=column, sequence_length=config.sequence_length, pack=pack, eos_id=eos,
                       pad_id=pad, keep=keep, masking=masking)
 
 
-def token_params(est, layout: TextLayout) -> Dict[str, Any]:
-    """The Params of the fit on the token columns a text fit becomes (with LoRA, its model is the
-    adapted one every rank builds). Packed rows go without an attention mask: a Hugging Face model
+def token_config(config: EstimatorConfig, layout: TextLayout) -> EstimatorConfig:
+    """The configuration of the fit on the token columns a text fit becomes (with LoRA, its model is
+    the adapted one every rank builds). Packed rows go without an attention mask: a Hugging Face model
     then reads the restarting position ids as documents, each attending only within itself."""
-    params: Dict[str, Any] = {"textCol": None, "featuresCol": "input_ids", "labelCol": "labels", "loss": CAUSAL_LM,
-                              "modelInputs": {"input_ids": "input_ids", "position_ids": "position_ids"}}
+    inputs = {"input_ids": "input_ids", "position_ids": "position_ids"}
     if not layout.pack:
-        params["modelInputs"]["attention_mask"] = "attention_mask"
-    task = est.getOrDefault("task")
-    if task == MASKED:
-        params.update(loss=MASKED_LM, modelInputs={"input_ids": "input_ids", "attention_mask": "attention_mask"})
-    if task == CLASSIFY:  # labelCol as it is, a class per document
-        params.update(labelCol=est.getOrDefault("labelCol"), loss="cross_entropy",
-                      modelInputs={"input_ids": "input_ids", "attention_mask": "attention_mask"})
-    if est.getOrDefault("lora") is not None:
-        params.update(model=WithLora(est.getOrDefault("model"), est.getOrDefault("lora")), lora=None)
-    return params
+        inputs["attention_mask"] = "attention_mask"
+    tokens = dataclasses.replace(config, text_col=None, features_col="input_ids", label_col="labels", loss=CAUSAL_LM,
+                                 model_inputs=inputs)
+    with_mask = {"input_ids": "input_ids", "attention_mask": "attention_mask"}
+    if config.task == MASKED:
+        tokens = dataclasses.replace(tokens, loss=MASKED_LM, model_inputs=with_mask)
+    if config.task == CLASSIFY:  # labelCol as it is, a class per document
+        tokens = dataclasses.replace(tokens, label_col=config.label_col, loss="cross_entropy", model_inputs=with_mask)
+    if config.lora is not None:
+        tokens = dataclasses.replace(tokens, model=WithLora(config.model, config.lora), lora=None)
+    return tokens
 
 
 class WithLora:
@@ -116,11 +118,11 @@ class WithLora:
         return get_peft_model(base, copy.deepcopy(self.config))
 
 
-def check_lora(est) -> None:
+def check_lora(config: EstimatorConfig) -> None:
     """LoRA needs peft, and applies to textCol fits."""
-    if est.getOrDefault("lora") is None:
+    if config.lora is None:
         return
-    if est.getOrDefault("textCol") is None:
+    if config.text_col is None:
         raise ConfigurationError("lora applies to a fit on a text column (textCol, task): set them, or drop lora")
     try:
         import peft  # noqa: F401

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 
 import pandas as pd
 import torch
@@ -15,7 +15,8 @@ import torch
 from ..data.text import Encoder
 from .greedy_decoding import GreedyLlama
 
-MODES = ("predict", "generate", "embed", "score")
+InferenceMode = Literal["predict", "generate", "embed", "score"]
+MODES: Tuple[InferenceMode, ...] = get_args(InferenceMode)
 DEFAULT_GENERATION = {"max_new_tokens": 16, "do_sample": False}
 
 

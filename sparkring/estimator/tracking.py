@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, get_args
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from ..trainer.events import EpochDone, TrainingEvent
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
+MlflowLogging = Literal["auto", "on", "off"]
+MODES: Tuple[MlflowLogging, ...] = get_args(MlflowLogging)
 MODEL_NAME = "model"
 LOSS_CURVE = "loss_curve.png"
 STEP_TIME = "step_time.png"  # where each epoch's training seconds went, stacked by part

@@ -4,11 +4,12 @@ torch's checkpoint wrapper does the work (non-reentrant; its state_dict hooks ke
 from __future__ import annotations
 
 import functools
-from typing import Any, List, Tuple
+from typing import Any, List, Literal, Tuple, get_args
 
 import torch
 
-MODES = ("none", "full", "selective")
+ActivationCheckpointing = Literal["none", "full", "selective"]
+MODES: Tuple[ActivationCheckpointing, ...] = get_args(ActivationCheckpointing)
 
 
 def named_blocks(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[Tuple[str, torch.nn.Module]]:

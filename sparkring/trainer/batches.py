@@ -12,15 +12,20 @@ from sparkring.data.reader import prefetched
 from .config import TrainConfig
 
 
-def run_batches(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, epoch: int, steps: int,
+def run_batches(cfg: TrainConfig, split: str, *, batch_size: int, rank: int, size: int, epoch: int, steps: int,
                 shuffle: bool, drop_last: bool, workers: int, device: torch.device):
-    """``steps`` batches, starting more passes over the data when one pass has fewer (pinned
-    ahead when they go to a GPU)."""
-    batches = _passes(cfg, split, bs, rank, size, epoch, steps, drop_last, shuffle, workers)
+    """``steps`` batches of ``split`` ("train" or "val") for data-parallel ``rank`` of ``size``,
+    starting more passes over the data when one pass has fewer (pinned ahead when they go to a GPU).
+
+    >>> run_batches(cfg, "val", batch_size=64, rank=0, size=2, epoch=0, steps=4, shuffle=False,  # doctest: +SKIP
+    ...             drop_last=False, workers=0, device=torch.device("cpu"))
+    """
+    batches = _passes(cfg, split, bs=batch_size, rank=rank, size=size, epoch=epoch, steps=steps, drop_last=drop_last,
+                      shuffle=shuffle, workers=workers)
     return pinned(batches) if device.type == "cuda" else batches
 
 
-def _passes(cfg: TrainConfig, split: str, bs: int, rank: int, size: int, epoch: int, steps: int, drop_last: bool,
+def _passes(cfg: TrainConfig, split: str, *, bs: int, rank: int, size: int, epoch: int, steps: int, drop_last: bool,
             shuffle: bool, workers: int) -> Iterator[Dict[str, Any]]:
     produced = 0
     for extra_pass in itertools.count():

@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..errors import StoreError
+from .state import TrainerState
 
 FILE, SHARDED = ".pt", ".dcp"  # a replicated model's one file; a directory of every rank's shards
 TRAINER_STATE = "trainer.pt"  # inside a sharded checkpoint, written last by rank 0: the checkpoint is complete
@@ -165,13 +166,15 @@ def _storage_cause(exc: BaseException) -> Optional[BaseException]:
 _STORAGE_MODULES = ("botocore", "aiobotocore", "s3fs", "gcsfs", "adlfs", "azure", "google", "fsspec", "aiohttp")
 
 
-def unwritten(store, run_id: str, state: Dict, exc: BaseException) -> Optional[StoreError]:
+def unwritten(store, run_id: str, state: TrainerState, exc: BaseException) -> Optional[StoreError]:
     """The error a fit fails with when its checkpoint could not be written to the Store (after the
     filesystem's and the Store's own bounded retries): naming the Store, the checkpoint and the
     step; None where ``exc`` is no storage fault. The checkpoints written before stay.
 
     >>> from sparkring.data import Store
-    >>> unwritten(Store("/tmp/s"), "r", {"epoch": 1, "step": None}, ConnectionRefusedError(111, "refused"))
+    >>> from sparkring.trainer.state import TrainerState
+    >>> state = TrainerState(epoch=1, history=[], seed=0, stopped=False)
+    >>> unwritten(Store("/tmp/s"), "r", state, ConnectionRefusedError(111, "refused"))
     StoreError("the checkpoint to go on at the start of epoch 3 could not be written to the Store /tmp/s ([Errno 111] refused); the checkpoints before it are kept: fit again with runId='r' once the Store is back, to go on from the last complete one")
     """
     cause = _storage_cause(exc)
@@ -179,7 +182,7 @@ def unwritten(store, run_id: str, state: Dict, exc: BaseException) -> Optional[S
         return None
     if isinstance(cause, StoreError) and cause.__cause__ is not None:  # the Store's retries gave up: why
         cause = cause.__cause__
-    where = CheckpointName(state["epoch"], state.get("step"), FILE).where()
+    where = CheckpointName(state.epoch, state.step, FILE).where()
     return StoreError(f"the checkpoint to go on at {where} could not be written to the Store {store.url} ({cause}); "
                       f"the checkpoints before it are kept: fit again with runId={run_id!r} once the Store is back, "
                       "to go on from the last complete one")

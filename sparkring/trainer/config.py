@@ -3,16 +3,29 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union, get_args
 
 import torch
 
 from sparkring.data import FeatureSpec
 
+from .activation import ActivationCheckpointing
 from .elastic import ElasticPlan
 
-STRATEGIES = ("ddp", "fsdp", "hsdp")
-PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+# The choices of a fit, each one Literal that the Param table (its allowed values), the checks and the
+# Param reference share.
+Strategy = Literal["ddp", "fsdp", "hsdp"]
+STRATEGIES: Tuple[Strategy, ...] = get_args(Strategy)
+Precision = Literal["32", "bf16-mixed", "16-mixed"]
+PRECISIONS: Tuple[Precision, ...] = get_args(Precision)
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+PIPELINE_SCHEDULES: Tuple[PipelineSchedule, ...] = get_args(PipelineSchedule)
+Compression = Literal["none", "fp16", "bf16"]
+COMPRESSIONS: Tuple[Compression, ...] = get_args(Compression)
+LearningRateScaling = Literal["none", "linear"]
+LR_SCALINGS: Tuple[LearningRateScaling, ...] = get_args(LearningRateScaling)
+OnNonFinite = Literal["raise", "skip_step"]
+ON_NON_FINITE: Tuple[OnNonFinite, ...] = get_args(OnNonFinite)
 
 ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 OptimizerOrFactory = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
@@ -46,24 +59,21 @@ class EarlyStopping:
 class Sharding:
     """How fit() places the model: replicated (``ddp``) or sharded (``fsdp``, ``hsdp``).
 
-    >>> Sharding("fsdp", wrap=("TransformerEncoderLayer",)).sharded
+    >>> Sharding(strategy="fsdp", wrap=("TransformerEncoderLayer",)).sharded
     True
     """
 
-    strategy: str = "ddp"
+    strategy: Strategy = "ddp"
     wrap: Tuple[str, ...] = ()        # module class names sharded as units (default: see fsdp.wrap_units)
     init_fn: Optional[Callable[[torch.nn.Module], None]] = None
     async_checkpoint: bool = False    # write sharded checkpoints while training goes on
     cpu_offload: bool = False         # shards live in CPU memory between uses (FSDP2's CPUOffloadPolicy)
     bf16_compute: bool = False        # precision="bf16-mixed": bfloat16 parameters in compute, float32 reduction
-    activation_checkpointing: str = "none"  # activation.MODES: recompute blocks' activations in backward
+    activation_checkpointing: ActivationCheckpointing = "none"  # recompute blocks' activations in backward
 
     @property
     def sharded(self) -> bool:
         return self.strategy != "ddp"
-
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 @dataclass(frozen=True)
@@ -82,16 +92,22 @@ class ModelParallel:
     plan: Any = None                  # tensor_parallel.Plan: a dict of module patterns to styles, or a callable
     pipeline_parallel: int = 1
     pipeline_split: Tuple[str, ...] = ()  # module names where stages 1.. begin (empty: balanced by parameters)
-    schedule: str = "1f1b"            # PIPELINE_SCHEDULES
+    schedule: PipelineSchedule = "1f1b"
     microbatches: Optional[int] = None  # per step (default: pipeline_parallel)
 
     @property
     def enabled(self) -> bool:
+        """Some layer is split across ranks (tensor- or pipeline-parallel)."""
         return self.tensor_parallel > 1 or self.pipeline_parallel > 1
+
+    @property
+    def group_size(self) -> int:
+        """Ranks that train one replica together (and are lost together): tensor x pipeline degrees."""
+        return self.tensor_parallel * self.pipeline_parallel
 
     def data_size(self, world: int) -> int:
         """Ranks that read different rows (a tensor-parallel group, a pipeline's stages read the same ones)."""
-        return world // (self.tensor_parallel * self.pipeline_parallel)
+        return world // self.group_size
 
     @property
     def stages_per_rank(self) -> int:
@@ -130,8 +146,8 @@ class TrainConfig:
     shuffle: bool
     seed: int
     backward_passes_per_step: int
-    compression: str
-    lr_scaling: str
+    compression: Compression
+    lr_scaling: LearningRateScaling
     warmup_epochs: float
     train_steps: int                  # steps of each rank's epoch (a multiple of backward_passes_per_step)
     val_steps: int                    # validation steps of each rank's epoch (0: no validation)
@@ -148,7 +164,7 @@ class TrainConfig:
     lightning: bool = False           # model is a LightningModule (trainer.lightning)
     sharding: Sharding = field(default_factory=Sharding)
     parallel: ModelParallel = field(default_factory=ModelParallel)
-    precision: str = "32"             # PRECISIONS
+    precision: Precision = "32"
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
 

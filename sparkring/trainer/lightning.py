@@ -16,6 +16,7 @@ import torch
 
 import sparkring.collective as sr
 
+from .figures import Totals, figures_tensor
 from .schedule import Schedule
 from .step import add_note
 
@@ -182,8 +183,8 @@ class LightningStep:
     def figures(self, total, heads, ys, head_losses) -> torch.Tensor:
         n = heads[0].shape[0]
         with torch.no_grad():
-            return torch.stack([total.detach().to(self.device, torch.float64).reshape(()) * n,
-                                torch.tensor(float(n), dtype=torch.float64, device=self.device)])
+            return figures_tensor(total.detach().to(self.device, torch.float64).reshape(()) * n,
+                                  torch.tensor(float(n), dtype=torch.float64, device=self.device), [])
 
     def optimizer(self, module: LightningModule, given: Any) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
         return optimizers(module)  # configure_optimizers decides (the optimizer Param is not used)
@@ -202,12 +203,12 @@ class LightningStep:
     def validation_began(self, module: LightningModule) -> None:
         module.on_validation_epoch_start()
 
-    def validation_ended(self, module: LightningModule, totals: torch.Tensor) -> Dict[str, float]:
+    def validation_ended(self, module: LightningModule, totals: Totals) -> Dict[str, float]:
         module.on_validation_epoch_end()
         logged = self.logged["val"].epoch_means()
-        if totals[1] == 0 or not self.validation_returns_loss:
+        if totals.rows == 0 or not self.validation_returns_loss:
             return logged  # validation_step logs its figures itself (self.log)
-        return {"val_loss": float(totals[0] / totals[1]), **logged}
+        return {"val_loss": totals.loss, **logged}
 
     def fit_ended(self, module: LightningModule) -> None:
         module.on_fit_end()

@@ -27,11 +27,13 @@ from .batches import pinned, run_batches
 from .config import TrainConfig, default_reader_workers
 from .elastic import stop_request
 from .events import EpochDone, FitBegan, StepDone, to_payload
+from .figures import LOSS, ROWS, TimeSplit, Totals
 from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
 from .measure import StepClock, state_bytes
-from .placement import TrainerState, placement_for
+from .placement import placement_for
 from .shared_rows import share_rows_on_host
+from .state import TrainerState
 from .step import Step
 
 log = logging.getLogger(__name__)
@@ -98,6 +100,10 @@ class Trainer:
         # the rows' shares: ranks holding slices of one model (a tensor-parallel group) read the same rows
         self.data_rank, self.data_size = self.placement.data_rank(), self.placement.data_size()
         self.replicas = self.size // self.data_size  # how often each row's figures are counted
+        # an elastic fit's data-parallel rank trains on its share of a global batch: weighted, the mean over dp
+        # is the batch's
+        self.gradient_weight = (cfg.elastic.gradient_weight(self.data_rank, self.data_size) if cfg.elastic is not None
+                                else 1.0)
         self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank) if cfg.lightning
                            else self.placement.step(cfg, self.device, self.rank))
         torch.manual_seed(cfg.seed)
@@ -163,67 +169,78 @@ class Trainer:
 
     def train_epoch(self, epoch: int) -> Dict[str, Any]:
         """One epoch of steps; its figures over every rank (and validation's)."""
-        cfg, rank, step = self.cfg, self.rank, self.step
-        seed_epoch(cfg.seed, epoch, self.data_rank)
+        seed_epoch(self.cfg.seed, epoch, self.data_rank)
         self.model.train()
-        step.train_epoch_began(self.model)
+        self.step.train_epoch_began(self.model)
         first, self.start_step = self.start_step, 0  # a run resumed inside this epoch goes on at its next step
-        sums = torch.zeros(step.width(), dtype=torch.float64, device=self.device)
-        if first and rank == 0 and self.epoch_sums:  # every rank's figures before the checkpoint, counted once
+        sums = torch.zeros(self.step.width(), dtype=torch.float64, device=self.device)
+        if first and self.rank == 0 and self.epoch_sums:  # every rank's figures before the checkpoint, counted once
             sums += torch.tensor(self.epoch_sums, dtype=torch.float64, device=self.device)
-        # an elastic fit's data-parallel rank trains on its share of a global batch: weighted, the mean over dp is the batch's
-        weight = cfg.elastic.gradient_weight(self.data_rank, self.data_size) if cfg.elastic is not None else 1.0
-        skipped = 0
-        last_report = 0.0
-        self.clock = clock = StepClock()
-        for i, batch in enumerate(clock.timed(self._batches(epoch, first)), start=first):
-            step_began = recorder.now() if recorder.on else 0.0
-            if cfg.lr_scaling == "linear":
-                self._scale_lr(epoch, i)
-            started = time.monotonic() if self.first_step_s is None else 0.0
-            blocked = self.placement.blocked_seconds(self.opt)
-            with recorder.span("forward"):
-                loss, heads, ys, head_losses = step(self.runs, batch, f"epoch {epoch}, training batch {i}")
-                figures = step.figures(loss, heads, ys, head_losses)
-            # the one host sync of a step: whether training may go on decides the step
-            finite = math.isfinite(figures[0].item())
-            if not finite and not cfg.skip_non_finite:
-                raise NonFiniteLossError(f"non-finite loss {float(figures[0] / figures[1]):g} at epoch {epoch}, "
-                                         f"step {i} on rank {rank}")
-            # every rank goes through backward (its gradients take part in the allreduce); with
-            # skip_step, non-finite *reduced* gradients, the same on every rank, skip the update
-            scaled = loss * weight if weight != 1.0 else loss
-            if cfg.backward_passes_per_step != 1:
-                scaled = scaled / cfg.backward_passes_per_step
-            with recorder.span("backward"):
-                step.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
-            if (i + 1) % cfg.backward_passes_per_step == 0:
-                with recorder.span("optimizer step (after the gradient exchange)"):
-                    skipped += self._update(epoch, i)
-            clock.lap("compute")
-            clock.exchanged(self.placement.blocked_seconds(self.opt) - blocked)
-            if recorder.on:
-                recorder.add(f"step {i}", step_began, recorder.now(), epoch=epoch)
-            if self.first_step_s is None:  # compiling happens here: timed apart from the steps
-                self.first_step_s = time.monotonic() - started
-            if finite:
+        skipped, last_report = 0, 0.0
+        self.clock = StepClock()
+        for i, batch in enumerate(self.clock.timed(self._batches(epoch, first)), start=first):
+            figures, step_skipped = self.train_step(batch, epoch=epoch, index=i)
+            skipped += step_skipped
+            if figures is not None:
                 sums += figures
             self._ask_driver()
             self._checkpoint_inside(epoch, i, sums)
-            if rank == 0 and time.monotonic() - last_report > 0.25:
+            if self.rank == 0 and time.monotonic() - last_report > 0.25:
                 last_report = time.monotonic()
                 report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=self.steps,
-                                           loss=float(sums[0] / sums[1]))))
+                                           loss=float(sums[LOSS] / sums[ROWS]))))
         logs = self._epoch_logs(epoch, sums, skipped)
         if first:
             logs["resumed_at_step"] = first  # this epoch went on from a checkpoint inside it
         return logs
 
+    def train_step(self, batch: Dict[str, Any], *, epoch: int, index: int) -> Tuple[Optional[torch.Tensor], int]:
+        """One batch: the rate, forward and backward, the update after backward_passes_per_step batches,
+        timed by part; (the batch's figures, None where its loss was not finite; 1 where the update was skipped)."""
+        step_began = recorder.now() if recorder.on else 0.0
+        if self.cfg.lr_scaling == "linear":
+            self._scale_lr(epoch, index)
+        started = time.monotonic() if self.first_step_s is None else 0.0
+        blocked = self.placement.blocked_seconds(self.opt)
+        figures = self.forward_backward(batch, epoch=epoch, index=index)
+        skipped = 0
+        if (index + 1) % self.cfg.backward_passes_per_step == 0:
+            with recorder.span("optimizer step (after the gradient exchange)"):
+                skipped = self._update(epoch, index)
+        self.clock.lap("compute")
+        self.clock.exchanged(self.placement.blocked_seconds(self.opt) - blocked)
+        if recorder.on:
+            recorder.add(f"step {index}", step_began, recorder.now(), epoch=epoch)
+        if self.first_step_s is None:  # compiling happens here: timed apart from the steps
+            self.first_step_s = time.monotonic() - started
+        return figures, skipped
+
+    def forward_backward(self, batch: Dict[str, Any], *, epoch: int, index: int) -> Optional[torch.Tensor]:
+        """Forward and backward of one batch; its figures (None where its loss was not finite and
+        onNonFinite='skip_step': every rank still goes through backward, as its gradients take part
+        in the exchange, and non-finite *reduced* gradients, the same on every rank, skip the update)."""
+        cfg = self.cfg
+        with recorder.span("forward"):
+            loss, heads, ys, head_losses = self.step(self.runs, batch, f"epoch {epoch}, training batch {index}")
+            figures = self.step.figures(loss, heads, ys, head_losses)
+        # the one host sync of a step: whether training may go on decides the step
+        finite = math.isfinite(figures[LOSS].item())
+        if not finite and not cfg.skip_non_finite:
+            raise NonFiniteLossError(f"non-finite loss {float(figures[LOSS] / figures[ROWS]):g} at epoch {epoch}, "
+                                     f"step {index} on rank {self.rank}")
+        scaled = loss * self.gradient_weight if self.gradient_weight != 1.0 else loss
+        if cfg.backward_passes_per_step != 1:
+            scaled = scaled / cfg.backward_passes_per_step
+        with recorder.span("backward"):
+            self.step.backward(self.scaler.scale(scaled) if self.scaler is not None else scaled)
+        return figures if finite else None
+
     def _batches(self, epoch: int, first: int) -> Iterator[Dict[str, Any]]:
         cfg = self.cfg
         if cfg.elastic is None:
-            return run_batches(cfg, "train", cfg.batch_size, self.data_rank, self.data_size, epoch, self.steps, cfg.shuffle,
-                               True, self.workers, self.device)
+            return run_batches(cfg, "train", batch_size=cfg.batch_size, rank=self.data_rank, size=self.data_size,
+                               epoch=epoch, steps=self.steps, shuffle=cfg.shuffle, drop_last=True,
+                               workers=self.workers, device=self.device)
         batches = cfg.dataset.global_batches(cfg.elastic.global_batch, self.data_rank, self.data_size, seed=cfg.seed,
                                              epoch=epoch, start_step=first, steps=self.steps - first,
                                              shuffle=cfg.shuffle, transform=cfg.transform_fn)
@@ -257,10 +274,8 @@ class Trainer:
 
     def _epoch_logs(self, epoch: int, sums: torch.Tensor, skipped: int) -> Dict[str, Any]:
         cfg = self.cfg
-        totals = sr.allreduce(sums.cpu(), op=sr.Sum) / self.replicas
-        logs: Dict[str, Any] = {"epoch": epoch, "loss": float(totals[0] / totals[1])}
-        for j, name in enumerate(cfg.log_names()):
-            logs[name] = float(totals[2 + j] / totals[1])
+        totals = Totals.of(sr.allreduce(sums.cpu(), op=sr.Sum) / self.replicas)
+        logs: Dict[str, Any] = {"epoch": epoch, "loss": totals.loss, **totals.means(cfg.log_names())}
         if cfg.skip_non_finite or cfg.precision == "16-mixed":
             logs["skipped_steps"] = skipped
         if cfg.compile is not None and epoch == self.start_epoch:
@@ -268,7 +283,7 @@ class Trainer:
         logs["num_proc"] = self.size
         if cfg.elastic is not None:
             logs.update(**dataclasses.asdict(cfg.elastic.relaunches))
-        logs.update(self._time_split(float(totals[1])))
+        logs.update(self._time_split(totals.rows))
         logs.update(self.step.train_epoch_ended(self.model))
         if self.val_steps:
             with recorder.span("validation"):
@@ -285,10 +300,12 @@ class Trainer:
         step.validation_began(model)
         sums = torch.zeros(step.width(), dtype=torch.float64, device=step.device)
         with torch.no_grad():
-            for i, batch in enumerate(run_batches(cfg, "val", cfg.val_batch_size, self.data_rank, self.data_size, epoch,
-                                                  self.val_steps, False, False, self.workers, step.device)):
+            batches = run_batches(cfg, "val", batch_size=cfg.val_batch_size, rank=self.data_rank, size=self.data_size,
+                                  epoch=epoch, steps=self.val_steps, shuffle=False, drop_last=False,
+                                  workers=self.workers, device=step.device)
+            for i, batch in enumerate(batches):
                 sums += step.figures(*step(model, batch, f"epoch {epoch}, validation batch {i}"))
-        totals = sr.allreduce(sums.cpu(), op=sr.Sum) / self.replicas
+        totals = Totals.of(sr.allreduce(sums.cpu(), op=sr.Sum) / self.replicas)
         return step.validation_ended(model, totals)
 
     def end_epoch(self, epoch: int, logs: Dict[str, Any]) -> bool:
@@ -315,13 +332,16 @@ class Trainer:
         slowest rank's; samples/s over every rank's rows; the training state of the rank that
         keeps the most (one exchange for all of it)."""
         mine = self.clock.seconds()
-        largest = sr.allreduce(torch.tensor(mine + list(self.state_sizes), dtype=torch.float64), op=sr.Max).tolist()
-        split = {}
-        for j, part in enumerate(("data", "compute", "comm", "other")):
-            split[f"time_{part}"] = mine[j]
-            split[f"time_{part}_slowest"] = largest[j]
-        split["samples_per_second"] = rows / mine[4] if mine[4] > 0 else 0.0
-        split["state_bytes"], split["grad_bytes"] = int(largest[5]), int(largest[6])
+        largest = sr.allreduce(torch.tensor(mine.values() + list(self.state_sizes), dtype=torch.float64),
+                               op=sr.Max).tolist()
+        slowest = TimeSplit.from_values(largest)
+        state, grads = largest[TimeSplit.width():]
+        split: Dict[str, float] = {}
+        for part in TimeSplit.PARTS:
+            split[f"time_{part}"] = getattr(mine, part)
+            split[f"time_{part}_slowest"] = getattr(slowest, part)
+        split["samples_per_second"] = rows / mine.total if mine.total > 0 else 0.0
+        split["state_bytes"], split["grad_bytes"] = int(state), int(grads)
         return split
 
     def _save(self, state: TrainerState) -> None:
@@ -339,20 +359,21 @@ class Trainer:
         """The loop's part of a checkpoint (after ``epoch``, or inside it at ``position``: the
         next step and every rank's figures so far)."""
         # a snapshot: an asynchronous checkpoint is completed after later epochs have run
-        return {"epoch": epoch, "history": [dict(h) for h in self.history], "seed": self.cfg.seed, "stopped": stopped,
-                "early_stopping": (self.stopper.best, self.stopper.waited),
-                "schedulers": [s.scheduler.state_dict() for s in self.schedules],
-                "step": position[0] if position else None, "epoch_sums": position[1] if position else None}
+        return TrainerState(epoch=epoch, history=[dict(h) for h in self.history], seed=self.cfg.seed, stopped=stopped,
+                            early_stopping=(self.stopper.best, self.stopper.waited),
+                            schedulers=[s.scheduler.state_dict() for s in self.schedules],
+                            step=position[0] if position else None, epoch_sums=position[1] if position else None)
 
     def _restore(self, state: TrainerState) -> None:
-        self.history = list(state["history"])
-        self.start_epoch = int(state["epoch"]) + 1
-        if state.get("step") is not None:  # saved inside the epoch: go on at its next step
-            self.start_epoch, self.start_step = int(state["epoch"]), int(state["step"])
-            self.epoch_sums = list(state["epoch_sums"])
-        self.stopped = bool(state.get("stopped"))
-        self.stopper.best, self.stopper.waited = state.get("early_stopping", (None, 0))
-        for schedule, saved in zip(self.schedules, state.get("schedulers", [])):
+        self.history = list(state.history)
+        self.start_epoch = state.epoch + 1
+        if state.inside_epoch:  # saved inside the epoch: go on at its next step
+            assert state.step is not None and state.epoch_sums is not None
+            self.start_epoch, self.start_step = state.epoch, state.step
+            self.epoch_sums = list(state.epoch_sums)
+        self.stopped = state.stopped
+        self.stopper.best, self.stopper.waited = state.early_stopping
+        for schedule, saved in zip(self.schedules, state.schedulers):
             schedule.scheduler.load_state_dict(saved)
 
     def pause(self) -> Optional[RankResult]:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
 from sparkring.collective.timeline import recorder
+
+from .figures import TimeSplit
 
 
 class StepClock:
@@ -41,11 +43,12 @@ class StepClock:
             yield batch
             waited = recorder.now() if recorder.on else 0.0
 
-    def seconds(self) -> List[float]:
-        """data, compute, comm, other, total."""
+    def seconds(self) -> TimeSplit:
+        """The epoch's seconds so far, by part."""
         total = time.monotonic() - self.started
-        parts = [self.spent[p] for p in self.PARTS]
-        return parts + [max(0.0, total - sum(parts)), total]
+        other = max(0.0, total - sum(self.spent.values()))
+        return TimeSplit(data=self.spent["data"], compute=self.spent["compute"], comm=self.spent["comm"], other=other,
+                         total=total)
 
 
 def state_bytes(model: torch.nn.Module, opt: Optional[torch.optim.Optimizer]) -> Tuple[int, int]:

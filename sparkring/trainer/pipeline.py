@@ -18,6 +18,7 @@ import torch
 from . import losses
 from .activation import named_blocks
 from .config import ModelParallel
+from .figures import Totals
 from .step import Outcome, PlainStep
 
 SEQUENTIAL_HINT = ("pipelineSplit names top-level children of an nn.Sequential model (its indices, e.g. '4'), or "
@@ -180,7 +181,7 @@ class PipelineStep:
     def validation_began(self, model: torch.nn.Module, /) -> None:
         self.plain.validation_began(model)
 
-    def validation_ended(self, model: torch.nn.Module, totals: torch.Tensor, /) -> Dict[str, float]:
+    def validation_ended(self, model: torch.nn.Module, totals: Totals, /) -> Dict[str, float]:
         return self.plain.validation_ended(model, totals)
 
     def fit_ended(self, model: torch.nn.Module, /) -> None:

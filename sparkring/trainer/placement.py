@@ -1,13 +1,17 @@
-"""How the model lives on the ranks: one Placement per way (replicated, sharded, tensor parallel), each owning the
-build, the optimizer's wrapping, the update, the finite check, the checkpoints and the gather of
-the fitted state, so that the loop never asks which one it has.
+"""How the model lives on the ranks: one Placement per way (replicated, sharded, tensor parallel, pipelined).
+
+Each is built from a PlacementConfig and owns the build, the optimizer's wrapping, the update, the
+finite check, the checkpoints and the gather of the fitted state, so that the loop never asks which
+one it has.
 
 torchtitan's components/checkpoint and Horovod's estimator/remote split are the models: the loop
 says when (an epoch ends, a step is due), the placement says how."""
 from __future__ import annotations
 
+import functools
 import io
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -18,12 +22,56 @@ from . import checkpoints, comm_spans, fsdp, gradients, pipeline, tensor_paralle
 from .activation import checkpoint_activations
 from .batches import run_batches
 from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
-from .config import ModelOrFactory, ModelParallel, Sharding, TrainConfig, is_factory
+from .config import Compression, ModelOrFactory, ModelParallel, Sharding, TrainConfig, is_factory
+from .state import TrainerState
 from .step import PlainStep, Step
 
 log = logging.getLogger(__name__)
 
-TrainerState = Dict[str, Any]  # the loop's part of a checkpoint (Trainer.trainer_state)
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """What a placement is built from (``build()`` picks the placement the degrees and the strategy
+    name): where checkpoints go, the sharding and model-parallel degrees, the replicated gradient
+    exchange's compression and accumulation, the clip norm, and (for a pipeline, whose model torch's
+    tracer cuts) a function giving one microbatch of forward()'s arguments.
+
+    >>> type(PlacementConfig(store=None, run_id="r").build()).__name__
+    'Replicated'
+    """
+
+    store: Any
+    run_id: str
+    sharding: Sharding = field(default_factory=Sharding)
+    parallel: ModelParallel = field(default_factory=ModelParallel)
+    compression: Compression = "none"
+    backward_passes_per_step: int = 1
+    clip_norm: Optional[float] = None   # gradientClipNorm
+    example: Optional[Callable[[torch.device], tuple]] = None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> "PlacementConfig":
+        """The placement a fit's TrainConfig asks for."""
+        return cls(store=cfg.store, run_id=cfg.run_id, sharding=cfg.sharding, parallel=cfg.parallel,
+                   compression=cfg.compression, backward_passes_per_step=cfg.backward_passes_per_step,
+                   clip_norm=cfg.gradient_clip_norm,
+                   example=functools.partial(_pipeline_example, cfg) if cfg.parallel.pipeline_parallel > 1 else None)
+
+    def build(self) -> "Placement":
+        """The placement: a pipeline's where there are stages, tensor-parallel where layers are split,
+        else sharded or replicated as the strategy says."""
+        if self.parallel.pipeline_parallel > 1:
+            return Pipelined(self)
+        if self.parallel.enabled:
+            return TensorParallel(self)
+        if self.sharding.sharded:
+            return Sharded(self)
+        return Replicated(self)
+
+
+def _typed(saved: Optional[Dict[str, Any]]) -> Optional[TrainerState]:
+    """The loop's state a checkpoint held (a dict on storage), typed; None for a fresh start."""
+    return TrainerState.from_dict(saved) if saved is not None else None
 
 
 class Placement:
@@ -33,11 +81,9 @@ class Placement:
     >>> placement_for(cfg).build(cfg.model, torch.device("cpu"), seed=0)  # doctest: +SKIP
     """
 
-    sharded = False
-    clip: Optional[float] = None  # gradientClipNorm (placement_for sets it)
-
-    def __init__(self, store: Any, run_id: str):
-        self.store, self.run_id = store, run_id
+    def __init__(self, config: PlacementConfig):
+        self.config = config
+        self.store, self.run_id, self.sharding = config.store, config.run_id, config.sharding
 
     def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
         """This rank's model (or its part of it), on ``device``."""
@@ -63,8 +109,8 @@ class Placement:
 
     def clip_gradients(self, model: torch.nn.Module) -> None:
         """Clip the gradients' global norm to gradientClipNorm, where set (every rank alike)."""
-        if self.clip is not None:
-            gradients.clip_norm(model, self.clip, self.norm_group())
+        if self.config.clip_norm is not None:
+            gradients.clip_norm(model, self.config.clip_norm, self.norm_group())
 
     def norm_group(self) -> Any:
         """The process group whose ranks hold other parameters than this rank's DTensors say (a pipeline's)."""
@@ -133,12 +179,6 @@ class Replicated(Placement):
     """Every rank holds the whole model; DistributedOptimizer allreduces the gradients in
     buckets; rank 0 writes a checkpoint as one file and keeps the fitted state."""
 
-    def __init__(self, store: Any, run_id: str, compression: str = "none", backward_passes_per_step: int = 1,
-                 sharding: Optional[Sharding] = None):
-        super().__init__(store, run_id)
-        self.compression, self.backward_passes_per_step = compression, backward_passes_per_step
-        self.sharding = sharding if sharding is not None else Sharding()
-
     def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
         module = whole_model(model, device, seed)
         checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
@@ -146,15 +186,15 @@ class Replicated(Placement):
 
     def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         return sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                       compression=getattr(sr.Compression, self.compression),
-                                       backward_passes_per_step=self.backward_passes_per_step)
+                                       compression=getattr(sr.Compression, self.config.compression),
+                                       backward_passes_per_step=self.config.backward_passes_per_step)
 
     def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
         """Rank 0 reads the last checkpoint; every rank then starts from rank 0's state. A sharded
         or tensor-parallel fit's checkpoint (DCP) is read whole by every rank."""
         newest = checkpoints.latest(self.store, self.run_id) if sr.rank() == 0 else None
         if sr.broadcast_object(newest is not None and newest.kind == SHARDED, root_rank=0):
-            return fsdp.load_latest(self.store, self.run_id, model, opt)
+            return _typed(fsdp.load_latest(self.store, self.run_id, model, opt))
         state = None
         if sr.rank() == 0:
             saved = self._load_latest()
@@ -166,7 +206,7 @@ class Replicated(Placement):
         sr.broadcast_parameters(model.state_dict(), root_rank=0)
         if state is not None:  # fresh optimizers are alike: making state to broadcast would count an extra Adam step
             sr.broadcast_optimizer_state(opt, root_rank=0)
-        return state
+        return _typed(state)
 
     def _load_latest(self) -> Optional[Dict[str, Any]]:
         for found in reversed(checkpoints.listing(self.store, self.run_id, FILE)):
@@ -200,8 +240,9 @@ class Replicated(Placement):
         if sr.rank() != 0:
             return
         buf = io.BytesIO()
-        torch.save(on_cpu({"model": checkpoints.trainable_state(model), "optimizer": opt.state_dict(), **state}), buf)
-        name = CheckpointName(state["epoch"], state["step"], FILE).name
+        torch.save(on_cpu({"model": checkpoints.trainable_state(model), "optimizer": opt.state_dict(),
+                           **state.to_dict()}), buf)
+        name = CheckpointName(state.epoch, state.step, FILE).name
         self.store.write_bytes(self.store.checkpoint_path(self.run_id, name), buf.getvalue())
         checkpoints.prune(self.store, self.run_id, FILE)
 
@@ -216,11 +257,8 @@ class Sharded(Placement):
     each rank keeps its shards, writes them into a DCP checkpoint directory, and takes part in
     gathering the whole state for rank 0 at the end (trainer.fsdp has the mechanics)."""
 
-    sharded = True
-
-    def __init__(self, store: Any, run_id: str, sharding: Sharding):
-        super().__init__(store, run_id)
-        self.sharding = sharding
+    def __init__(self, config: PlacementConfig):
+        super().__init__(config)
         self.checkpointer: Optional[fsdp.Checkpointer] = None
 
     def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
@@ -233,7 +271,7 @@ class Sharded(Placement):
         return opt  # FSDP2 reduce-scatters the gradients itself
 
     def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
-        return fsdp.load_latest(self.store, self.run_id, model, opt)
+        return _typed(fsdp.load_latest(self.store, self.run_id, model, opt))
 
     def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
@@ -245,7 +283,7 @@ class Sharded(Placement):
 
     def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
         assert self.checkpointer is not None, "build() first"
-        self.checkpointer.save(state["epoch"], model, opt, state, step=state["step"])
+        self.checkpointer.save(state.epoch, model, opt, state.to_dict(), step=state.step)
 
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         self.finish()
@@ -264,9 +302,9 @@ class TensorParallel(Sharded):
     the dp submesh). Checkpoints are DCP directories (they reshard on load, to any layout); at
     the end the whole state is gathered on rank 0, as Sharded does."""
 
-    def __init__(self, store: Any, run_id: str, sharding: Sharding, parallel: ModelParallel):
-        super().__init__(store, run_id, sharding)
-        self.parallel = parallel
+    def __init__(self, config: PlacementConfig):
+        super().__init__(config)
+        self.parallel = config.parallel
         self.mesh: Any = None
 
     def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
@@ -303,9 +341,8 @@ class Pipelined(TensorParallel):
     dp replicated or sharded as TensorParallel; the stages' figures reach every rank of the pipeline.
     The whole model is built once on every rank (from the seed) before each keeps its stages."""
 
-    def __init__(self, cfg: TrainConfig):
-        super().__init__(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
-        self.cfg = cfg
+    def __init__(self, config: PlacementConfig):
+        super().__init__(config)
         self.stages: List[Any] = []
         self.indices: List[int] = []
 
@@ -316,7 +353,9 @@ class Pipelined(TensorParallel):
         self.mesh = sr.device_mesh(tp=p.tensor_parallel, pp=p.pipeline_parallel)
         whole = whole_model(model, device, seed)
         split = list(p.pipeline_split) or pipeline.balanced_split(whole, p.stages, self.sharding.wrap)
-        parts = pipeline.cut(whole, split, lambda: self._example(device))
+        assert self.config.example is not None, "a pipeline needs PlacementConfig.example"
+        example = self.config.example
+        parts = pipeline.cut(whole, split, lambda: example(device))
         self.indices = pipeline.stage_indices(self.mesh["pp"].get_local_rank(), p)
         mine = [parts[i] for i in self.indices]
         view = pipeline.with_original_names(mine)  # before any wrapper renames a path
@@ -333,13 +372,6 @@ class Pipelined(TensorParallel):
             comm_spans.trace_stage(stage)
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return view
-
-    def _example(self, device: torch.device) -> tuple:
-        """One microbatch of forward()'s arguments, for torch's tracer."""
-        cfg = self.cfg
-        rows = cfg.batch_size // self.parallel.microbatch_count
-        batch = next(iter(run_batches(cfg, "train", rows, 0, 1, 0, 1, False, True, 0, device)))
-        return tuple(a.to(device) for a in cfg.spec.model_args(batch)[0])
 
     def step(self, cfg: TrainConfig, device: torch.device, rank: int) -> Step:
         import torch.distributed as dist
@@ -370,19 +402,17 @@ class Pipelined(TensorParallel):
 
 
 def placement_for(cfg: TrainConfig) -> Placement:
-    """The placement the fit's strategy names.
+    """The placement the fit's degrees and strategy name.
 
     >>> type(placement_for(cfg)).__name__  # strategy="fsdp"  # doctest: +SKIP
     'Sharded'
     """
-    placement: Placement
-    if cfg.parallel.pipeline_parallel > 1:
-        placement = Pipelined(cfg)
-    elif cfg.parallel.enabled:
-        placement = TensorParallel(cfg.store, cfg.run_id, cfg.sharding, cfg.parallel)
-    elif cfg.sharding.sharded:
-        placement = Sharded(cfg.store, cfg.run_id, cfg.sharding)
-    else:
-        placement = Replicated(cfg.store, cfg.run_id, cfg.compression, cfg.backward_passes_per_step, cfg.sharding)
-    placement.clip = cfg.gradient_clip_norm
-    return placement
+    return PlacementConfig.of(cfg).build()
+
+
+def _pipeline_example(cfg: TrainConfig, device: torch.device) -> tuple:
+    """One microbatch of forward()'s arguments, for torch's tracer (which cuts a pipeline's model)."""
+    rows = cfg.batch_size // cfg.parallel.microbatch_count
+    batch = next(iter(run_batches(cfg, "train", batch_size=rows, rank=0, size=1, epoch=0, steps=1, shuffle=False,
+                                  drop_last=True, workers=0, device=device)))
+    return tuple(a.to(device) for a in cfg.spec.model_args(batch)[0])

@@ -9,6 +9,7 @@ import torch
 
 from . import losses
 from .config import OptimizerOrFactory, TrainConfig
+from .figures import Totals, figures_tensor
 from .schedule import Schedule
 
 AMP_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
@@ -49,7 +50,7 @@ class Step(Protocol):
     def validation_began(self, model: torch.nn.Module, /) -> None:
         """Validation starts (the model is in eval mode)."""
 
-    def validation_ended(self, model: torch.nn.Module, totals: torch.Tensor, /) -> Dict[str, float]:
+    def validation_ended(self, model: torch.nn.Module, totals: Totals, /) -> Dict[str, float]:
         """Validation's logged figures from ``totals``, figures() summed over every batch and rank."""
 
     def fit_ended(self, model: torch.nn.Module, /) -> None:
@@ -132,7 +133,7 @@ class PlainStep:
                                     dtype=torch.float64)
             rows = torch.tensor(float(n), dtype=torch.float64, device=self.device)
             sums = [torch.as_tensor(v).detach().to(self.device, torch.float64).reshape(()) * n for v in means]
-            return torch.stack([sums[0], rows, *sums[1:]])
+            return figures_tensor(sums[0], rows, sums[1:])
 
     def _means(self, total, heads, ys, head_losses) -> List[Any]:
         """The batch's means in figures' order, the row count left out: the loss, then log_names()'s."""
@@ -163,12 +164,11 @@ class PlainStep:
     def validation_began(self, model: torch.nn.Module) -> None:
         pass
 
-    def validation_ended(self, model: torch.nn.Module, totals: torch.Tensor) -> Dict[str, float]:
-        if totals[1] == 0:
+    def validation_ended(self, model: torch.nn.Module, totals: Totals) -> Dict[str, float]:
+        if totals.rows == 0:
             return {}
-        logs = {"val_loss": float(totals[0] / totals[1])}
-        for j, name in enumerate(self.cfg.log_names()):
-            logs[f"val_{name}"] = float(totals[2 + j] / totals[1])
+        logs = {"val_loss": totals.loss}
+        logs.update({f"val_{name}": value for name, value in totals.means(self.cfg.log_names()).items()})
         return logs
 
     def fit_ended(self, model: torch.nn.Module) -> None:

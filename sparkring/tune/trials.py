@@ -171,7 +171,8 @@ class TrialRuns:
         with contextlib.suppress(Exception):  # Spark Connect: no SparkContext, no pools
             self.spark.sparkContext.setLocalProperty("spark.scheduler.pool", f"sparkring-trial-{trial.number}")
         gate = EpochGate(url, self.metric, dict(store.storage_options))
-        fixed = {"store": store, "runId": run_id, "callbacks": list(est.getOrDefault("callbacks") or []) + [gate], "verbose": 0}
+        callbacks = list(est.config().callbacks or []) + [gate]
+        fixed = {"store": store, "runId": run_id, "callbacks": callbacks, "verbose": 0}
         return {est.getParam(name): value for name, value in {**params, **fixed}.items()}
 
     def finished(self, index: int, model: Any) -> float:

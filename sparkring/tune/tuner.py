@@ -64,7 +64,7 @@ class Tuner:
         if int(trials) < 1 or (concurrentTrials is not None and int(concurrentTrials) < 1):
             raise ConfigurationError(f"trials={trials}, concurrentTrials={concurrentTrials}: give positive counts")
         _check_space(estimator, space)
-        if metric.startswith("val_") and not estimator.getOrDefault("validation"):
+        if metric.startswith("val_") and not estimator.config().validation:
             raise ConfigurationError(f"metric={metric!r} is a validation figure, but the estimator has no "
                                      "validation split: set validation= (e.g. 0.2) or use metric='loss'")
         pruner_for(pruner)  # an unknown name is refused now
@@ -76,7 +76,7 @@ class Tuner:
     def fit(self, df: Any) -> TuneResult:
         """Run the trials the study still lacks on ``df``; the result of the whole study."""
         optuna = _optuna()
-        store = fit_store(self.estimator)  # every trial's, and the study's SQLite file
+        store = fit_store(self.estimator.config())  # every trial's, and the study's SQLite file
         study = optuna.create_study(storage=self._storage_url(store), study_name=self.study_name,
                                     direction="minimize" if self.mode == "min" else "maximize",
                                     sampler=self.sampler, pruner=pruner_for(self.pruner), load_if_exists=True)
@@ -110,7 +110,7 @@ class Tuner:
                 raise
             return runs.finished(index, model)
 
-        with runs.parent_run(self.estimator.getOrDefault("mlflowLogging")):
+        with runs.parent_run(self.estimator.config().mlflow_logging):
             try:
                 runs.study.optimize(objective, n_trials=remaining, n_jobs=workers, catch=(Exception,),
                                     gc_after_trial=False)
@@ -162,6 +162,6 @@ def _free_fits(spark: Any, estimator: Any) -> int:
         slots = spark.sparkContext.defaultParallelism
     except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext: one trial at a time unless told
         return 1
-    return max(1, slots // (estimator.getOrDefault("numProc") or 1))
+    return max(1, slots // (estimator.config().num_proc or 1))
 
 

@@ -243,7 +243,7 @@ def test_a_hugging_face_llama_split_by_the_default_tensor_parallel_plan_trains_t
 
 def test_a_packed_row_attends_within_each_document_as_if_it_were_alone(tokenizer, tmp_path):
     from sparkring.data.text import sequences
-    from sparkring.estimator.text import token_params
+    from sparkring.estimator.text import token_config
     from sparkring.trainer.activation import without_kv_cache
 
     est = _estimator(tokenizer, Store(str(tmp_path)))
@@ -252,7 +252,7 @@ def test_a_packed_row_attends_within_each_document_as_if_it_were_alone(tokenizer
     first, second = (ids + [eos] for ids in encoder.encode(["the big cat sat on the mat .", "a small dog ran ."]))
     layout = TextLayout("text", len(first) + len(second) + 3, True, eos, encoder.special_ids()[1])
     row = next(sequences([first, second], layout))  # both documents and padding in one row
-    inputs = token_params(est, layout)["modelInputs"]
+    inputs = token_config(est.config(), layout).model_inputs
     assert "attention_mask" not in inputs
     model = text_fns.llama(tokenizer.get_vocab_size()).eval()
     without_kv_cache(model)  # as every rank trains it
@@ -271,7 +271,7 @@ def test_a_masked_lm_encoder_learns_to_fill_in_hidden_tokens_and_embeds_text(spa
                      epochs=3, optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))
     # a seeded 15% of each document's real tokens is hidden: the labels are those tokens, and only those
     from sparkring.estimator.text import text_layout
-    layout = text_layout(est, df, est.getOrDefault("model"))
+    layout = text_layout(est.config(), df, est.getModel())
     assert not layout.pack and layout.masking.mask_id == tok.token_to_id("<mask>")
     tokenized, counts = tokenize(df, encoder, layout)
     rows = tokenized.collect()

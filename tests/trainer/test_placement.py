@@ -16,7 +16,8 @@ from sparkring.trainer.checkpoints import (
     resume_point,
 )
 from sparkring.trainer.config import Sharding
-from sparkring.trainer.placement import Replicated, Sharded
+from sparkring.trainer.placement import PlacementConfig, Replicated, Sharded
+from sparkring.trainer.state import TrainerState
 
 
 @pytest.fixture
@@ -63,8 +64,8 @@ def test_pruning_keeps_the_two_newest_of_a_kind(store):
 
 
 def _state(epoch, step=None):
-    return {"epoch": epoch, "step": step, "history": [{"epoch": epoch, "loss": 0.5}], "seed": 0, "stopped": False,
-            "early_stopping": (0.5, 1), "schedulers": [], "epoch_sums": None}
+    return TrainerState(epoch=epoch, step=step, history=[{"epoch": epoch, "loss": 0.5}], seed=0, stopped=False,
+                        early_stopping=(0.5, 1), schedulers=[], epoch_sums=None)
 
 
 def _trained(placement, model):
@@ -76,14 +77,15 @@ def _trained(placement, model):
 
 
 def test_replicated_resume_restores_weights_optimizer_and_the_loops_state(one_rank, store):
-    placement = Replicated(store, "r")
+    placement = PlacementConfig(store=store, run_id="r").build()
+    assert isinstance(placement, Replicated)
     model = placement.build(lambda: torch.nn.Linear(3, 2), torch.device("cpu"), seed=0)
     opt = _trained(placement, model)
     placement.save(model, opt, _state(0, step=5))
     fresh = placement.build(lambda: torch.nn.Linear(3, 2), torch.device("cpu"), seed=1)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
     state = placement.resume(fresh, fresh_opt)
-    assert state["step"] == 5 and state["history"] == [{"epoch": 0, "loss": 0.5}] and "model" not in state
+    assert state.step == 5 and state.history == [{"epoch": 0, "loss": 0.5}]
     torch.testing.assert_close(fresh.state_dict(), model.state_dict())
     assert fresh_opt.state_dict()["state"][0]["step"] == 1
     assert latest(store, "r").name == "epoch-00000-step-0000005.pt"
@@ -93,17 +95,17 @@ def test_replicated_resume_restores_weights_optimizer_and_the_loops_state(one_ra
 
 
 def test_replicated_resume_falls_back_to_the_checkpoint_before_a_damaged_one(one_rank, store):
-    placement = Replicated(store, "r")
+    placement = PlacementConfig(store=store, run_id="r").build()
     model = placement.build(torch.nn.Linear(3, 2), torch.device("cpu"), seed=0)
     opt = _trained(placement, model)
     placement.save(model, opt, _state(0))
     store.write_bytes(store.checkpoint_path("r", "epoch-00001.pt"), b"cut short")
     state = placement.resume(torch.nn.Linear(3, 2), torch.optim.Adam(torch.nn.Linear(3, 2).parameters()))
-    assert state["epoch"] == 0
+    assert state.epoch == 0
 
 
 def test_replicated_update_skips_a_non_finite_gradient_only_when_asked(one_rank, store):
-    placement = Replicated(store, "r")
+    placement = PlacementConfig(store=store, run_id="r").build()
     model = placement.build(torch.nn.Linear(3, 1), torch.device("cpu"), seed=0)
     opt = placement.distribute(torch.optim.SGD(model.parameters(), lr=0.1), model)
     before = [p.detach().clone() for p in model.parameters()]
@@ -117,15 +119,16 @@ def test_replicated_update_skips_a_non_finite_gradient_only_when_asked(one_rank,
 
 
 def test_a_fresh_start_resumes_nothing_and_every_rank_keeps_rank_zeros_weights(one_rank, store):
-    placement = Replicated(store, "r")
+    placement = PlacementConfig(store=store, run_id="r").build()
     model = placement.build(torch.nn.Linear(3, 2), torch.device("cpu"), seed=0)
     assert placement.resume(model, torch.optim.SGD(model.parameters(), lr=0.1)) is None
     assert placement.gather(model).keys() == model.state_dict().keys()
 
 
 def test_sharded_checkpoint_is_complete_only_with_its_trainer_state_and_resumes_the_same_weights(one_rank, store):
-    sharding = Sharding("fsdp")
-    placement = Sharded(store, "s", sharding)
+    sharding = Sharding(strategy="fsdp")
+    placement = PlacementConfig(store=store, run_id="s", sharding=sharding).build()
+    assert isinstance(placement, Sharded)
     model = placement.build(lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)),
                             torch.device("cpu"), seed=0)
     opt = _trained(placement, model)
@@ -133,11 +136,11 @@ def test_sharded_checkpoint_is_complete_only_with_its_trainer_state_and_resumes_
     placement.finish()
     assert latest(store, "s").name == "epoch-00002.dcp"
     gathered = placement.gather(model)
-    again = Sharded(store, "s", sharding)
+    again = PlacementConfig(store=store, run_id="s", sharding=sharding).build()
     fresh = again.build(lambda: torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)),
                         torch.device("cpu"), seed=7)
     state = again.resume(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))
-    assert state["epoch"] == 2 and state["early_stopping"] == (0.5, 1)
+    assert state.epoch == 2 and state.early_stopping == (0.5, 1)
     torch.testing.assert_close(again.gather(fresh), gathered)
 
 
@@ -149,7 +152,8 @@ def _half_frozen():
 
 @pytest.mark.parametrize("kind", ["replicated", "sharded"])
 def test_a_checkpoint_keeps_only_the_parameters_that_train_and_resumes_them(one_rank, store, kind):
-    make = (lambda: Replicated(store, kind)) if kind == "replicated" else (lambda: Sharded(store, kind, Sharding("fsdp")))
+    sharding = Sharding(strategy="fsdp" if kind == "sharded" else "ddp")
+    make = lambda: PlacementConfig(store=store, run_id=kind, sharding=sharding).build()  # noqa: E731
     placement = make()
     model = placement.build(_half_frozen, torch.device("cpu"), seed=0)
     opt = _trained(placement, model)
@@ -166,5 +170,5 @@ def test_a_checkpoint_keeps_only_the_parameters_that_train_and_resumes_them(one_
     trained = placement.gather(model)
     again = make()
     fresh = again.build(_half_frozen, torch.device("cpu"), seed=0)
-    assert again.resume(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))["epoch"] == 0
+    assert again.resume(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1)).epoch == 0
     torch.testing.assert_close(again.gather(fresh), trained)

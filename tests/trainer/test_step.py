@@ -7,6 +7,7 @@ from pyspark.sql import types as T
 
 from sparkring.data.spec import FeatureSpec
 from sparkring.trainer.config import TrainConfig
+from sparkring.trainer.figures import Totals
 from sparkring.trainer.losses import metric_fns
 from sparkring.trainer.step import PlainStep
 
@@ -52,9 +53,9 @@ def test_a_model_with_fewer_outputs_than_labels_is_named_with_the_fix():
 def test_validation_figures_read_as_val_loss_and_val_metrics():
     cfg = _config(["a"], ["mse"], [1.0], metrics={"first": lambda out, y: out.flatten()[0]})
     step = PlainStep(cfg, torch.device("cpu"), rank=0)
-    assert step.validation_ended(None, torch.tensor([6.0, 3.0, 1.5], dtype=torch.float64)) == {
+    assert step.validation_ended(None, Totals.of(torch.tensor([6.0, 3.0, 1.5], dtype=torch.float64))) == {
         "val_loss": 2.0, "val_first": 0.5}
-    assert step.validation_ended(None, torch.zeros(3, dtype=torch.float64)) == {}
+    assert step.validation_ended(None, Totals.of(torch.zeros(3, dtype=torch.float64))) == {}
 
 
 def test_a_class_index_out_of_range_after_the_first_batch_is_named_as_on_the_first():

@@ -1,4 +1,4 @@
-"""The body of one barrier task: rendezvous, start the rank's worker process, relay its output,
+"""The body of one barrier task: meet the others (rendezvous.py), start the rank's worker process, relay its
 stop it when the run is aborted or times out, and return its result (or what went wrong) as the
 stage's output records.
 
@@ -12,7 +12,7 @@ import shutil
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from ...collective import environment
 from ...collective.hosting import transport
@@ -31,7 +31,6 @@ from ..gpus import (
 from ..protocol import (
     Abort,
     Cause,
-    Detached,
     Done,
     Error,
     Hello,
@@ -42,60 +41,22 @@ from ..protocol import (
     Started,
     TaskSpec,
 )
-from ..versions import package_versions, skew, skew_message
+from ..versions import skew, skew_message
 from .gang import STOPPED_MARK, GangContext, TaskRanks
 from .mpi import mpi_launch_env, mpi_shm_segments, remove_orphan_segments
-from .network import free_ports, interface_of, resolve
-from .outbox import Outbox, Relay
+from .network import interface_of, resolve
+from .outbox import Outbox
 from .rank import RankProcess, supervise
+from .rendezvous import Joined, TaskContext, rendezvous
 from .workdir import WorkDir
 
 _STARTING = threading.Lock()
-
-
-def _all_gather(ctx, message: str, timeout: float, num_proc: int) -> List[str]:
-    """BarrierTaskContext.allGather that gives up after ``timeout`` seconds."""
-    box: Dict[str, object] = {}
-
-    def gather():
-        try:
-            box["out"] = list(ctx.allGather(message))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            box["error"] = exc
-
-    thread = threading.Thread(target=gather, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    if "out" not in box:
-        raise TimeoutError(f"not all {num_proc} ranks reached the rendezvous within start_timeout="
-                           f"{timeout:g}s; the cluster may lack free slots or executors are still starting")
-    return box["out"]  # type: ignore[return-value]
 
 
 def _rank_layout(hosts: List[str], rank: int) -> Tuple[int, int, int, int]:
     same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
     unique_hosts = list(dict.fromkeys(hosts))
     return (same_host.index(rank), len(same_host), unique_hosts.index(hosts[rank]), len(unique_hosts))
-
-
-def _connect_driver(spec: TaskSpec) -> Optional[channel.Connection]:
-    if not spec.stream:
-        return None
-    try:
-        return channel.connect(spec.driver_host, spec.driver_port, spec.secret, timeout=spec.connect_timeout)
-    except (OSError, ChannelError):
-        return None
-
-
-def _own_gpus(ctx) -> Optional[List[str]]:
-    """The GPUs Spark gave this task, as CUDA names (None in local mode: the driver's GPUs are
-    handed out by local rank once every task's place is known)."""
-    resources = ctx.resources()
-    if "gpu" in resources and resources["gpu"].addresses:
-        return cuda_names(list(resources["gpu"].addresses))
-    return None
 
 
 @dataclass(frozen=True)
@@ -144,7 +105,7 @@ def _gpu_plan(spec: TaskSpec, hosts: List[str], gathered: List[Rendezvous]) -> O
     return _ring_gpus(spec, hosts, gathered)
 
 
-def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: "_Joined", workdir: WorkDir) -> Dict[str, str]:
+def _rank_env(spec: TaskSpec, gpus: Optional[RingGpus], joined: Joined, workdir: WorkDir) -> Dict[str, str]:
     rank, hosts = joined.rank, joined.hosts
     local_rank, local_size, cross_rank, cross_size = _rank_layout(hosts, rank)
     host_gpus_ = gpus.by_host[hosts[rank]] if gpus is not None else None
@@ -188,110 +149,7 @@ def _records(rank: int, outbox: Outbox, result: Optional[bytes], chunk: int) -> 
         yield from OutputRecord.result_chunks(rank, result, chunk)
 
 
-@dataclass
-class _Joined:
-    """A task that has met the others: where every rank runs, the stage attempt, the channels."""
-
-    rank: int
-    executors: List[str]            # host:port of each task's executor
-    addresses: List[str]            # where each task is reached
-    hosts: List[str]                # which host each task is on: ranks of one host share it (local ranks)
-    my_ip: str
-    ports: List[int]                # rank 0's: the rendezvous store's, torch's MASTER_PORT
-    gathered: List[Rendezvous]
-    attempt: int
-    live: bool
-    driver: Optional[channel.Connection]
-    control: Optional[channel.Connection] = None  # the relay of a detached run
-    relay: Optional[Relay] = None                # task 0's, on a detached run
-
-    def close(self) -> None:
-        for conn in (self.driver, self.control):
-            if conn is not None:
-                conn.close()
-        if self.relay is not None:
-            self.relay.server.close()
-
-
-def _rendezvous(ctx, spec: TaskSpec) -> _Joined:
-    """Meet the other tasks: each says what the others need (Rendezvous), all go live or all go
-    detached (then task 0 hosts a relay)."""
-    rank = ctx.partitionId()
-    driver = _connect_driver(spec)
-    if spec.gang:  # no task infos: each task says where it is reached, the address it reached the driver from
-        if driver is None:
-            raise RuntimeError(f"rank {rank} cannot reach the driver at {spec.driver_host}:{spec.driver_port}; "
-                               "under dynamic allocation the ranks meet only there")
-        my_ip = driver.sock.getsockname()[0]
-    else:
-        executors = [info.address for info in ctx.getTaskInfos()]
-        addresses = [address.rsplit(":", 1)[0].strip("[]") for address in executors]
-        my_ip = resolve(addresses[rank])
-    if driver is not None:
-        driver.send(protocol.Arrived(rank=rank))
-    gpu_error: Optional[str] = None
-    own_gpus: Optional[List[str]] = None
-    try:
-        own_gpus = _own_gpus(ctx) if spec.use_gpu else None
-    except ConfigurationError as exc:
-        gpu_error = str(exc)
-    # two ports on rank 0's host: sparkring's rendezvous store, and torch's MASTER_PORT for
-    # user code that calls init_process_group itself (env://, the torchrun way)
-    mine = Rendezvous(ports=free_ports(my_ip, 2) if rank == 0 else None, task_attempt_id=ctx.taskAttemptId(),
-                      live=driver is not None, versions=package_versions(), gpus=own_gpus, gpu_error=gpu_error,
-                      host_id=os.environ.get(environment.HOST_ID) or None, address=my_ip if spec.gang else None)
-    gathered = _gather_through_driver(ctx, driver, mine, spec) if driver is not None else None
-    if gathered is not None and spec.gang:
-        addresses = [str(g.address) for g in gathered]
-        executors = list(addresses)
-    if gathered is None:
-        gathered = [Rendezvous.from_json(text)
-                    for text in _all_gather(ctx, mine.to_json(), spec.start_timeout, spec.num_proc)]
-    ports = gathered[0].ports
-    assert ports is not None  # rank 0 chose them
-    # Every task of one stage attempt computes the same key; a retried stage gets a larger one.
-    attempt = min(g.task_attempt_id for g in gathered)
-    # executors name their host by address; one that says otherwise (several simulated on one machine) is believed
-    hosts = [g.host_id or address for g, address in zip(gathered, addresses)]
-    joined = _Joined(rank=rank, executors=executors, addresses=addresses, hosts=hosts, my_ip=my_ip, ports=ports,
-                     gathered=gathered,
-                     attempt=attempt, live=all(g.live for g in gathered), driver=driver)
-    if not joined.live:
-        if driver is not None:  # this task got through, another did not: tell the driver why it goes quiet
-            driver.send(Detached(rank=rank, attempt=attempt))
-            driver.close()
-            joined.driver = None
-        joined.relay = Relay(my_ip, spec.secret) if rank == 0 else None
-        relay_port = int(_all_gather(ctx, str(joined.relay.server.address[1] if joined.relay else 0),
-                                     spec.start_timeout, spec.num_proc)[0])
-        joined.control = channel.connect(resolve(addresses[0]), relay_port, spec.secret, timeout=spec.start_timeout)
-        joined.control.send(Hello(rank=rank))
-    return joined
-
-
-def _gather_through_driver(ctx, driver: channel.Connection, mine: Rendezvous,
-                           spec: TaskSpec) -> Optional[List[Rendezvous]]:
-    """Every rank's record, gathered by the driver (milliseconds, where Spark's allGather takes
-    about a second); None when the driver says to use allGather (a task cannot reach it) or
-    goes away."""
-    driver.send(protocol.Join(rank=ctx.partitionId(), stage=ctx.stageId(), record=mine))
-    driver.sock.settimeout(spec.start_timeout)
-    try:
-        while True:
-            frame = driver.recv()
-            if frame is None:
-                return None
-            if isinstance(frame, protocol.Gathered):
-                return frame.records
-            if isinstance(frame, Abort):
-                raise RuntimeError(f"rank {ctx.partitionId()} was stopped before it started: {frame.reason}")
-    except OSError:  # a timeout: the driver is stuck; Spark's allGather decides
-        return None
-    finally:
-        driver.sock.settimeout(None)
-
-
-def _ring_checks(spec: TaskSpec, joined: _Joined, outbox: Outbox) -> Optional[RingGpus]:
+def _ring_checks(spec: TaskSpec, joined: Joined, outbox: Outbox) -> Optional[RingGpus]:
     """Version skew and GPU layout, decided alike on every task: a refusal fails every task."""
     rank, attempt = joined.rank, joined.attempt
     try:
@@ -312,7 +170,7 @@ class _Supervisor:
     """Follows a running rank: relays its output, obeys Abort and Cause frames from the driver
     or the relay, and kills it past the run's timeout."""
 
-    def __init__(self, spec: TaskSpec, joined: _Joined, outbox: Outbox):
+    def __init__(self, spec: TaskSpec, joined: Joined, outbox: Outbox):
         self.spec, self.joined, self.outbox = spec, joined, outbox
         self.aborted: Dict[str, str] = {}
         self.cause: List[Error] = []
@@ -389,7 +247,7 @@ def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
     output records."""
     from pyspark import BarrierTaskContext
 
-    ctx: Any
+    ctx: TaskContext
     if spec.gang:
         from pyspark import TaskContext
 
@@ -402,9 +260,9 @@ def run_task(spec: TaskSpec) -> Iterator[OutputRecord]:
         yield from TaskRanks(ctx, spec.ranks_per_task).run(lambda view: list(_run_rank(view, spec)))
 
 
-def _run_rank(ctx, spec: TaskSpec) -> Iterator[OutputRecord]:
+def _run_rank(ctx: TaskContext, spec: TaskSpec) -> Iterator[OutputRecord]:
     """Run one rank: ``ctx`` is the barrier task's context, or one rank's view of it."""
-    joined = _rendezvous(ctx, spec)
+    joined = rendezvous(ctx, spec)
     rank, attempt = joined.rank, joined.attempt
     outbox = Outbox(joined.driver, joined.control)
     outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank], executor=joined.executors[rank]))
