@@ -14,7 +14,7 @@ import time
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests", "helpers")]
 
 REPS, ROWS = 5, 2048
 AUTOSCALING = {"spark.dynamicAllocation.enabled": "true", "spark.dynamicAllocation.shuffleTracking.enabled": "true",
@@ -51,8 +51,8 @@ def _to_first_step(spark, scratch: str, name: str) -> float:
     df = vector_df(spark, ROWS, partitions=2)
     began = time.time()
     SparkRingEstimator(model=bench_fns.CountsSteps(audit, seconds=0.0), optimizer=lambda p: torch.optim.Adam(p),
-                       loss="cross_entropy", batchSize=64, epochs=1, numProc=2, store=Store(os.path.join(scratch, name)),
-                       verbose=0, startTimeout=120).fit(df)
+                       loss="cross_entropy", batchSize=64, epochs=1, numProc=2,
+                       store=Store(os.path.join(scratch, name)), verbose=0, startTimeout=120).fit(df)
     first = min(float(open(os.path.join(audit, f)).readline()) for f in os.listdir(audit))
     return first - began
 
@@ -62,7 +62,8 @@ def main(scratch: str) -> None:
     from standalone_cluster import StandaloneCluster
 
     out = {}
-    cluster = StandaloneCluster(tempfile.mkdtemp(dir=scratch), dict(os.environ)).start(["127.0.0.2", "127.0.0.3"], cores=2)
+    cluster = StandaloneCluster(tempfile.mkdtemp(dir=scratch), dict(os.environ)).start(["127.0.0.2", "127.0.0.3"],
+                                                                                       cores=2)
     try:
         spark = standalone_session(cluster.master, 4)
         out["launch"] = _launch_seconds(spark)

@@ -39,9 +39,10 @@ def bench_elastic(spark, rows, reps, tmp, n=100_000, epochs=3):
         checkpoint_ms, step_ms = _checkpoint_and_step_ms(fit, net, tmp, every, reps)
         steps = checkpoint_ms / step_ms
         # the share of training time left to steps when every ``every`` steps one checkpoint is written
-        rows.append(Row("elastic", f"checkpointEvery={every}: a checkpoint inside the epoch (rank 0 writes model + Adam "
-                        f"state) takes {checkpoint_ms:.1f} ms = {steps:.2f} steps of {step_ms:.1f} ms, from the "
-                        f"timeline ({what}); ratio: training time left to steps", f"{checkpoint_ms:.1f} ms a checkpoint",
+        rows.append(Row("elastic", f"checkpointEvery={every}: a checkpoint inside the epoch (rank 0 writes model + "
+                        f"Adam state) takes {checkpoint_ms:.1f} ms = {steps:.2f} steps of {step_ms:.1f} ms, from the "
+                        f"timeline ({what}); ratio: training time left to steps",
+                        f"{checkpoint_ms:.1f} ms a checkpoint",
                         f"{every} steps {every * step_ms:.0f} ms", every / (every + steps), "(reference)"))
     _lost_rank_rows(rows, tmp, fit, bench_fns, n, bs, ranks)
     _lost_executor_row(rows, tmp)
@@ -122,7 +123,8 @@ def _lost_executor_row(rows, tmp, kill_after_steps=300):
     if proc.returncode != 0 or not after or not noticed:
         raise RuntimeError(f"the lost-executor run failed (exit {proc.returncode})")
     detected, training = noticed[0] - killed, after[0] - killed
-    rows.append(Row("elastic", f"a lost executor (its JVM killed while run(min_proc=1) trains on local-cluster[2,1,1024]; "
+    rows.append(Row("elastic", "a lost executor (its JVM killed while run(min_proc=1) trains on "
+                    "local-cluster[2,1,1024]; "
                     f"the worker starts another): seconds from the loss to the next launch's first step; the "
                     f"driver knew the ranks lost after {detected:.1f} s (Spark's detection, the stage's end), the "
                     f"rest is waiting for the replacement executor and launching", f"{training:.1f} s",
@@ -167,9 +169,11 @@ def _lost_for_good_row(rows, tmp):
         raise RuntimeError(f"the fit did not go on with 2 ranks after one restart: {lost}")
     rows.append(Row("elastic", "a worker lost for good (one of three standalone one-core workers killed with its "
                     "executor at the first checkpoint inside epoch 1, minProc=2): seconds from the kill to the next "
-                    "launch's first step, Spark's detection of the loss included", f"{lost['kill_to_first_step']:.1f} s",
+                    "launch's first step, Spark's detection of the loss included",
+                    f"{lost['kill_to_first_step']:.1f} s",
                     "goal 10 s", lost["kill_to_first_step"] / 10, "<= 1.00x", higher_is_better=False, goal_value=1.0))
-    rows.append(Row("elastic", "that fit's seconds from its first step to its last (3 epochs of 40 global batches, 100 ms "
+    rows.append(Row("elastic", "that fit's seconds from its first step to its last (3 epochs of 40 global batches, "
+                    "100 ms "
                     "steps; the epochs after the loss on 2 ranks) against the same fit uninterrupted on three workers",
                     f"{lost['training']:.1f} s", f"uninterrupted {plain['training']:.1f} s",
                     lost["training"] / plain["training"], "(reference)", higher_is_better=False))

@@ -604,7 +604,8 @@ def elastic_steps(stamps: str, steps: int = 4000):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters())
+    opt = sr.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                  named_parameters=model.named_parameters())
     state = sr.elastic.TorchState(model, opt, step=0)
 
     @sr.elastic.run

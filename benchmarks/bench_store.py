@@ -11,7 +11,7 @@ import sys
 from common import Row, alternate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
 
 
 def bench_store(spark, rows, reps, tmp, n=200_000):
@@ -107,5 +107,6 @@ def _first_batch_rows(spark, rows, reps, tmp, n=1_000_000):
     sliced, whole_group = alternate(first_batch, whole, reps + 2)
     rows.append(Row("store", f"time to the first shuffled batch, {n // 1000}k rows x 64 read in place "
                     f"({sum(groups)} row group(s) as Spark wrote them), rank 0 of 2: decoded in slices vs the whole "
-                    "row group first (as before)", f"{sliced * 1000:.0f} ms", f"whole row group {whole_group * 1000:.0f} ms",
+                    "row group first (as before)", f"{sliced * 1000:.0f} ms",
+                    f"whole row group {whole_group * 1000:.0f} ms",
                     whole_group / sliced, "(reference)"))

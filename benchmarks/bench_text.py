@@ -12,7 +12,7 @@ import sys
 from common import Row, alternate, own_python_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
 
 LENGTH, BATCH, LAYERS, HIDDEN = 64, 8, 4, 128
 WARM_UP_RUNS, TIMED_RUNS = 8, 15
@@ -170,7 +170,8 @@ def _generate_row(spark, rows, reps, tok, vocab, new_tokens, prompts=256, batch=
     # compiler through the job's hot paths (it keeps compiling through the first ~15 jobs of a new shape)
     alternate(ours, theirs, WARM_UP_RUNS)
     t_ours, t_theirs = alternate(ours, theirs, max(TIMED_RUNS, reps), settle=1.0)
-    rows.append(Row("text", f"transform(inference='generate') rows/s, {prompts} prompts in {tasks} tasks, {new_tokens} new tokens, "
+    rows.append(Row("text", f"transform(inference='generate') rows/s, {prompts} prompts in {tasks} tasks, "
+                    f"{new_tokens} new tokens, "
                     f"batches of {batch}, vs pyspark's predict_batch_udf running the same generate()",
                     f"{prompts / t_ours:,.1f} rows/s", f"predict_batch_udf {prompts / t_theirs:,.1f} rows/s",
                     t_theirs / t_ours, ">= 1.50x", goal_value=1.5))

@@ -72,7 +72,8 @@ def own_python_workers(spark):
 class Row:
     def __init__(self, group: str, what: str, ours: str, baseline: str, ratio: float, goal: str, higher_is_better=True,
                  goal_value: float = None):
-        self.group, self.what, self.ours, self.baseline, self.ratio, self.goal = group, what, ours, baseline, ratio, goal
+        self.group, self.what, self.ours, self.baseline = group, what, ours, baseline
+        self.ratio, self.goal = ratio, goal
         if goal_value is None:
             self.met = ""
         else:
@@ -102,7 +103,8 @@ def standalone_session(master: str, ranks: int, **conf: str):
     builder = (SparkSession.builder.master(master).config("spark.driver.host", "127.0.0.1")
                .config("spark.driver.bindAddress", "127.0.0.1").config("spark.ui.enabled", "false")
                .config("spark.executor.memory", "900m")
-               .config("spark.executorEnv.PYTHONPATH", os.pathsep.join(sys.path[:2] + [os.environ.get("PYTHONPATH", "")]))
+               .config("spark.executorEnv.PYTHONPATH",
+                       os.pathsep.join(sys.path[:2] + [os.environ.get("PYTHONPATH", "")]))
                .config("spark.executorEnv.OMP_NUM_THREADS", "1"))
     for key, value in conf.items():
         builder = builder.config(key, value)

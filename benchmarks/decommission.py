@@ -12,7 +12,7 @@ import time
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests", "helpers")]
 
 ROWS, BATCH, RANKS, EVERY, EPOCHS = 3840, 32, 3, 10, 3  # 40 global batches an epoch
 

@@ -14,7 +14,7 @@ import time
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests")]
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests", "helpers")]
 
 ROWS, BATCH, RANKS, EVERY, EPOCHS = 3840, 32, 3, 10, 3  # 40 global batches an epoch
 
@@ -60,7 +60,8 @@ def main(scratch: str) -> None:
             wall = time.time() - began
             done.set()
             firsts = _first_steps(audit)
-            out[run_id] = {"wall": wall, "training": _training_seconds(audit), "num_proc": [h["num_proc"] for h in fitted.history],
+            out[run_id] = {"wall": wall, "training": _training_seconds(audit),
+                           "num_proc": [h["num_proc"] for h in fitted.history],
                            "restarts": fitted.history[-1]["restarts"]}
             if lose:
                 out[run_id]["kill_to_first_step"] = firsts[RANKS] - killed[0]

@@ -17,7 +17,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
 
 import bench_fns  # noqa: E402
 from bench_inputs import bench_inputs, bench_recommender_fit, bench_sparse  # noqa: E402
@@ -134,7 +134,8 @@ def bench_distributor(spark, rows, reps):
         return SparkTorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(fn)
 
     ours(bench_fns.torch_distributor_trivial)
-    t_ours, t_theirs = alternate(lambda: ours(bench_fns.torch_distributor_trivial), lambda: theirs(bench_fns.torch_distributor_trivial), reps)
+    t_ours, t_theirs = alternate(lambda: ours(bench_fns.torch_distributor_trivial),
+                                 lambda: theirs(bench_fns.torch_distributor_trivial), reps)
     rows.append(Row("runner", "TorchDistributor(num_processes=2, local_mode=False).run(trivial DDP fn), wall time",
                     f"sparkring {t_ours:.2f} s", f"Spark's {t_theirs:.2f} s", t_ours / t_theirs, "<= 0.5x",
                     higher_is_better=False, goal_value=0.5))
@@ -158,7 +159,8 @@ def bench_allreduce(spark, rows, reps):
         goal = ">= 0.95x" if r["bytes"] >= (1 << 20) else "(reference)"
         gv = 0.95 if r["bytes"] >= (1 << 20) else None
         rows.append(Row("collective", f"allreduce bus bandwidth {label}, sr.allreduce (new tensor)",
-                        f"{r['ours'] * 1000:.0f} MB/s", f"dist.all_reduce {r['raw'] * 1000:.0f} MB/s", r["ours/raw"], goal,
+                        f"{r['ours'] * 1000:.0f} MB/s", f"dist.all_reduce {r['raw'] * 1000:.0f} MB/s", r["ours/raw"],
+                        goal,
                         goal_value=gv))
         rows.append(Row("collective", f"allreduce bus bandwidth {label}, sr.allreduce (new tensor) vs an "
                         "out-of-place raw baseline", f"{r['ours'] * 1000:.0f} MB/s",
@@ -216,7 +218,8 @@ def bench_shm(spark, rows, reps, tmp, n=1_000_000):
                         "across ranks on every call) vs MPICH's Allreduce", f"{r['shm_bus'] * 1000:,.0f} MB/s",
                         f"MPICH {mpi[r['bytes']] * 1000:,.0f} MB/s", r["shm_bus"] / mpi[r["bytes"]], "(reference)"))
         rows.append(Row("shared memory", f"broadcast {label}, 2 local ranks: sr.broadcast_ through shared memory vs "
-                        "dist.broadcast (gloo)", f"{r['shm_bcast'] * 1000:.2f} ms", f"gloo {r['gloo_bcast'] * 1000:.2f} ms",
+                        "dist.broadcast (gloo)", f"{r['shm_bcast'] * 1000:.2f} ms",
+                        f"gloo {r['gloo_bcast'] * 1000:.2f} ms",
                         r["bcast_shm/gloo"], "(reference)"))
         for kind, call in (("reduce_scatter", "reduce_scatter_tensor"), ("all_gather", "all_gather_into_tensor")):
             rows.append(Row("shared memory", f"FSDP2's {kind.replace('_', '-')} of {label} (the unsharded tensor), 2 "
@@ -259,7 +262,8 @@ def bench_mpi(spark, rows, reps):
                         f"mpi4py Allreduce(send, preallocated recv) {r['raw_new'] * 1000:.0f} MB/s",
                         r["ours/raw_new"], "(reference)"))
         rows.append(Row("collective", f"MPI backend allreduce bus bandwidth {label}, sr.allreduce_ (in place)",
-                        f"{r['ours_inplace'] * 1000:.0f} MB/s", f"mpi4py Allreduce(IN_PLACE) {r['raw'] * 1000:.0f} MB/s",
+                        f"{r['ours_inplace'] * 1000:.0f} MB/s",
+                        f"mpi4py Allreduce(IN_PLACE) {r['raw'] * 1000:.0f} MB/s",
                         r["ours_inplace/raw"], "(reference)"))
 
 
@@ -711,8 +715,8 @@ TABLE_ORDER = ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "o
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,speed,sharding,"
-                                          "model_parallel,text,tune,transform,shm,versions,connect,store")
+    parser.add_argument("--only", default="launch,distributor,allreduce,mpi,optimizer,data,inputs,training,speed,"
+                                          "sharding,model_parallel,text,tune,transform,shm,versions,connect,store")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--train-rows", type=int, default=1_000_000)
     parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -747,7 +751,8 @@ def main():
               f"pyspark {pyspark.__version__}, torch {torch.__version__}, pyarrow {pyarrow.__version__}.\n"
               "Every ratio compares sparkring with its baseline measured side by side in the same run "
               "(alternating, median of repetitions); ratios > 1 mean sparkring is faster, except the launch "
-              "rows (goal <= ...), which are ratios of wall times (lower is better). `results.json` in benchmarks/ keeps "
+              "rows (goal <= ...), which are ratios of wall times (lower is better). `results.json` in benchmarks/ "
+              "keeps "
               "the raw rows; `--only SECTION` reruns one section. The `reader=` rows come from the compat environment "
               "(`.venv-compat/bin/python benchmarks/run_all.py --only compat`; small and noisy); the `versions` row "
               "runs fit() in each environment's own interpreter.")

@@ -42,7 +42,8 @@ class Block(torch.nn.Module):
         self.head_dim = dim // heads
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(dim), RMSNorm(dim)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(dim, dim, bias=False) for _ in range(4))
-        self.gate_proj, self.up_proj = torch.nn.Linear(dim, hidden, bias=False), torch.nn.Linear(dim, hidden, bias=False)
+        self.gate_proj = torch.nn.Linear(dim, hidden, bias=False)
+        self.up_proj = torch.nn.Linear(dim, hidden, bias=False)
         self.down_proj = torch.nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):

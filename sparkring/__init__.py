@@ -1,4 +1,4 @@
-"""sparkring: synchronous data-parallel PyTorch training on Spark DataFrames.
+"""sparkring: PyTorch training on Spark DataFrames (data, tensor and pipeline parallel) and Horovod's API inside ranks.
 
 >>> from sparkring import SparkRingEstimator, SparkRingModel, Store, run
 """

@@ -114,6 +114,7 @@ def _host_list(args):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """The ``sparkring`` command line (``run`` a script or function on ranks, ``doctor``); its exit status."""
     args = _parser().parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)

@@ -16,15 +16,16 @@ import os
 import sys
 
 import pytest
-from connect_server import ConnectServer
+from connect_server import ConnectServer  # tests/helpers/ is on sys.path (pyproject's pytest pythonpath)
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+HELPERS_DIR = os.path.join(TESTS_DIR, "helpers")
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 # Test modules must be importable by Spark's Python workers (functions pickle by reference): the
-# helpers at tests/ and each layer's test modules in their folders.
-TEST_FOLDERS = [TESTS_DIR] + sorted(
+# helpers at tests/helpers/ and each layer's test modules in their folders.
+TEST_FOLDERS = [HELPERS_DIR, TESTS_DIR] + sorted(
     os.path.join(TESTS_DIR, d) for d in os.listdir(TESTS_DIR)
     if os.path.isdir(os.path.join(TESTS_DIR, d)) and any(
         f.startswith("test_") and f.endswith(".py") for f in os.listdir(os.path.join(TESTS_DIR, d))))
@@ -294,7 +295,9 @@ def spark_elastic(_spark_sessions, tmp_path_factory):
     _spark_sessions.stop()
 
 
-SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry", "spark_wide": "wide", "spark_cluster": "cluster", "spark_multigpu": "multigpu", "spark_autoscale": "autoscale",
+SESSION_FIXTURES = {"spark_hosts": "hosts", "spark_elastic": "elastic", "spark": "local", "spark_retry": "retry",
+                    "spark_wide": "wide", "spark_cluster": "cluster", "spark_multigpu": "multigpu",
+                    "spark_autoscale": "autoscale",
                     "spark_gpu": "gpu", "spark_connect": "connect", "connect_url": "connect"}
 # Modules whose tests start processes of their own (spawned ranks, CLI subprocesses, mpiexec).
 PROCESS_MODULES = {"test_conformance", "test_horovod", "test_mpi", "test_torchrun", "test_inputs", "test_shm",
@@ -331,7 +334,8 @@ def pytest_collection_modifyitems(config, items):
         names = getattr(item, "fixturenames", ())
         for i, kind in enumerate(ORDER):
             fixture = {"local": "spark", "retry": "spark_retry", "wide": "spark_wide", "cluster": "spark_cluster",
-                       "multigpu": "spark_multigpu", "hosts": "spark_hosts", "autoscale": "spark_autoscale", "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
+                       "multigpu": "spark_multigpu", "hosts": "spark_hosts", "autoscale": "spark_autoscale",
+                       "elastic": "spark_elastic", "gpu": "spark_gpu", "connect": "spark_connect"}[kind]
             if fixture in names:
                 return i + 1
         return 0

@@ -1,15 +1,16 @@
 """The package's layout holds in the code (ARCHITECTURE.md): no import circle, deferred imports
 included; layers import downward only; the runner's task side never imports its driver side; no
-package reaches into another's private modules; no function longer than a screen. Part of the
-fast layer."""
+package reaches into another's private modules; no function longer than a screen; no Param read by
+name outside the Param table. Part of the fast layer."""
 import ast
 import pathlib
+import re
 from typing import Dict, List, Set
 
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "sparkring"
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
 MAX_MODULE_LINES = 500  # a file does one job
 
 
@@ -95,7 +96,8 @@ def test_no_module_takes_part_in_an_import_circle_deferred_imports_included():
     ("sparkring.trainer", "sparkring.estimator"), ("sparkring.runner", "sparkring.trainer"),
     ("sparkring.data", "sparkring.trainer"), ("sparkring.collective", "sparkring.trainer"),
     ("sparkring.trainer", "sparkring.runner.driver"), ("sparkring.estimator", "sparkring.tune"),
-    ("sparkring.trainer", "sparkring.tune"), ("sparkring.runner", "sparkring.tune"), ("sparkring.data", "sparkring.tune"),
+    ("sparkring.trainer", "sparkring.tune"), ("sparkring.runner", "sparkring.tune"),
+    ("sparkring.data", "sparkring.tune"),
     ("sparkring.errors", "sparkring.runner"), ("sparkring.process_start", "sparkring.collective"),
 ])
 def test_a_layer_never_imports_one_above_it(lower, upper):
@@ -156,6 +158,49 @@ def test_no_function_is_longer_than_a_screen():
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name}: {lines} lines")
     assert long == []
+
+
+def test_no_param_is_read_by_name_outside_the_param_table():
+    """estimator/params.py declares the Params and reads them by name (into EstimatorConfig); the rest of
+    the package reads the config's typed fields."""
+    by_name = re.compile(r"""getOrDefault\(\s*["']|paramValues\(\)""")
+    readers = sorted(f"{name}:{number}" for name, path in MODULES.items() if name != "sparkring.estimator.params"
+                     for number, line in enumerate(path.read_text().splitlines(), start=1) if by_name.search(line))
+    assert readers == []
+
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def test_helpers_live_in_tests_helpers_beside_the_layers_test_folders():
+    loose = sorted(p.name for p in TESTS.glob("*.py") if p.name != "conftest.py" and not p.name.startswith("test_"))
+    assert loose == []
+
+
+def _sleeps_in_own_body(function: ast.AST) -> List[int]:
+    """Lines where ``function`` itself (not a function nested in it) calls time.sleep or sleep."""
+    found, todo = [], list(ast.iter_child_nodes(function))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Call):
+            called = node.func
+            name = called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", "")
+            if name == "sleep":
+                found.append(node.lineno)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_no_test_sleeps_a_fixed_time_in_its_own_body():
+    """A test waits for a condition (waiting.wait_until), never for a guessed number of seconds."""
+    sleeping = []
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
+                sleeping += [f"{path.relative_to(TESTS)}:{line}" for line in _sleeps_in_own_body(node)]
+    assert sleeping == []
 
 
 def _public_functions_of_the_collective_api():

@@ -88,8 +88,8 @@ __all__ = [
     "join", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "barrier", "broadcast_parameters", "broadcast_optimizer_state",
     "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
-    "NotInitializedError", "HorovodInternalError", "MismatchError", "SyncBatchNorm", "gloo_built", "nccl_built", "mpi_built",
-    "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
+    "NotInitializedError", "HorovodInternalError", "MismatchError", "SyncBatchNorm", "gloo_built", "nccl_built",
+    "mpi_built", "ccl_built", "ddl_built", "cuda_built", "rocm_built", "gloo_enabled", "nccl_enabled", "mpi_enabled",
     "mpi_threads_supported", "check_same_shapes", "ProcessSet", "add_process_set", "remove_process_set",
     "global_process_set", "rank_device", "device_mesh", "elastic",
 ]

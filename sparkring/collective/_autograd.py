@@ -38,7 +38,8 @@ class Allreduce(torch.autograd.Function):
     @staticmethod
     @_in_forwards_set
     def backward(ctx: Any, grad: torch.Tensor):
-        return reduce(grad.contiguous(), ctx.op, prescale=ctx.prescale, postscale=ctx.postscale), None, None, None, None, None
+        reduced = reduce(grad.contiguous(), ctx.op, prescale=ctx.prescale, postscale=ctx.postscale)
+        return reduced, None, None, None, None, None
 
 
 class GroupedAllreduce(torch.autograd.Function):

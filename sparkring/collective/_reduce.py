@@ -80,6 +80,19 @@ def resolve_op(average: Optional[bool], op: Optional[str]) -> str:
     return op
 
 
+def _averaged_and_scaled(result: torch.Tensor, reduced: torch.Tensor, *, op: str, is_float: bool,
+                         postscale_factor: float, size: int) -> torch.Tensor:
+    """A reduced sum as the op asks: divided by the ranks for Average, then postscaled (an integer
+    Average takes one truncating scale by postscale/size, as Horovod's); in place where ``result`` is new."""
+    if op == Average and not is_float:
+        return scale(result, postscale_factor / size)
+    if op == Average:
+        result = result / size if result is not reduced else result.div_(size)
+    if postscale_factor != 1.0:
+        result = scale(result, postscale_factor)
+    return result
+
+
 def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
                      compression=Compression.none, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0, blocking: bool = False,
@@ -106,12 +119,8 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
     if not wire.is_contiguous():
         wire = wire.contiguous()
     if path is None:
-        if not blocking:
-            path = "async"
-        elif out is None and compressed is tensor and b.out_of_place_applies(wire):
-            path = "new"
-        else:
-            path = "blocking"
+        path = "async" if not blocking else (
+            "new" if out is None and compressed is tensor and b.out_of_place_applies(wire) else "blocking")
     seq = _runtime.enter(recipe(path))
     if checked:
         _checks.agree("allreduce", tensor, op, name=name)
@@ -127,13 +136,8 @@ def allreduce_start(tensor: torch.Tensor, out: Optional[torch.Tensor], op: str,
         result = compression.decompress(reduced, ctx)
         if result.device != tensor.device:
             result = result.to(tensor.device)
-        if op == Average and not is_float:  # one truncating scale by postscale/size, as Horovod
-            result = scale(result, postscale_factor / size_)
-        else:
-            if op == Average:
-                result = result / size_ if result is not reduced else result.div_(size_)
-            if postscale_factor != 1.0:
-                result = scale(result, postscale_factor)
+        result = _averaged_and_scaled(result, reduced, op=op, is_float=is_float, postscale_factor=postscale_factor,
+                                      size=size_)
         if out is not None:
             if result is not out:
                 out.copy_(result)

@@ -271,8 +271,8 @@ class ObjectState(State):
     0
     """
 
-    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Optional[Callable[[], int]] = None,
-                 **kwargs: Any):
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
+                 get_rank: Optional[Callable[[], int]] = None, **kwargs: Any):
         self._bcast_object = bcast_object
         self._saved_state = kwargs
         self._set_attrs()

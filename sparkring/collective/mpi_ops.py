@@ -270,7 +270,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
 
     >>> sr.synchronize(sr.broadcast_async_(t, 0))  # doctest: +SKIP
     """
-    return _pending.defer("broadcast", name, lambda: _gather.broadcast_start(tensor, root_rank, name), "broadcast_async_")
+    return _pending.defer("broadcast", name, lambda: _gather.broadcast_start(tensor, root_rank, name),
+                          "broadcast_async_")
 
 
 @accepts_process_set
@@ -391,8 +392,10 @@ def grouped_reducescatter_async(tensors: List[torch.Tensor], name: Optional[str]
     """
     for t in tensors:
         _gather.check_reducescatter(t, op)
-    return _pending.defer("reducescatter", name, lambda: [_gather.reducescatter_now(t, op, prescale_factor, postscale_factor)
-                                                          for t in tensors], "grouped_reducescatter_async")
+    return _pending.defer("reducescatter", name,
+                          lambda: [_gather.reducescatter_now(t, op, prescale_factor, postscale_factor)
+                                   for t in tensors],
+                          "grouped_reducescatter_async")
 
 
 @accepts_process_set

@@ -10,5 +10,5 @@ from .spec import ColumnSpec, DataError, FeatureSpec, InputSpec
 from .store import Store, StoreError
 from .unischema import Codec, petastorm_codecs
 
-__all__ = ["Store", "StoreError", "Dataset", "ColumnValues", "prepare", "DataError", "FeatureSpec", "InputSpec", "ColumnSpec",
-           "READERS", "check_reader", "Codec", "petastorm_codecs"]
+__all__ = ["Store", "StoreError", "Dataset", "ColumnValues", "prepare", "DataError", "FeatureSpec", "InputSpec",
+           "ColumnSpec", "READERS", "check_reader", "Codec", "petastorm_codecs"]

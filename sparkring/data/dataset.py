@@ -35,6 +35,17 @@ IN_PLACE = "in_place"
 __all__ = ["Dataset", "ColumnValues", "METADATA_FILE", "as_torch", "plan_rows"]
 
 
+def _check_batches(batch_size: int, rank: int, size: int, split: str, reader: str) -> None:
+    """Dataset.batches' arguments, refused with the value and what is allowed."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: it must be at least 1")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank={rank} is outside 0..size-1 (size={size})")
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r}: use 'train' or 'val'")
+    check_reader(reader)
+
+
 @dataclass(frozen=True)
 class ColumnValues:
     """A numeric scalar column's smallest value (None: no non-null value) and how many of its
@@ -55,7 +66,8 @@ IN_PLACE_SCHEMES = ("file", "s3a", "s3")
 
 def open_parquet(path: str, storage_options: Optional[Dict[str, Any]] = None):
     """A ParquetFile of a local path, memory-mapped (decoding reads the page cache, no extra
-    copy), or of a file read in place at an ``s3a://``/``s3://`` URL through s3fs with ``storage_options`` (the Store's, when
+    copy), or of a file read in place at an ``s3a://``/``s3://`` URL through s3fs with ``storage_options`` (the
+    Store's, when
     the Store is on S3 too: else the AWS environment's credentials)."""
     import pyarrow.parquet as pq
 
@@ -171,8 +183,8 @@ class Dataset:
         form a batch is random). The windows depend on the row order alone: the same batches
         whether the split is held in memory or decoded now (a resumed fit's memory is cold).
 
-        A background thread decodes ``prefetch`` slices ahead, row group after row group. A split that decodes to at
-        most 1 GiB (reader.MEMORY_BYTES, per process) stays in memory for the next epochs
+        A background thread decodes ``prefetch`` slices ahead, row group after row group. A split that
+        decodes to at most 1 GiB (reader.MEMORY_BYTES, per process) stays in memory for the next epochs
         (``cache=None``, the default; ``True`` keeps it whatever its size, ``False`` never).
         Unshuffled batches are views of those arrays: copy before modifying one in place.
 
@@ -186,13 +198,7 @@ class Dataset:
         >>> next(iter(ds.batches(batch_size=2, rank=0, size=2)))["label"]  # doctest: +SKIP
         tensor([1., 0.], dtype=torch.float64)
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size}: it must be at least 1")
-        if not 0 <= rank < size:
-            raise ValueError(f"rank={rank} is outside 0..size-1 (size={size})")
-        if split not in ("train", "val"):
-            raise ValueError(f"split={split!r}: use 'train' or 'val'")
-        check_reader(reader)
+        _check_batches(batch_size, rank, size, split, reader)
         cols = list(columns) if columns is not None else list(self.columns)
         units = self._units(split)
         if shuffle:
@@ -203,18 +209,23 @@ class Dataset:
             return iter(())
         memory = self._memory_for(split, cols, cache)
         pieces = decoded_pieces(self._row_groups(reader, split, cols), share(units, first, count), memory)
-        if prefetch > 0:
-            pieces = prefetched(pieces, prefetch)
+        pieces = prefetched(pieces, prefetch) if prefetch > 0 else pieces
         if shuffle:
-            window = shuffle_buffer or self._window_rows(count, batch_size, units, cols)
             rng = np.random.default_rng([seed, epoch, rank, 7919])
-            first_window = None if shuffle_buffer else max(batch_size, slice_rows(self.spec, cols))
-            out = shuffled(pieces, batch_size, cols, window, rng, memory, first_window=first_window)
+            out = self._shuffled(pieces, batch_size, cols, rng, memory, rows=count, units=units, window=shuffle_buffer)
         else:
             out = in_order(pieces, batch_size, cols)
         if transform is not None:
             out = transformed(out, transform, workers)
         return (as_torch(b) for b in out)
+
+    def _shuffled(self, pieces, batch_size: int, cols: List[str], rng, memory, *, rows: int, units,
+                  window: Optional[int]):
+        """Batches shuffled in windows: ``window`` rows, or by default a first window of one slice (the first
+        batch waits for that alone) and wider ones after it (see batches)."""
+        first_window = None if window else max(batch_size, slice_rows(self.spec, cols))
+        window = window or self._window_rows(rows, batch_size, units, cols)
+        return shuffled(pieces, batch_size, cols, window, rng, memory, first_window=first_window)
 
     def global_batches(self, global_batch: int, rank: int, size: int, seed: int = 0, epoch: int = 0,
                        start_step: int = 0, steps: Optional[int] = None, shuffle: bool = True,
@@ -244,8 +255,9 @@ class Dataset:
         order = (np.random.default_rng([seed, epoch, 104_729]).permutation(memory.total) if shuffle
                  else np.arange(memory.total))
         lo, hi = rank * global_batch // size, (rank + 1) * global_batch // size
-        out: Iterator[Dict[str, Any]] = ({c: np.take(a, np.sort(order[j * global_batch + lo:j * global_batch + hi]), axis=0)
-                for c, a in memory.arrays.items()} for j in range(start_step, last))
+        out: Iterator[Dict[str, Any]] = (
+            {c: np.take(a, np.sort(order[j * global_batch + lo:j * global_batch + hi]), axis=0)
+             for c, a in memory.arrays.items()} for j in range(start_step, last))
         if transform is not None:
             out = transformed(out, transform, 0)
         return (as_torch(b) for b in out)
@@ -307,7 +319,8 @@ class Dataset:
         for split in splits:
             units = self._units(split)
             wanted = sum(u[2] for u in units) * row_bytes(self.spec, self.columns)
-            if columns is None or not units or cache is False or (cache is None and held + wanted > reader.MEMORY_BYTES):
+            too_large = cache is None and held + wanted > reader.MEMORY_BYTES
+            if columns is None or not units or cache is False or too_large:
                 out.append(None)
                 continue
             held += wanted

@@ -6,7 +6,8 @@ Decoding (pyarrow, which releases the GIL) runs ahead in a thread and hands over
 in slices of about SLICE_BYTES (``iter_batches``), so the first batch waits for one slice, not
 for a whole row group (a Spark-written one is ~128 MB); batches are cut where they are consumed,
 so a hand-over never costs as much as a small batch. Shuffling draws the first batches from the
-first slice alone, the rest from windows of the rank's share (see ``shuffled``). When a split fits in MEMORY_BYTES its row groups are decoded into one
+first slice alone, the rest from windows of the rank's share (see ``shuffled``). When a split fits in MEMORY_BYTES
+its row groups are decoded into one
 contiguous array per column: later epochs decode nothing, and a shuffled batch is one
 ``np.take`` of sorted row indices per column.
 """
@@ -264,7 +265,8 @@ def shuffled(pieces: Iterator[Piece], batch_size: int, cols: Sequence[str], wind
              first_window: Optional[int] = None) -> Iterator[Dict[str, np.ndarray]]:
     """Batches of rows drawn at random from windows of consecutive rows: the first of
     ``first_window`` rows (default ``window_rows``; one slice decoded is enough to start), the
-    next ones of ``window_rows``; the fewer than ``batch_size`` rows a window leaves join the next one. Rows inside a batch keep their order in the window (locality);
+    next ones of ``window_rows``; the fewer than ``batch_size`` rows a window leaves join the next one. Rows inside a
+    batch keep their order in the window (locality);
     which rows form a batch is random. With the split in memory the batches are the same,
     gathered from the split's arrays (so a resumed fit, its memory cold, draws what the
     interrupted one drew)."""

@@ -46,6 +46,7 @@ def preparing(key: Optional[Hashable]) -> Iterator[None]:
 
 
 def remember(key: Optional[Hashable], ds: Prepared) -> None:
+    """Keep ``ds`` as the prepared copy of the DataFrame ``key`` names (None: nothing to reuse by)."""
     if key is not None:
         with _lock:
             _cache[key] = ds

@@ -109,7 +109,8 @@ class Encoder:
 @dataclass(frozen=True)
 class Masking:
     """Which tokens a masked language model must fill in: each of a row's real tokens (never end of
-    sequence) with probability ``fraction``, at least one a row, chosen by ``seed`` and the row's own ids (the same rows get the same
+    sequence) with probability ``fraction``, at least one a row, chosen by ``seed`` and the row's own ids (the same
+    rows get the same
     masks in every fit with that seed, so a resumed fit sees what the interrupted one saw).
 
     >>> Masking(mask_id=3, vocab_size=64, seed=0).fraction

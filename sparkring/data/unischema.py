@@ -130,7 +130,8 @@ class _UnischemaUnpickler(pickle.Unpickler):
             return OrderedDict
         if module == "numpy" and name == "dtype":
             return np.dtype
-        if module == "numpy" and isinstance(getattr(np, name, None), type) and issubclass(getattr(np, name), np.generic):
+        numpy_type = getattr(np, name, None) if module == "numpy" else None
+        if isinstance(numpy_type, type) and issubclass(numpy_type, np.generic):
             return getattr(np, name)
         if module == "decimal" and name == "Decimal":
             from decimal import Decimal

@@ -10,7 +10,15 @@ import torch
 from ..collective.hosting import transport
 from ..data import DataError, FeatureSpec, Store, check_reader, petastorm_codecs
 from ..data.store import check_run_id
-from ..runner import ESTIMATOR_NAMES, ConfigurationError, LaunchPlan, check_picklable, check_timeouts, plan
+from ..runner import (
+    ESTIMATOR_NAMES,
+    ConfigurationError,
+    LaunchPlan,
+    LaunchRequest,
+    check_picklable,
+    check_timeouts,
+    plan_for,
+)
 from ..trainer import EarlyStopping, losses, pipeline, tensor_parallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
@@ -94,11 +102,11 @@ def model_shape(config: EstimatorConfig) -> torch.nn.Module:
 
 def plan_launch(config: EstimatorConfig, spark, num_proc: Optional[int]) -> LaunchPlan:
     """The launch the estimator's Params ask for on this session (refused where it cannot run)."""
-    return plan(spark, num_proc=num_proc, use_gpu=config.use_gpu, backend=config.backend,
-                stream=config.stream_logs, names=ESTIMATOR_NAMES,
-                shared_memory=config.shared_memory, registration_wait=config.start_timeout,
-                ranks_per_task=config.ranks_per_task, resource_profile=config.resource_profile,
-                min_proc=config.min_proc)
+    return plan_for(spark, LaunchRequest(num_proc=num_proc, use_gpu=config.use_gpu, backend=config.backend,
+                                         stream=config.stream_logs, names=ESTIMATOR_NAMES,
+                                         shared_memory=config.shared_memory, registration_wait=config.start_timeout,
+                                         ranks_per_task=config.ranks_per_task,
+                                         resource_profile=config.resource_profile, min_proc=config.min_proc))
 
 
 def elastic_plan(config: EstimatorConfig, num_proc: int) -> Optional[ElasticPlan]:
@@ -203,7 +211,8 @@ def _check_elastic_groups(config: EstimatorConfig, launch_plan: LaunchPlan, what
     group, min_proc = config.model_parallel.group_size, config.min_proc or num_proc
     if min_proc % group:
         raise ConfigurationError(f"minProc={min_proc} is not a multiple of {what} ({group} ranks train one replica "
-                                 f"together and are lost together): use minProc={max(group, min_proc - min_proc % group)}")
+                                 "together and are lost together): use "
+                                 f"minProc={max(group, min_proc - min_proc % group)}")
     if tp > 1 and not launch_plan.facts.single_host and launch_plan.ranks_per_task % tp:
         raise ConfigurationError(
             f"an elastic fit with tensorParallel={tp} across hosts keeps each tensor-parallel group inside one task, "
@@ -223,7 +232,8 @@ def _check_elastic_groups(config: EstimatorConfig, launch_plan: LaunchPlan, what
                 f"batchSize whose global batch divides by every size from minProc to numProc, in whole microbatches")
 
 
-def _model_parallel_refusals(config: EstimatorConfig, lightning: bool, shape: torch.nn.Module) -> List[Tuple[bool, str]]:
+def _model_parallel_refusals(config: EstimatorConfig, lightning: bool,
+                             shape: torch.nn.Module) -> List[Tuple[bool, str]]:
     tp, pp = config.tensor_parallel, config.pipeline_parallel
     return [
         (tp > 1 and pp > 1 and not isinstance(shape, torch.nn.Sequential),
@@ -394,7 +404,9 @@ def check_lightning_module(config: EstimatorConfig, module: torch.nn.Module) -> 
                                  "est.log: metrics): drop " + ", ".join(f"{name}=" for name in given))
 
 
-def early_stopping(config: EstimatorConfig, has_val: bool, metrics, lightning: bool = False) -> Optional[EarlyStopping]:
+def early_stopping(config: EstimatorConfig, has_val: bool, metrics,
+                   lightning: bool = False) -> Optional[EarlyStopping]:
+    """The earlyStopping Param checked against the figures an epoch reports (None: no early stopping)."""
     es = config.early_stopping
     if es is None:
         return None

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
-    """Trains a torch.nn.Module on a Spark DataFrame: data parallel (replicated or sharded), tensor and pipeline parallel.
+    """Trains a torch.nn.Module on a Spark DataFrame: data parallel (replicated or sharded), tensor, pipeline.
 
     >>> est = SparkRingEstimator(
     ...     model=torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)),

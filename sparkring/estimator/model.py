@@ -1,4 +1,4 @@
-"""SparkRingModel: the fitted Transformer (batched, vectorized inference) and its persistence."""
+"""SparkRingModel: the fitted Transformer (batched, vectorized inference); persistence.py saves and loads it."""
 from __future__ import annotations
 
 import io
@@ -271,7 +271,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                         yield pd.DataFrame({f.name: [] for f in predictor.fields})
                         continue
                     columns = forward([pandas_to_arrow(s) for s in series])
-                    yield pd.DataFrame({f.name: list(v) if v.ndim > 1 else v for f, v in zip(predictor.fields, columns)})
+                    yield pd.DataFrame({f.name: list(v) if v.ndim > 1 else v
+                                        for f, v in zip(predictor.fields, columns)})
 
             udf = pandas_udf(predict, predictor.spark_schema())
         out = dataset.withColumn(_OUT, udf(*inputs))

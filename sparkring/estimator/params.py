@@ -210,7 +210,8 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("shuffle", "bool", True, "shuffle training rows every epoch", TypeConverters.toBoolean, field="shuffle"),
     ParamSpec("seed", "int", 0, "seed of the shuffle, the validation split and the model's initial weights",
               shared=True, field="seed"),
-    ParamSpec("backend", _one_of(BACKENDS), "auto", "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
+    ParamSpec("backend", _one_of(BACKENDS), "auto",
+              "how ranks reduce: auto (NCCL on whole GPUs, else gloo), gloo, nccl or mpi",
               TypeConverters.toString, choices=BACKENDS),
     ParamSpec("useGpu", "bool | None", None, "train on GPUs (default: when Spark schedules GPUs)"),
     ParamSpec("ranksPerTask", "int | None", None,
@@ -223,7 +224,8 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("store", "Store | str | None", None,
               "sparkring.Store for data, checkpoints, logs (default: a temporary local one)", is_object=True),
     ParamSpec("runId", "str | None", None, "name of the run in the store; fitting again with the same runId resumes"),
-    ParamSpec("strategy", _one_of(STRATEGIES), "ddp", "ddp (the model whole on every rank) | fsdp (FSDP2: parameters, gradients and "
+    ParamSpec("strategy", _one_of(STRATEGIES), "ddp",
+              "ddp (the model whole on every rank) | fsdp (FSDP2: parameters, gradients and "
               "optimizer state sharded across the ranks) | hsdp (sharded within each host, replicated across hosts)",
               TypeConverters.toString, choices=STRATEGIES),
     ParamSpec("fsdpWrap", "list[str] | None", None, "module class names sharded as units (default: every layer of "
@@ -250,11 +252,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("pipelineSplit", "list[str] | None", None, "module names where stages 1, 2, ... begin: top-level "
               "children of an nn.Sequential (e.g. ['4']), or any module of another model (e.g. ['layers.2'], cut by "
               "torch's tracer); default: blocks balanced by parameter count", _to_optional_names),
-    ParamSpec("pipelineSchedule", _one_of(PIPELINE_SCHEDULES), "1f1b", "gpipe | 1f1b | interleaved-1f1b (two stages per rank): torch's "
+    ParamSpec("pipelineSchedule", _one_of(PIPELINE_SCHEDULES), "1f1b",
+              "gpipe | 1f1b | interleaved-1f1b (two stages per rank): torch's "
               "pipeline schedules", TypeConverters.toString, choices=PIPELINE_SCHEDULES),
     ParamSpec("microbatches", "int | None", None, "microbatches per step with pipelineParallel > 1; must divide "
               "batchSize (default: pipelineParallel)", _to_optional_int, minimum=1),
-    ParamSpec("activationCheckpointing", _one_of(ACTIVATION_MODES), "none", "none | full (recompute every block's activations in "
+    ParamSpec("activationCheckpointing", _one_of(ACTIVATION_MODES), "none",
+              "none | full (recompute every block's activations in "
               "backward instead of keeping them) | selective (every other block); blocks are fsdpWrap's units "
               "(default: every layer of the model's top-level children that holds parameters); any strategy",
               TypeConverters.toString, choices=ACTIVATION_MODES),
@@ -267,9 +271,11 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "options, e.g. {'mode': 'max-autotune'}); the fitted model holds the module itself, not the compiled "
               "wrapper; the first (compiling) step's seconds go to the first epoch's first_step_seconds",
               _to_compile),
-    ParamSpec("gradientCompression", _one_of(COMPRESSIONS), "none", "none | fp16 | bf16: how gradients travel in the allreduce",
+    ParamSpec("gradientCompression", _one_of(COMPRESSIONS), "none",
+              "none | fp16 | bf16: how gradients travel in the allreduce",
               TypeConverters.toString, choices=COMPRESSIONS, field="compression"),
-    ParamSpec("precision", _one_of(PRECISIONS), "32", "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "
+    ParamSpec("precision", _one_of(PRECISIONS), "32",
+              "32 | bf16-mixed | 16-mixed (Lightning's names): autocast forward and loss "
               "to bfloat16 or float16 on the rank's device; 16-mixed scales the loss (GradScaler) and skips a step "
               "whose reduced gradients overflow, on every rank alike; a sharded strategy keeps bfloat16 parameters "
               "for compute and reduces gradients in float32", TypeConverters.toString,
@@ -286,7 +292,8 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "(epoch, logs); they run on rank 0", is_object=True),
     ParamSpec("earlyStopping", "int | dict | None", None,
               "patience (int) or dict(monitor, patience, mode, min_delta)", is_object=True),
-    ParamSpec("onNonFinite", _one_of(ON_NON_FINITE), "raise", "raise (TrainingError naming epoch, step and rank; the last good "
+    ParamSpec("onNonFinite", _one_of(ON_NON_FINITE), "raise",
+              "raise (TrainingError naming epoch, step and rank; the last good "
               "checkpoint is kept) | skip_step (every rank skips that update; history counts skipped_steps)",
               TypeConverters.toString, choices=ON_NON_FINITE),
     ParamSpec("reader", _one_of(READERS), "arrow", "how ranks read the prepared data: 'arrow' (pyarrow) or 'petastorm' "
@@ -329,7 +336,8 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean),
     ParamSpec("lossWeights", "list[float] | None", None, "weight of each head's loss in the total (default: 1 each)",
               _to_loss_weights),
-    ParamSpec("mlflowLogging", _one_of(MLFLOW_MODES), "auto", "auto (log the fit into the active MLflow run, if any) | on (also start "
+    ParamSpec("mlflowLogging", _one_of(MLFLOW_MODES), "auto",
+              "auto (log the fit into the active MLflow run, if any) | on (also start "
               "a run when none is active) | off", TypeConverters.toString, choices=MLFLOW_MODES),
 )
 BY_NAME: Dict[str, ParamSpec] = {spec.name: spec for spec in PARAMS}

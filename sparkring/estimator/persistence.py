@@ -21,6 +21,7 @@ METADATA_DIR = "metadata"
 
 
 class SparkRingWriter(MLWriter):
+    """Saves an estimator or model: pyspark's metadata and JSON Params, object Params pickled, extra blobs."""
     def __init__(self, instance, extra: Optional[Dict[str, Any]] = None, blobs: Optional[Dict[str, bytes]] = None):
         super().__init__()
         self.instance = instance
@@ -67,6 +68,7 @@ def _read_metadata(store: Store) -> Dict[str, Any]:
 
 
 class SparkRingReader(MLReader):
+    """Loads what SparkRingWriter saved into a new instance of ``cls``."""
     def __init__(self, cls):
         super().__init__()
         self.cls = cls

@@ -168,8 +168,10 @@ def with_figures(history: List[Dict[str, Any]], counts: TokenCounts, figures: To
     val_perplexity: a language model's), the tokens kept and cut off, and the MFU (with a peak).
 
     >>> figures = TokenFigures(per_row=8.0, params=10, peak_flops=1e4)
-    >>> with_figures([{"loss": 0.0, "samples_per_second": 10.0, "num_proc": 2}], TokenCounts(4, 4, 32, 1), figures)
-    [{'loss': 0.0, 'samples_per_second': 10.0, 'num_proc': 2, 'tokens_per_second': 80.0, 'tokens_per_second_total': 160.0, 'perplexity': 1.0, 'tokens': 32, 'tokens_cut': 1, 'mfu': 0.48}]
+    >>> with_figures([{"loss": 0.0, "samples_per_second": 10.0, "num_proc": 2}], TokenCounts(4, 4, 32, 1),
+    ...              figures)  # doctest: +NORMALIZE_WHITESPACE
+    [{'loss': 0.0, 'samples_per_second': 10.0, 'num_proc': 2, 'tokens_per_second': 80.0,
+      'tokens_per_second_total': 160.0, 'perplexity': 1.0, 'tokens': 32, 'tokens_cut': 1, 'mfu': 0.48}]
     """
     out = []
     for epoch in history:

@@ -130,7 +130,8 @@ class TextPredictor:
     """A text model's pyfunc recipe (MLflow): a pandas column of documents in, the prediction
     column transform() writes out.
 
-    >>> TextPredictor(recipe, Encoder(tok), "text", "prediction", 32).predict_pandas(net, torch.device("cpu"), frame)  # doctest: +SKIP
+    >>> predictor = TextPredictor(recipe, Encoder(tok), "text", "prediction", 32)  # doctest: +SKIP
+    >>> predictor.predict_pandas(net, torch.device("cpu"), frame)  # doctest: +SKIP
     """
 
     recipe: TextInference

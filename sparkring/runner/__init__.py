@@ -9,10 +9,11 @@ from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, Spar
 from .channel import report
 from .driver.elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .driver.launch import launch, run
-from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
+from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan, plan_for
 from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
 
-__all__ = ["run", "launch", "plan", "LaunchPlan", "ParamNames", "ESTIMATOR_NAMES", "report", "check_picklable", "to_bytes", "spark_major",
+__all__ = ["run", "launch", "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
+           "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts", "ElasticLaunch", "ElasticPolicy", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

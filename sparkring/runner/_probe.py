@@ -1,5 +1,6 @@
 """What one doctor task finds on its executor: Python and package versions, GPUs, /dev/shm,
-MPI, NCCL, whether the driver is reachable and whether the Store can be written. It imports nothing of sparkring, and the doctor
+MPI, NCCL, whether the driver is reachable and whether the Store can be written. It imports nothing of sparkring, and
+the doctor
 ships it by value (cloudpickle), so it runs on executors where sparkring is not installed."""
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ def frame_context(nonce: bytes, side: bytes, seq: int) -> bytes:
 
 
 def encode_frame(secret: bytes, context: bytes, frame: Frame) -> bytes:
+    """One frame on the wire: its length, its MAC under ``secret`` and ``context``, its JSON body."""
     body = protocol.dumps(frame)
     return _HEADER.pack(_MAC_LEN + len(body)) + _sign(secret, context, body) + body
 

@@ -196,10 +196,12 @@ def from_wire(obj: Dict[str, Any]) -> Frame:
 
 
 def dumps(frame: Frame) -> bytes:
+    """``frame`` as compact JSON bytes."""
     return json.dumps(to_wire(frame), separators=(",", ":")).encode()
 
 
 def loads(data: Union[bytes, str]) -> Frame:
+    """The frame ``dumps`` made."""
     return from_wire(json.loads(data))
 
 

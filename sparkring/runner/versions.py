@@ -55,6 +55,7 @@ def skew(driver: Mapping[str, str], executors: Mapping[str, Mapping[str, str]]) 
 
 
 def skew_message(lines: List[str]) -> str:
+    """What to do when executors run other versions than the driver (``lines``: what differs)."""
     return ("the executors run other versions than the driver, which breaks pickling the ranks' function and "
             "results:\n  " + "\n  ".join(lines) + "\nShip the driver's environment to the executors (a packed "
             "virtualenv with spark.archives and PYSPARK_PYTHON=./environment/bin/python) or install the same "

@@ -174,8 +174,10 @@ def unwritten(store, run_id: str, state: TrainerState, exc: BaseException) -> Op
     >>> from sparkring.data import Store
     >>> from sparkring.trainer.state import TrainerState
     >>> state = TrainerState(epoch=1, history=[], seed=0, stopped=False)
-    >>> unwritten(Store("/tmp/s"), "r", state, ConnectionRefusedError(111, "refused"))
-    StoreError("the checkpoint to go on at the start of epoch 3 could not be written to the Store /tmp/s ([Errno 111] refused); the checkpoints before it are kept: fit again with runId='r' once the Store is back, to go on from the last complete one")
+    >>> unwritten(Store("/tmp/s"), "r", state, ConnectionRefusedError(111, "refused"))  # doctest: +NORMALIZE_WHITESPACE
+    StoreError("the checkpoint to go on at the start of epoch 3 could not be written to the Store /tmp/s ([Errno 111]
+    refused); the checkpoints before it are kept: fit again with runId='r' once the Store is back, to go on from the
+    last complete one")
     """
     cause = _storage_cause(exc)
     if cause is None:

@@ -38,6 +38,7 @@ def wrap_units(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.M
 
 
 def device_mesh(strategy: str):
+    """The ring's mesh for ``strategy``: one dimension (fsdp), or (replicate, shard) across and within hosts (hsdp)."""
     return sr.device_mesh(hybrid=strategy == "hsdp")
 
 

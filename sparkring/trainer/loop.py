@@ -1,6 +1,7 @@
-"""One rank's fit (what SparkRingEstimator.fit runs on every rank through sparkring.run): the
-model placed, resumed and made alike, then epochs of steps, then rank 0's result. The loop says
-when; the placement (trainer.placement) and the step (trainer.step) say how."""
+"""One rank's fit (what SparkRingEstimator.fit launches on every rank): the model placed, resumed
+and made alike, then epochs of steps, then rank 0's result.
+
+The loop says when; the placement (trainer.placement) and the step (trainer.step) say how."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ from .state import TrainerState
 from .step import Step
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class RankResult:

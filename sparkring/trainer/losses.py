@@ -53,6 +53,7 @@ def tensor_output(out):
 
 
 def check_loss(loss) -> None:
+    """A loss name this module knows, or a callable: ValueError otherwise."""
     if isinstance(loss, str):
         if loss not in LOSSES and loss not in TOKEN_LOSSES:
             raise ValueError(f"loss={loss!r} is not a known loss name; use one of {sorted(LOSSES)} "
@@ -116,6 +117,7 @@ def per_sample_loss(loss, out: torch.Tensor, y: torch.Tensor) -> Optional[torch.
 
 
 def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """The batch's mean loss of one head (``weight``: per-row weights, for named losses)."""
     if loss in TOKEN_LOSSES:
         if weight is not None:
             raise ValueError(f"sampleWeightCol does not apply to loss {loss!r} (every real token counts once)")
@@ -158,6 +160,7 @@ def predictions(loss, out: torch.Tensor) -> Dict[str, torch.Tensor]:
 
 
 def metric_fns(metrics) -> Dict[str, Callable]:
+    """The metrics Param as name -> callable(output, label) ("accuracy" by name)."""
     if metrics is None:
         return {}
     if isinstance(metrics, dict):

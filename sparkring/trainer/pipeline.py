@@ -84,7 +84,8 @@ def with_original_names(parts: List[torch.nn.Module]) -> torch.nn.Module:
     root = torch.nn.Module()
     for part in parts:
         for path, module in part.named_modules():
-            own = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+            own = (any(True for _ in module.parameters(recurse=False))
+                   or any(True for _ in module.buffers(recurse=False)))
             if path and own:
                 *parents, leaf = path.split(".")
                 holder = root
@@ -112,7 +113,8 @@ class PipelineStep:
     microbatch's loss (and runs backward as the schedule goes), and every stage of the pipeline gets
     the last stage's figures (one broadcast a step), so a non-finite loss stops them at the same step.
 
-    >>> step = PipelineStep(PlainStep(cfg, device, 0), schedule, first=True, last=False, pp=(group, 1))  # doctest: +SKIP
+    >>> plain = PlainStep(cfg, device, 0)  # doctest: +SKIP
+    >>> step = PipelineStep(plain, schedule, first=True, last=False, pp=(group, 1))  # doctest: +SKIP
     """
 
     def __init__(self, plain: PlainStep, schedule: Any, first: bool, last: bool, pp: Tuple[Any, int]):

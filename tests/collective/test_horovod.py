@@ -117,7 +117,8 @@ def test_horovods_own_mnist_example_trains_through_both_of_its_launch_lines(tmp_
         "import sparkring.collective as hvd  # was: import horovod.torch as hvd"]
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
                PYTHONPATH=os.pathsep.join([folder, os.environ.get("PYTHONPATH", "")]), HOME=str(tmp_path))
-    lines = {"horovodrun": [sys.executable, "-m", "sparkring", "run", "-np", "2", "-H", "localhost:2", "python", script],
+    lines = {"horovodrun": [sys.executable, "-m", "sparkring", "run", "-np", "2", "-H", "localhost:2", "python",
+                            script],
              "--num-proc": [sys.executable, script, "--num-proc", "2", "--communication", "gloo"]}
     for name, line in lines.items():
         proc = subprocess.run(line + ["--epochs", "2", "--data-dir", str(tmp_path)], capture_output=True, text=True,

@@ -22,7 +22,8 @@ def skewed_df(spark):
     # one partition holds 90% of the rows
     sc = spark.sparkContext
     rdd = sc.parallelize(range(900), 1).union(sc.parallelize(range(900, 1000), 1)).map(lambda i: (i,))
-    df = spark.createDataFrame(rdd, "id long").withColumn("x", F.array(F.col("id").cast("float"), (F.col("id") * 2).cast("float")))
+    df = spark.createDataFrame(rdd, "id long").withColumn(
+        "x", F.array(F.col("id").cast("float"), (F.col("id") * 2).cast("float")))
     assert df.rdd.glom().map(len).collect() == [900, 100]
     return df
 
@@ -107,7 +108,8 @@ def test_dense_and_sparse_vectors_and_numeric_arrays_become_fixed_shape_float_te
 @pytest.mark.parametrize("rows,schema,match", [
     ([("a", 1.0)], "s string, y double", r"column 's' has type string.*StringIndexer"),
     ([({"k": 1.0}, 1.0)], "m map<string,double>, y double", r"column 'm' has type map"),
-    ([([1.0], 1.0), ([1.0, 2.0], 2.0)], "a array<double>, y double", r"column 'a' holds arrays of different lengths \(1 to 2\)"),
+    ([([1.0], 1.0), ([1.0, 2.0], 2.0)], "a array<double>, y double",
+     r"column 'a' holds arrays of different lengths \(1 to 2\)"),
     ([(1.0, None), (2.0, None), (3.0, 1.0)], "f double, y double", r"column 'y' has 2 null value\(s\) out of 3 rows"),
     ([(([1.0, None]), 1.0)], "a array<double>, y double", r"column 'a' has 1 array\(s\) with null elements"),
 ])
@@ -142,7 +144,8 @@ def test_missing_columns_empty_frames_and_bad_validation_are_rejected(spark, sto
 def test_validation_fraction_and_boolean_column_split_rows(spark, store):
     df = spark.range(0, 400).withColumn("is_val", F.col("id") % 4 == 0)
     by_col = prepare(df, store, columns=["id"], validation="is_val")
-    val_ids = sorted(i for b in by_col.batches(64, split="val", shuffle=False, drop_last=False) for i in b["id"].tolist())
+    val_ids = sorted(i for b in by_col.batches(64, split="val", shuffle=False, drop_last=False)
+                     for i in b["id"].tolist())
     assert val_ids == list(range(0, 400, 4))
     by_frac = prepare(df, store, columns=["id"], validation=0.25, seed=3)
     assert 60 < by_frac.num_rows("val") < 140

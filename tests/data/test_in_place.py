@@ -233,7 +233,8 @@ def test_fit_refuses_class_labels_read_in_place_that_are_not_class_indices(spark
 
     with pytest.raises(DataError, match=r"labelCol 'label' has negative value -1; class indices start at 0"):
         fit(lambda i: -1.0 if i == 5 else 1.0, "negative")  # the footers' smallest value, before any job
-    with pytest.raises(RankFailedError, match=r"column 'label' has 1 non-integral value\(s\) in .*\.parquet, but the loss") as info:
+    refused = r"column 'label' has 1 non-integral value\(s\) in .*\.parquet, but the loss"
+    with pytest.raises(RankFailedError, match=refused) as info:
         fit(lambda i: 0.5 if i == 9 else 1.0, "halves")  # the rank reading that file
     assert "DataError" in str(info.value)
 

@@ -13,15 +13,14 @@ import termios
 import time
 
 import pytest
-from paths import TESTS
+from paths import HELPERS, ROOT
 
-ROOT = os.path.dirname(TESTS)
-SCRIPT = os.path.join(TESTS, "console_fit.py")
+SCRIPT = os.path.join(HELPERS, "console_fit.py")
 pytestmark = pytest.mark.slow
 
 
 def _env():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, ROOT]), COLUMNS="120")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HELPERS, ROOT]), COLUMNS="120")
     env.pop("SPARK_CONNECT_MODE_ENABLED", None)
     return env
 

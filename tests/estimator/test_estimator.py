@@ -14,6 +14,7 @@ from pyspark.ml import Pipeline
 from pyspark.ml.evaluation import MulticlassClassificationEvaluator
 from pyspark.ml.feature import StandardScaler, VectorAssembler
 from pyspark.ml.tuning import CrossValidator, ParamGridBuilder
+from waiting import wait_until
 
 from sparkring import RankFailedError, SparkRingEstimator, SparkRingModel, Store
 
@@ -119,14 +120,16 @@ def test_progress_reaches_the_driver_while_training_runs(spark, store, tmp_path,
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("m", est.fit(df)))
     t.start()
-    seen, during = "", False
-    while t.is_alive():
-        seen += capsys.readouterr().out
-        if "epoch 1/3" in seen and t.is_alive():
-            during = True
-        time.sleep(0.1)
+    out = []
+
+    def first_epoch_line_or_the_end() -> bool:
+        out.append(capsys.readouterr().out)
+        return "epoch 1/3" in "".join(out) or not t.is_alive()
+
+    wait_until(first_epoch_line_or_the_end, timeout=300, every=0.1)
+    during = "epoch 1/3" in "".join(out) and t.is_alive()
     t.join()
-    seen += capsys.readouterr().out
+    seen = "".join(out) + capsys.readouterr().out
     assert during, "the first epoch line only arrived after fit() returned"
     assert "epoch 3/3  loss=" in seen
     est.setVerbose(0).setRunId("quiet")

@@ -3,6 +3,8 @@ import pytest
 import torch
 
 from sparkring import SparkRingEstimator
+from sparkring.errors import ConfigurationError
+from sparkring.estimator.params import PARAMS
 
 
 def test_params_keep_defaults_set_values_and_copies_independent():
@@ -41,3 +43,22 @@ def test_params_come_from_one_table_defaults_checks_and_signature():
         SparkRingEstimator(epoch=3)
     with pytest.raises(TypeError, match="has no Param 'batch_size'; did you mean 'batchSize'"):
         est.setParams(batch_size=3)
+
+
+def test_every_param_is_one_typed_field_of_the_config_and_reads_back_as_set():
+    import dataclasses
+
+    from sparkring.estimator.config import EstimatorConfig
+
+    assert [f.name for f in dataclasses.fields(EstimatorConfig)] == [spec.attr for spec in PARAMS]
+    config = SparkRingEstimator(batchSize=8, tensorParallel=2, pipelineParallel=2, labelCol=["a", "b"],
+                                strategy="fsdp", precision="bf16-mixed").config()
+    assert config.batch_size == 8 and config.label_columns == ["a", "b"] and config.prediction_columns == [
+        "a_prediction", "b_prediction"]
+    assert config.model_parallel.group_size == 4 and config.model_parallel.data_size(world=8) == 2
+    assert config.sharding.sharded and config.sharding.bf16_compute and not config.elastic
+
+
+def test_a_value_outside_a_params_choices_is_refused_when_the_config_is_built():
+    with pytest.raises(ConfigurationError, match="strategy='zero': use one of 'ddp', 'fsdp', 'hsdp'"):
+        SparkRingEstimator(strategy="zero").config()

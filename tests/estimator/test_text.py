@@ -27,7 +27,8 @@ def _text_df(spark, n=240):
 
 
 def _estimator(tokenizer, store, **kw):
-    params = dict(model=text_fns.llama(tokenizer.get_vocab_size() if tokenizer else 64), optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+    params = dict(model=text_fns.llama(tokenizer.get_vocab_size() if tokenizer else 64),
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
                   textCol="text", tokenizer=tokenizer, task="causal-lm", sequenceLength=32, batchSize=8, epochs=2,
                   numProc=2, store=store, verbose=0, seed=1)
     params.update(kw)
@@ -154,7 +155,8 @@ def test_the_tokenizer_is_deserialized_once_per_python_worker_not_once_per_task(
     assert 1 <= len(workers) <= 2 and len(set(workers)) == len(workers), workers  # local[2]: two workers at most
 
 
-def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(spark, tokenizer, tmp_path):
+def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(
+        spark, tokenizer, tmp_path):
     from peft import LoraConfig
 
     from sparkring import SparkRingModel
@@ -176,7 +178,8 @@ def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_mo
         if "lora_" not in name:  # every base weight as it was
             torch.testing.assert_close(value, before[name.replace(".base_layer", "")], atol=0, rtol=0)
     texts = spark.createDataFrame([(s,) for s in text_fns.sentences(4, seed=5)], ["text"])
-    scored = [r.prediction.loss for r in fitted.copy({fitted.getParam("inference"): "score"}).transform(texts).collect()]
+    scoring = fitted.copy({fitted.getParam("inference"): "score"})
+    scored = [r.prediction.loss for r in scoring.transform(texts).collect()]
     fitted.write().overwrite().save(str(tmp_path / "merged"))
     loaded = SparkRingModel.load(str(tmp_path / "merged"))
     assert type(loaded.getModel()).__name__ == "LlamaForCausalLM"  # adapters folded in: a plain model
@@ -198,8 +201,8 @@ def test_a_sequence_classifier_on_labelled_text_beats_the_majority_class(spark, 
     assert accuracy > majority, (accuracy, majority)
 
 
-def test_a_causal_lm_sharded_with_fsdp_and_checkpointed_at_its_decoder_layers_trains_the_ddp_weights(spark, fitted_lm, tokenizer,
-                                                                                    tmp_path):
+def test_a_causal_lm_sharded_with_fsdp_and_checkpointed_at_its_decoder_layers_trains_the_ddp_weights(
+        spark, fitted_lm, tokenizer, tmp_path):
     # with every decoder layer's activations recomputed in backward: the same weights, less memory
     sharded = _estimator(tokenizer, Store(str(tmp_path / "store")), epochs=3, strategy="fsdp",
                          activationCheckpointing="full").fit(_text_df(spark))
@@ -217,7 +220,8 @@ def test_a_text_model_logged_to_mlflow_generates_from_text_with_its_tokenizer(sp
     before = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path}/mlflow.db")
     try:
-        mlflow.set_experiment(experiment_id=mlflow.create_experiment("text", artifact_location=(tmp_path / "a").as_uri()))
+        experiment = mlflow.create_experiment("text", artifact_location=(tmp_path / "a").as_uri())
+        mlflow.set_experiment(experiment_id=experiment)
         generating = fitted_lm.copy({fitted_lm.getParam("inference"): "generate"})
         prompts = spark.createDataFrame([("the big cat",), ("the small dog",)], ["text"])
         with mlflow.start_run():
@@ -267,8 +271,9 @@ def test_a_masked_lm_encoder_learns_to_fill_in_hidden_tokens_and_embeds_text(spa
     encoder = Encoder(tok)
     pad = encoder.special_ids()[1]
     df = _text_df(spark)
-    est = _estimator(tok, Store(str(tmp_path / "store")), task="masked-lm", model=text_fns.bert(tok.get_vocab_size(), pad),
-                     epochs=3, optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))
+    est = _estimator(tok, Store(str(tmp_path / "store")), task="masked-lm",
+                     model=text_fns.bert(tok.get_vocab_size(), pad), epochs=3,
+                     optimizer=lambda p: torch.optim.AdamW(p, lr=5e-3))
     # a seeded 15% of each document's real tokens is hidden: the labels are those tokens, and only those
     from sparkring.estimator.text import text_layout
     layout = text_layout(est.config(), df, est.getModel())
@@ -307,6 +312,7 @@ def test_a_text_fit_resumed_after_a_failure_reads_the_stored_token_ids_and_train
     assert counting.encoded() == 240  # every document once: the counts and the stored copy read one cached pass
     resumed = _estimator(counting, store, epochs=3, runId="again", keepData=True).fit(df)
     assert counting.encoded() == 240  # the second fit reads the stored int32 ids: nothing is tokenized again
-    assert [h["epoch"] for h in resumed.history] == [0, 1, 2] and resumed.history[-1]["tokens"] == fitted_lm.history[-1]["tokens"]
+    assert [h["epoch"] for h in resumed.history] == [0, 1, 2]
+    assert resumed.history[-1]["tokens"] == fitted_lm.history[-1]["tokens"]
     for name, value in fitted_lm.getModel().state_dict().items():
         torch.testing.assert_close(resumed.getModel().state_dict()[name], value, atol=1e-5, rtol=0)

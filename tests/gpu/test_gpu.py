@@ -7,7 +7,6 @@ With one GPU, the Spark-launched checks run one rank (two ranks on one GPU are r
 NCCL) and the two-rank gloo checks run as plain processes sharing the GPU."""
 import os
 import subprocess
-import time
 
 import est_helpers as H
 import gpu_fns
@@ -16,11 +15,13 @@ import rank_fns
 import text_fns
 import torch
 from spawn import spawn_ranks
+from waiting import wait_until
 
 from sparkring import SparkRingEstimator, Store, run
 
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (make gpu-check on a GPU machine)")]
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="no CUDA device (make gpu-check on a GPU machine)")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -95,10 +96,9 @@ def test_estimator_trains_and_transforms_with_use_gpu_on_and_off_and_frees_the_g
         rows = model.transform(df).select("label", "prediction").collect()
         predictions[use_gpu] = sum(r.prediction == r.label for r in rows) / len(rows)
     assert min(predictions.values()) > 0.85, predictions
-    time.sleep(2)
     # the ranks are gone and took their GPU memory with them (Spark's reused Python workers may
     # keep one CUDA context and a cached model each)
-    assert _gpu_memory_used_mib() - before < 2048
+    assert wait_until(lambda: _gpu_memory_used_mib() - before < 2048, timeout=30, every=0.5)
 
 
 def test_a_model_on_the_driver_gpu_trains_on_cpu_ranks(spark_gpu, tmp_path):
@@ -136,6 +136,7 @@ def test_a_causal_lm_trains_sharded_in_bf16_on_the_gpu_and_generates_there(spark
     assert fitted.history[-1]["loss"] < fitted.history[0]["loss"] * 0.8
     assert all(p.device.type == "cpu" for p in fitted.getModel().parameters())
     prompts = spark_gpu.createDataFrame([("the big cat",), ("the small dog",)], ["text"])
-    generated = [r.prediction for r in fitted.copy({fitted.getParam("inference"): "generate"}).transform(prompts).collect()]
+    generating = fitted.copy({fitted.getParam("inference"): "generate"})
+    generated = [r.prediction for r in generating.transform(prompts).collect()]
     # trained text continues both prompts with a verb the sentences use
     assert all(g.split()[0] in ("sat", "ran") for g in generated), generated

@@ -14,6 +14,7 @@ from paths import ROOT
 from pyspark.ml import Pipeline
 from pyspark.ml.feature import VectorAssembler
 from pyspark.sql import functions as F
+from waiting import wait_until
 
 from sparkring import RankFailedError, RankTimeoutError, SparkRingEstimator, Store, run
 
@@ -21,14 +22,15 @@ pytestmark = pytest.mark.connect
 
 
 def _no_rank_processes(timeout=15):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        alive = [p.pid for p in psutil.process_iter(["name", "cmdline"])
-                 if (p.info.get("name") or "").startswith("sparkring-r")
-                 or "sparkring.runner.task.worker" in (p.info.get("cmdline") or [])]
-        if not alive:
-            return []
-        time.sleep(0.2)
+    alive = []
+
+    def none_alive() -> bool:
+        alive[:] = [p.pid for p in psutil.process_iter(["name", "cmdline"])
+                    if (p.info.get("name") or "").startswith("sparkring-r")
+                    or "sparkring.runner.task.worker" in (p.info.get("cmdline") or [])]
+        return not alive
+
+    wait_until(none_alive, timeout=timeout, every=0.2)
     return alive
 
 

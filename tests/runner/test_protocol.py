@@ -9,7 +9,8 @@ from sparkring.runner.protocol import MESSAGE, RESULT, Error, OutputRecord
 
 def test_an_error_keeps_the_type_its_rank_raised_over_the_wire_and_inside_a_task_failure():
     err = Error(rank=1, attempt=0, kind=protocol.EXCEPTION, traceback="Traceback ...",
-                exception_type=type_name(NonFiniteLossError), message="non-finite loss nan at epoch 0, step 3 on rank 1")
+                exception_type=type_name(NonFiniteLossError),
+                message="non-finite loss nan at epoch 0, step 3 on rank 1")
     assert protocol.loads(protocol.dumps(err)) == err
     assert protocol.found_error("Job aborted: RuntimeError: rank 1 failed " + protocol.embed_error(err)) == err
     failed = RankFailedError(err.rank, err.traceback, exception_type=err.exception_type, message=err.message)

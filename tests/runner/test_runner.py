@@ -13,7 +13,7 @@ import pytest
 import rank_fns
 import torch
 from leftovers import ctrl_c_when_ranks_run, wait_no_workers
-from paths import ROOT, TESTS
+from paths import HELPERS, ROOT
 from waiting import wait_until
 
 from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
@@ -88,13 +88,16 @@ def test_logs_stream_live_to_the_driver_while_ranks_run(spark, tmp_path, capsys)
     t = threading.Thread(target=lambda: box.setdefault("r", run(rank_fns.print_and_wait, args=(str(flag),),
                                                                  num_proc=2)))
     t.start()
-    seen = ""
-    deadline = time.time() + 60
-    while time.time() < deadline and "waiting-for-driver" not in seen:
-        seen += capsys.readouterr().out
-        time.sleep(0.1)
+    out = []
+
+    def waiting_for_the_driver() -> bool:
+        out.append(capsys.readouterr().out)
+        return "waiting-for-driver" in "".join(out)
+
+    wait_until(waiting_for_the_driver, timeout=60, every=0.1)
     flag.touch()
     t.join(60)
+    seen = "".join(out)
     assert "waiting-for-driver" in seen
     assert box["r"] == [True, True], "rank 0 never saw the driver react: logs were not live"
     assert "rank 0 says hello" in seen and "rank 1 says hello" not in seen  # verbose=1: rank 0 only
@@ -400,7 +403,7 @@ spark.stop()
 @pytest.mark.slow  # a Spark session in a subprocess
 def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slots_named(tmp_path):
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable,
-               PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([HELPERS, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", LOST_FOR_GOOD, str(tmp_path / "lost")], capture_output=True,
                           text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -422,15 +425,18 @@ def test_ranks_exit_when_the_driver_process_dies(tmp_path):
         "import rank_fns\n"
         "from sparkring import run\n"
         "run(rank_fns.hang_on_rank, args=(0,), num_proc=2, verbose=0)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HELPERS, os.environ.get("PYTHONPATH", "")]))
     driver = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
         ranks = []
-        while time.monotonic() < deadline and len(ranks) < 2:
-            ranks = [p for p in psutil.process_iter(["name"]) if (p.info.get("name") or "").startswith("sparkring-r")]
-            time.sleep(0.5)
+
+        def both_ranks_started() -> bool:
+            ranks[:] = [p for p in psutil.process_iter(["name"])
+                        if (p.info.get("name") or "").startswith("sparkring-r")]
+            return len(ranks) >= 2
+
+        wait_until(both_ranks_started, timeout=90, every=0.5)
         assert len(ranks) == 2, "the ranks never started"
         driver.kill()  # the driver's Python process only: its JVM and the tasks must notice
         gone = time.monotonic()

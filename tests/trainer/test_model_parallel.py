@@ -187,7 +187,8 @@ def test_an_elastic_tensor_parallel_fit_resumes_a_lost_rank_and_goes_on_with_few
     store = Store(str(tmp_path / "store"))
     elastic = dict(tensorParallel=2, ranksPerTask=2, checkpointEvery=4, minProc=2, startTimeout=30.0, **PLAN)
     jobs = spark_hosts.sparkContext.statusTracker().getJobIdsForGroup()
-    with pytest.raises(ConfigurationError, match=r"tensorParallel=2 across hosts .* set ranksPerTask to a multiple of 2"):
+    refused = r"tensorParallel=2 across hosts .* set ranksPerTask to a multiple of 2"
+    with pytest.raises(ConfigurationError, match=refused):
         _fit(df, store, numProc=4, **{**elastic, "ranksPerTask": 1})
     # a pipeline's microbatches need equal shares at every size: 3 x 3 rows over 2 data-parallel ranks are not
     with pytest.raises(ConfigurationError, match=r"with 2 of them a share is 4.5 rows"):

@@ -75,7 +75,8 @@ class TorchDistributor:
         """Run ``train_object`` on every process; rank 0's return value for a function, None
         for a script.
 
-        >>> TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run("train.py", "--lr", "0.1")  # doctest: +SKIP
+        >>> distributor = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False)  # doctest: +SKIP
+        >>> distributor.run("train.py", "--lr", "0.1")  # doctest: +SKIP
         """
         script = isinstance(train_object, (str, os.PathLike))
         if script:

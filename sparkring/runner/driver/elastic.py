@@ -171,7 +171,8 @@ class ElasticPolicy:
 def relaunch_until_done(spark, launch_plan: LaunchPlan, policy: ElasticPolicy, request: StopRequest) -> List[Any]:
     """Launch; when ranks are lost (a rank failed or did not start, an executor was lost), launch
     again at once with ``min(target, the slots the cluster offers)`` ranks, as the policy decides
-    (waiting up to start_timeout only while fewer than ``min_size`` are there: then RankTimeoutError). Ranks the driver asked to
+    (waiting up to start_timeout only while fewer than ``min_size`` are there: then RankTimeoutError).
+    Ranks the driver asked to
     stop end paused: the run goes on with more ranks (the slots came back), or at once with the
     slots left (an executor decommissioned). The console line says where the next launch starts
     ("lost rank 2 (executor 10.0.0.7:41113): going on with 2 of 3 ranks from step 138 of epoch 2").

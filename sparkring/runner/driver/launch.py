@@ -11,7 +11,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ...collective import elastic, environment, timeline
 from ...collective.elastic import Relaunches
@@ -24,7 +24,7 @@ from .elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .horovod_launch import parse_hosts, ranks_from_hosts, translate_run_keywords
 from .ledger import RunLedger
 from .outcome import raise_for_outcome
-from .plan import RUN_NAMES, LaunchPlan, ParamNames, check_timeouts, plan
+from .plan import RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
 from .script import ScriptMain
 from .session import JobTag, release_barrier_timer_at_exit, session_facts, wait_for_slots
 from .stage import Stage
@@ -88,33 +88,52 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     [0.5, 0.5]
     """
     check_timeouts(timeout, start_timeout, RUN_NAMES)
-    if isinstance(fn, (str, os.PathLike)):
-        fn, args, kwargs = ScriptMain(str(fn), list(args)), (), None
-    elif not callable(fn):
-        raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
+    fn, args, kwargs = _runnable(fn, args, kwargs)
     spark = spark or active_spark()
     if horovod_names:
-        ours = translate_run_keywords(horovod_names, dict(num_proc=num_proc, min_proc=min_proc, backend=backend,
-                                                          verbose=verbose))
-        num_proc, min_proc, backend, verbose = ours["num_proc"], ours["min_proc"], ours["backend"], ours["verbose"]
-        if horovod_names.get("hosts"):
-            facts = session_facts(spark)
-            num_proc = ranks_from_hosts(parse_hosts(horovod_names["hosts"]), num_proc, facts.single_host, facts.slots)
-    launch_plan = plan(spark, num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
-                       names=RUN_NAMES, shared_memory=shared_memory, registration_wait=start_timeout,
-                       ranks_per_task=ranks_per_task, resource_profile=resource_profile, min_proc=min_proc)
+        num_proc, min_proc, backend, verbose = _with_horovod_names(spark, horovod_names, num_proc=num_proc,
+                                                                   min_proc=min_proc, backend=backend, verbose=verbose)
+    launch_plan = plan_for(spark, LaunchRequest(num_proc=num_proc, use_gpu=use_gpu, backend=backend, stream=stream,
+                                                names=RUN_NAMES, shared_memory=shared_memory,
+                                                registration_wait=start_timeout, ranks_per_task=ranks_per_task,
+                                                resource_profile=resource_profile, min_proc=min_proc))
+    env = _with_trace(env)
+    if min_proc is None:
+        return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout, env=env,
+                      verbose=verbose, on_event=on_event)
+    return launch_elastic(spark, launch_plan, fn, args, kwargs, min_proc=min_proc, max_restarts=max_restarts,
+                          elastic_dir=elastic_dir, start_timeout=start_timeout, timeout=timeout, env=env,
+                          verbose=verbose, on_event=on_event)
+
+
+def _runnable(fn: Union[Callable[..., Any], str], args: Sequence[Any],
+              kwargs: Optional[Dict[str, Any]]) -> Tuple[Callable[..., Any], Sequence[Any], Optional[Dict[str, Any]]]:
+    """``fn`` as a callable: a script's path runs as ``__main__`` with ``args`` as its command line."""
+    if isinstance(fn, (str, os.PathLike)):
+        return ScriptMain(str(fn), list(args)), (), None
+    if not callable(fn):
+        raise ConfigurationError(f"fn must be a callable or a script path, got {type(fn).__name__}")
+    return fn, args, kwargs
+
+
+def _with_horovod_names(spark, horovod_names: Dict[str, Any], *, num_proc: Optional[int], min_proc: Optional[int],
+                        backend: str, verbose: int) -> Tuple[Optional[int], Optional[int], str, int]:
+    """run()'s (num_proc, min_proc, backend, verbose) after horovod.run()'s keywords (``hosts`` counts ranks)."""
+    ours = translate_run_keywords(horovod_names, dict(num_proc=num_proc, min_proc=min_proc, backend=backend,
+                                                      verbose=verbose))
+    num_proc, min_proc, backend, verbose = ours["num_proc"], ours["min_proc"], ours["backend"], ours["verbose"]
+    if horovod_names.get("hosts"):
+        facts = session_facts(spark)
+        num_proc = ranks_from_hosts(parse_hosts(horovod_names["hosts"]), num_proc, facts.single_host, facts.slots)
+    return num_proc, min_proc, backend, verbose
+
+
+def _with_trace(env: Optional[Dict[str, str]]) -> Optional[Dict[str, str]]:
+    """The ranks' environment, asking every rank for its spans where a timeline is requested
+    (launch() merges them into that file on the driver)."""
     given = env or {}
     trace = given.get(environment.TIMELINE) or given.get(environment.HOROVOD_TIMELINE) or timeline.requested()
-    if trace:  # every rank records its spans; launch() merges them into this file on the driver
-        env = {**given, environment.TIMELINE: trace}
-    if min_proc is None:
-        results = launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout,
-                         env=env, verbose=verbose, on_event=on_event)
-    else:
-        results = launch_elastic(spark, launch_plan, fn, args, kwargs, min_proc=min_proc,
-                                 max_restarts=max_restarts, elastic_dir=elastic_dir, start_timeout=start_timeout,
-                                 timeout=timeout, env=env, verbose=verbose, on_event=on_event)
-    return results
+    return {**given, environment.TIMELINE: trace} if trace else env
 
 
 def check_elastic(launch_plan: LaunchPlan, min_proc: int, max_restarts: int, elastic_dir: Optional[str],
@@ -160,12 +179,12 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
                         ranks_per_task=launch_plan.ranks_per_task)
     policy = _RunPolicy(how, lambda now: launch(spark, now, fn, args, kwargs, start_timeout=start_timeout,
                                                 timeout=timeout, env=rank_env, verbose=verbose, on_event=on_event),
-                        lambda size: dataclasses.replace(plan(
-                            spark, num_proc=size, use_gpu=launch_plan.use_gpu,
+                        lambda size: dataclasses.replace(plan_for(spark, LaunchRequest(
+                            num_proc=size, use_gpu=launch_plan.use_gpu,
                             backend="auto" if launch_plan.backend_from_auto else launch_plan.backend,
                             stream=launch_plan.stream, names=names, shared_memory=launch_plan.shared_memory,
                             ranks_per_task=launch_plan.ranks_per_task,
-                            resource_profile=launch_plan.profile if launch_plan.profile is not None else "off"),
+                            resource_profile=launch_plan.profile if launch_plan.profile is not None else "off")),
                             attempts=1), verbose)
     try:
         return relaunch_until_done(spark, dataclasses.replace(launch_plan, attempts=1), policy,
@@ -234,10 +253,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     shm_env = {} if launch_plan.shared_memory else {environment.SHM: "0"}
     if facts.local and not facts.connect:  # the barrier tasks run in this driver's JVM
         release_barrier_timer_at_exit(spark)
-    named: Dict[str, Any] = {"fn": fn}
-    named.update({f"args[{i}]": arg for i, arg in enumerate(args)})
-    named.update({f"kwargs[{key!r}]": value for key, value in (kwargs or {}).items()})
-    payload = pickling.dumps((fn, tuple(args), kwargs or {}), named)
+    payload = _payload(fn, args, kwargs)
     if (not facts.connect and not facts.local and launch_plan.profile is None and not launch_plan.gang
             and not wait_for_slots(spark, launch_plan.num_tasks, start_timeout)):
         raise RankTimeoutError(f"the cluster did not offer {launch_plan.num_tasks} concurrent task slots within "
@@ -261,13 +277,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     log.info("launching %d ranks (driver channel %s:%d)", num_proc, *channel.address)
     stage.start()
     try:
-        watch = Watch(state, launch_plan, start_timeout, timeout, stage.started)
-        while stage.running():
-            failure = watch.failure()
-            if failure is not None:
-                channel.broadcast(Abort(reason=str(failure)))
-                stage.cancel()
-                raise failure
+        _watch(stage, channel, Watch(state, launch_plan, start_timeout, timeout, stage.started))
         raise_for_outcome(state, stage.outcome, num_proc, start_timeout, timeout)
     except KeyboardInterrupt:
         # Ctrl-C: classic PySpark's own SIGINT handler cancels every job of the context, a
@@ -282,6 +292,24 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     if trace is not None:
         trace.write()
     return stage.outcome.results(num_proc)
+
+
+def _payload(fn: Callable[..., Any], args: Sequence[Any], kwargs: Optional[Dict[str, Any]]) -> bytes:
+    """What every rank runs, pickled; what cannot be pickled is named (``args[1]``, ``kwargs['model']``)."""
+    named: Dict[str, Any] = {"fn": fn}
+    named.update({f"args[{i}]": arg for i, arg in enumerate(args)})
+    named.update({f"kwargs[{key!r}]": value for key, value in (kwargs or {}).items()})
+    return pickling.dumps((fn, tuple(args), kwargs or {}), named)
+
+
+def _watch(stage: Stage, channel: DriverChannel, watch: Watch) -> None:
+    """Until the stage ends: a failure the watch sees (a rank's error, a timeout) stops every rank and the job."""
+    while stage.running():
+        failure = watch.failure()
+        if failure is not None:
+            channel.broadcast(Abort(reason=str(failure)))
+            stage.cancel()
+            raise failure
 
 
 _last_worker_pids: List[int] = []

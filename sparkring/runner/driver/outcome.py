@@ -73,6 +73,7 @@ def no_attempt_left(state: RunLedger, attempt: int) -> BaseException:
 
 
 def rank_failed(err: Error, state: RunLedger) -> RankFailedError:
+    """The RankFailedError a rank's Error frame means, naming its executor."""
     return RankFailedError(err.rank, err.traceback, err.exit_code, executor=state.executor_of(err.rank, err.attempt),
                            exception_type=err.exception_type, message=err.message)
 

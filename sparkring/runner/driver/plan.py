@@ -262,66 +262,107 @@ def _check_autoscaling(facts: SessionFacts, ranks_per_task: int, num_proc: Optio
     return num_proc
 
 
-def plan(spark, num_proc: Optional[int] = None, use_gpu: Optional[bool] = None, backend: str = "auto",
-         stream: bool = True, names: ParamNames = RUN_NAMES, shared_memory: bool = True,
-         registration_wait: float = 0.0, ranks_per_task: Optional[int] = None,
-         resource_profile: Any = "auto", min_proc: Optional[int] = None) -> LaunchPlan:
-    """Decide and check the launch of ``num_proc`` ranks on ``spark`` (classic or Connect);
-    raises ConfigurationError naming the caller's parameter before any Spark job. On a cluster
-    whose executors are still registering (an application that just started), waits up to
-    ``registration_wait`` seconds for ``num_proc`` slots before refusing. ``ranks_per_task``
-    ranks run in each task (by default one per GPU of a task holding several); the training
-    stage asks for its own task resources through ``resource_profile`` ("auto": where ranks per
-    task need more GPUs than spark.task.resource.gpu.amount; "off"; or a ResourceProfile).
-    Under dynamic allocation the ranks run as an ordinary stage whose tasks meet at the driver
-    (``gang``); an elastic caller's ``min_proc`` is what the autoscaling bound must allow.
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What a caller asks of a launch (Ray Train's ScalingConfig): ``plan`` decides the LaunchPlan
+    from it and the session. ``registration_wait``: seconds a cluster whose executors are still
+    registering has to offer the slots; ``min_proc``: an elastic caller's least size, which an
+    autoscaling bound must allow.
+
+    >>> LaunchRequest(num_proc=2, backend="gloo").backend
+    'gloo'
+    """
+
+    num_proc: Optional[int] = None
+    use_gpu: Optional[bool] = None
+    backend: str = "auto"
+    stream: bool = True
+    names: ParamNames = RUN_NAMES
+    shared_memory: bool = True
+    registration_wait: float = 0.0
+    ranks_per_task: Optional[int] = None
+    resource_profile: Any = "auto"
+    min_proc: Optional[int] = None
+
+
+def plan(spark, num_proc: Optional[int] = None, **request: Any) -> LaunchPlan:
+    """Decide and check the launch of ``num_proc`` ranks on ``spark``: ``plan_for`` of the
+    LaunchRequest the keywords make (its fields).
 
     >>> p = plan(spark, num_proc=2, backend="gloo")  # doctest: +SKIP
     """
-    if backend not in BACKENDS:
-        raise ConfigurationError(f"{names.backend}={backend!r} is not known; use one of {', '.join(BACKENDS)}")
-    if backend != "auto" and transport(backend).starts_under_mpiexec:
-        _check_mpi_installed()
-    if num_proc is not None and num_proc < 1:
-        raise ConfigurationError(f"{names.num_proc}={num_proc}: it must be at least 1")
+    return plan_for(spark, LaunchRequest(num_proc=num_proc, **request))
+
+
+def plan_for(spark, request: LaunchRequest) -> LaunchPlan:
+    """Decide and check the launch ``request`` asks for on ``spark`` (classic or Connect);
+    raises ConfigurationError naming the caller's parameter before any Spark job. On a cluster
+    whose executors are still registering (an application that just started), waits up to
+    ``registration_wait`` seconds for the slots before refusing. ``ranks_per_task`` ranks run in
+    each task (by default one per GPU of a task holding several); the training stage asks for its
+    own task resources through ``resource_profile`` ("auto": where ranks per task need more GPUs
+    than spark.task.resource.gpu.amount; "off"; or a ResourceProfile). Under dynamic allocation
+    the ranks run as an ordinary stage whose tasks meet at the driver (``gang``).
+
+    >>> p = plan_for(spark, LaunchRequest(num_proc=2, backend="gloo"))  # doctest: +SKIP
+    """
+    names, backend = request.names, request.backend
+    _check_request(request)
     facts = session_facts(spark)
     _check_local_task_gpus(facts)
-    if use_gpu is None:
-        use_gpu = facts.task_gpus > 0
-    if backend != "auto" and transport(backend).needs_gpus and not use_gpu:
-        raise ConfigurationError(f"{names.backend}='nccl' needs GPUs: pass {names.use_gpu}=True (and schedule "
-                                 "GPUs with spark.task.resource.gpu.amount), or use backend='gloo'")
-    if facts.autoscaling and not stream:
-        raise ConfigurationError(
-            "spark.dynamicAllocation.enabled=true: the ranks then run as an ordinary stage (Spark has no barrier "
-            "stage under dynamic allocation) and meet only at the driver; keep the live channel on (drop "
-            "stream=False / streamLogs=False)")
-    if use_gpu:
-        _check_gpus(facts, names)
-    resources = stage_resources(facts, bool(use_gpu), num_proc, ranks_per_task, resource_profile, names)
+    use_gpu = facts.task_gpus > 0 if request.use_gpu is None else bool(request.use_gpu)
+    _check_against_session(request, facts, use_gpu)
+    resources = stage_resources(facts, use_gpu, request.num_proc, request.ranks_per_task, request.resource_profile,
+                                names)
     if use_gpu and resources.task_gpus > resources.ranks_per_task:
         log.info("%g GPUs per task for %d rank(s): each rank sees its share, the first one is current; "
                  "sparkring's collectives and the estimator use that one", resources.task_gpus,
                  resources.ranks_per_task)
     if facts.autoscaling:
-        num_proc = _check_autoscaling(facts, resources.ranks_per_task, num_proc, min_proc, names)
+        num_proc = _check_autoscaling(facts, resources.ranks_per_task, request.num_proc, request.min_proc, names)
     else:
-        num_proc = _check_slots(spark, facts, bool(use_gpu), resources, num_proc, registration_wait, names)
+        num_proc = _check_slots(spark, facts, use_gpu, resources, request.num_proc, request.registration_wait, names)
     _check_security(facts)
     # an ordinary stage is never rerun as a whole: a lost task is a lost rank (elastic, or the run fails).
     # Spark reruns a failed barrier map stage with a fresh task set each time, up to
     # maxConsecutiveAttempts, so a task's failures never add up to spark.task.maxFailures (local[N,F]);
     # maxFailures=1 is read as "no retries" (the stage is then a result stage, never rerun).
     attempts = 1 if facts.autoscaling or facts.max_failures <= 1 else max(1, facts.max_stage_attempts)
-    shared = bool(use_gpu) and _ranks_share_gpus(facts, num_proc, resources.task_gpus / resources.ranks_per_task)
-    chosen = _decide_backend(backend, bool(use_gpu), shared, names)
-    result = LaunchPlan(num_proc=num_proc, use_gpu=bool(use_gpu), backend=chosen, attempts=attempts,
-                        stream=bool(stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
+    shared = use_gpu and _ranks_share_gpus(facts, num_proc, resources.task_gpus / resources.ranks_per_task)
+    chosen = _decide_backend(backend, use_gpu, shared, names)
+    result = LaunchPlan(num_proc=num_proc, use_gpu=use_gpu, backend=chosen, attempts=attempts,
+                        stream=bool(request.stream), driver_host=facts.driver_host, driver_gpus=facts.driver_gpus,
                         driver_gpu_script=facts.driver_gpu_script, task_cpus=facts.task_cpus, facts=facts,
-                        shared_memory=bool(shared_memory), backend_from_auto=backend == "auto",
+                        shared_memory=bool(request.shared_memory), backend_from_auto=backend == "auto",
                         ranks_per_task=resources.ranks_per_task, profile=resources.profile,
                         gang=facts.autoscaling, limits=facts.autoscaling_bound()[1] if facts.autoscaling else "")
     log.info("launch plan: %d ranks (%d per task), backend %s, gpu %s, %d stage attempt(s), driver %s, %s session %s",
              result.num_proc, result.ranks_per_task, chosen, result.use_gpu, attempts, result.driver_host,
              "Connect" if facts.connect else "classic", facts.master)
     return result
+
+
+def _check_request(request: LaunchRequest) -> None:
+    """What the request alone gets wrong (an unknown backend, MPI not installed, too few ranks)."""
+    names, backend = request.names, request.backend
+    if backend not in BACKENDS:
+        raise ConfigurationError(f"{names.backend}={backend!r} is not known; use one of {', '.join(BACKENDS)}")
+    if backend != "auto" and transport(backend).starts_under_mpiexec:
+        _check_mpi_installed()
+    if request.num_proc is not None and request.num_proc < 1:
+        raise ConfigurationError(f"{names.num_proc}={request.num_proc}: it must be at least 1")
+
+
+def _check_against_session(request: LaunchRequest, facts: SessionFacts, use_gpu: bool) -> None:
+    """What the session cannot run of the request (NCCL without GPUs, a detached gang, GPUs it lacks)."""
+    names, backend = request.names, request.backend
+    if backend != "auto" and transport(backend).needs_gpus and not use_gpu:
+        raise ConfigurationError(f"{names.backend}='nccl' needs GPUs: pass {names.use_gpu}=True (and schedule "
+                                 "GPUs with spark.task.resource.gpu.amount), or use backend='gloo'")
+    if facts.autoscaling and not request.stream:
+        raise ConfigurationError(
+            "spark.dynamicAllocation.enabled=true: the ranks then run as an ordinary stage (Spark has no barrier "
+            "stage under dynamic allocation) and meet only at the driver; keep the live channel on (drop "
+            "stream=False / streamLogs=False)")
+    if use_gpu:
+        _check_gpus(facts, names)

@@ -6,6 +6,7 @@ from typing import List, Optional
 
 
 def resolve(host: str) -> str:
+    """``host``'s IPv4 address (the name itself where it does not resolve)."""
     try:
         return socket.gethostbyname(host)
     except OSError:

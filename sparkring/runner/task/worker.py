@@ -85,6 +85,7 @@ def _load_payload(path: str):
 
 
 def main(path: str) -> None:
+    """A rank's worker process: run the payload in the work directory ``path``, write its result there."""
     workdir = WorkDir(path)
     _die_with_parent()
     _name_process()

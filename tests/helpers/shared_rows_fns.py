@@ -1,4 +1,4 @@
-"""Rank functions for the tests of a host's ranks holding decoded rows once (run by tests/spawn.py)."""
+"""Rank functions for the tests of a host's ranks holding decoded rows once (run by tests/helpers/spawn.py)."""
 import sparkring.collective as sr
 import sparkring.data.dataset as dataset_module
 from sparkring.trainer.shared_rows import share_rows_on_host

@@ -1,4 +1,4 @@
-"""Rank functions for the shared-memory allreduce tests (run by tests/spawn.py)."""
+"""Rank functions for the shared-memory allreduce tests (run by tests/helpers/spawn.py)."""
 import os
 import signal
 import time
@@ -63,8 +63,8 @@ def every_op_and_dtype(exact=True):
     same = sr.allreduce_(t, op=sr.Sum)
     assert same is t and not t.is_contiguous()
     torch.testing.assert_close(t, want, rtol=0, atol=0 if exact else 1e-5)
-    grouped = sr.grouped_allreduce([_input(sr.rank(), 5, torch.float32, "sum"), _input(sr.rank(), 9, torch.int32, "sum")],
-                                   op=sr.Sum)
+    grouped = sr.grouped_allreduce([_input(sr.rank(), 5, torch.float32, "sum"),
+                                    _input(sr.rank(), 9, torch.int32, "sum")], op=sr.Sum)
     out["grouped"] = grouped
     out["average"] = sr.allreduce(_input(sr.rank(), 101, torch.float32, "sum"))
     out.update(broadcasts())
@@ -121,8 +121,8 @@ def optimizer_reference(size):
     for _ in range(5):
         opt.zero_grad()
         # the mean of the ranks' mean losses (equal shares)
-        loss = sum(torch.nn.functional.cross_entropy(net(x[r * 64 // size:(r + 1) * 64 // size]),
-                                                     y[r * 64 // size:(r + 1) * 64 // size]) for r in range(size)) / size
+        shares = [slice(r * 64 // size, (r + 1) * 64 // size) for r in range(size)]
+        loss = sum(torch.nn.functional.cross_entropy(net(x[share]), y[share]) for share in shares) / size
         loss.backward()
         opt.step()
     return net.state_dict()

@@ -1,4 +1,4 @@
-"""Rank functions for the Horovod conformance tests (run through tests/spawn.py)."""
+"""Rank functions for the Horovod conformance tests (run through tests/helpers/spawn.py)."""
 import os
 import time
 

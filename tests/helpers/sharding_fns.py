@@ -72,7 +72,8 @@ def sharded_training_in_run(sharded, width=256, layers=4, steps=3):
     return {"full_params": full_params, "local_params": local, "state_bytes": _training_state_bytes(model, opt),
             "full_state_bytes": full_params * 4 * 4, "losses": losses,
             "mesh": str(sr.device_mesh().mesh.tolist()) if sharded else None,
-            "shared_memory": (routed, SharedMemoryAllGather.served, SharedMemoryReduceScatter.served) if sharded else None}
+            "shared_memory": ((routed, SharedMemoryAllGather.served, SharedMemoryReduceScatter.served) if sharded
+                              else None)}
 
 
 def hybrid_sharded_training(steps=3):

@@ -1,7 +1,7 @@
 """Where the tests find the repository, their helpers and their data, wherever a test module sits."""
 import os
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HELPERS)
 ROOT = os.path.dirname(TESTS)
-HELPERS = os.path.join(TESTS, "helpers")
 DATA = os.path.join(TESTS, "data")

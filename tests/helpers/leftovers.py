@@ -23,7 +23,8 @@ def live_workers():
         name, cmdline = p.info.get("name") or "", p.info.get("cmdline") or []
         if p.info.get("status") == psutil.STATUS_ZOMBIE:
             continue
-        if name.startswith("sparkring-r") or "sparkring.runner.task.worker" in cmdline or name in ("mpiexec", "hydra_pmi_proxy"):
+        if (name.startswith("sparkring-r") or "sparkring.runner.task.worker" in cmdline
+                or name in ("mpiexec", "hydra_pmi_proxy")):
             alive.add(p.pid)
     return sorted(alive)
 
