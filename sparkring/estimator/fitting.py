@@ -81,7 +81,7 @@ def _fit_rows(context: FitContext, dataset) -> SparkRingModel:
     context.prepared = ds
     try:
         checks.check_labels(config, ds)
-        return _fit_tracked(context, dataset, ds, decided, clock)
+        return _fit_tracked(context, dataset, ds, decided=decided, clock=clock)
     finally:
         if not (config.keep_data or context.hold_data):
             _delete_quietly(ds)
@@ -108,16 +108,16 @@ def _fit_text(context: FitContext, dataset) -> SparkRingModel:
     return model
 
 
-def _fit_tracked(context: FitContext, dataset, ds: Dataset, decided: checks.FitDecisions,
+def _fit_tracked(context: FitContext, dataset, ds: Dataset, *, decided: checks.FitDecisions,
                  clock: PhaseClock) -> SparkRingModel:
     """The fit, logged into MLflow where mlflowLogging and the active run ask for it."""
     grid = context.grid_point
     tracker = FitTracker.start(context.config.mlflow_logging, params=param_values(context.config),
                                parent_run_id=grid.parent_run if grid else None, grid_index=grid.index if grid else None)
     if tracker is None:
-        return _fit_prepared(context, ds, decided, None, clock)
+        return _fit_prepared(context, ds, decided=decided, tracker=None, clock=clock)
     try:
-        model = _fit_prepared(context, ds, decided, tracker, clock)
+        model = _fit_prepared(context, ds, decided=decided, tracker=tracker, clock=clock)
         tracker.finish(model.history, model.getModel(), tracking.example_args(model, dataset))
         return model
     except BaseException:
@@ -125,8 +125,8 @@ def _fit_tracked(context: FitContext, dataset, ds: Dataset, decided: checks.FitD
         raise
 
 
-def _fit_prepared(context: FitContext, ds: Dataset, decided: checks.FitDecisions, tracker: Optional[FitTracker],
-                  clock: PhaseClock) -> SparkRingModel:
+def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisions,
+                  tracker: Optional[FitTracker], clock: PhaseClock) -> SparkRingModel:
     """Launch the ranks on the prepared data, reporting their events; the fitted model."""
     config = context.config
     cfg = train_config(config, decided, ds, context.run_id)
@@ -143,7 +143,7 @@ def _fit_prepared(context: FitContext, ds: Dataset, decided: checks.FitDecisions
                 listener(rank, event)
 
     try:
-        result = launch_fit(context.spark, config, cfg, decided, on_event, progress.note)
+        result = launch_fit(context.spark, config, cfg, decided=decided, on_event=on_event, say=progress.note)
     finally:
         progress.close()
     trained = fresh_module(config)

@@ -96,12 +96,12 @@ class _FitPolicy(ElasticPolicy):
         self._say(message)
 
 
-def launch_fit(spark, config: EstimatorConfig, cfg: TrainConfig, decided: FitDecisions,
+def launch_fit(spark, config: EstimatorConfig, cfg: TrainConfig, *, decided: FitDecisions,
                on_event: Callable[[int, Any], None], say: Callable[[str], None]) -> RankResult:
     """Train on the ranks the plan decided (again, with the ranks there are, for an elastic fit);
     rank 0's result. A non-finite loss raises TrainingError naming the epoch, step and rank.
 
-    >>> launch_fit(spark, est.config(), cfg, decided, on_event, print).history  # doctest: +SKIP
+    >>> launch_fit(spark, est.config(), cfg, decided=decided, on_event=on_event, say=print).history  # doctest: +SKIP
     """
     verbose = config.verbose
     # the timeline Param: every rank records its spans, the launch merges them into this file

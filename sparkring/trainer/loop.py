@@ -159,7 +159,8 @@ class Trainer:
     def _update(self, epoch: int, i: int) -> int:
         """The optimizer step after backward_passes_per_step batches; 1 where a non-finite
         update was skipped."""
-        skipped = self.placement.update(self.opt, self.model, self.cfg.skip_non_finite, self.scaler)
+        skipped = self.placement.update(self.opt, self.model, skip_non_finite=self.cfg.skip_non_finite,
+                                        scaler=self.scaler)
         if i + 1 == self.steps:  # the state is whole now (gradients and optimizer moments): measured once an epoch
             self.state_sizes = state_bytes(self.model, self.opt)
         self.opt.zero_grad()
@@ -270,7 +271,7 @@ class Trainer:
             return
         totals = sr.allreduce(sums.cpu(), op=sr.Sum).tolist()
         with recorder.span("checkpoint (inside the epoch)", step=i + 1):
-            self._save(self.trainer_state(epoch, False, position=(i + 1, totals)))
+            self._save(self.trainer_state(epoch, stopped=False, position=(i + 1, totals)))
         if self.asked:
             raise _Paused()
 
@@ -322,7 +323,7 @@ class Trainer:
             stop = self.stopper.stop(logs) or stop
         stop = bool(sr.broadcast_object(stop, root_rank=0))
         with recorder.span("checkpoint"):
-            self._save(self.trainer_state(epoch, stop))
+            self._save(self.trainer_state(epoch, stopped=stop))
         if self.rank == 0:
             report(to_payload(EpochDone(epoch=epoch, logs=logs, stopped=stop)))
         if self.asked and not stop and epoch + 1 < self.cfg.epochs:
@@ -356,7 +357,7 @@ class Trainer:
                 raise
             raise failed from exc
 
-    def trainer_state(self, epoch: int, stopped: bool,
+    def trainer_state(self, epoch: int, *, stopped: bool,
                       position: Optional[Tuple[int, List[float]]] = None) -> TrainerState:
         """The loop's part of a checkpoint (after ``epoch``, or inside it at ``position``: the
         next step and every rank's figures so far)."""

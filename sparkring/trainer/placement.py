@@ -98,7 +98,7 @@ class Placement:
         alike; the loop's state it holds (the same on every rank), or None for a fresh start."""
         raise NotImplementedError
 
-    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+    def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         """The optimizer step after the gradients are in; 1 where a non-finite update was skipped."""
         raise NotImplementedError
@@ -219,7 +219,7 @@ class Replicated(Placement):
                             found.name, self.run_id, exc)
         return None
 
-    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+    def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if scaler is not None:
             return scaled_update(opt, scaler, lambda: self.clip_gradients(model))
@@ -273,7 +273,7 @@ class Sharded(Placement):
     def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
         return _typed(fsdp.load_latest(self.store, self.run_id, model, opt))
 
-    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+    def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if skip_non_finite and not gradients.finite_everywhere(model):
             return 1
@@ -322,11 +322,11 @@ class TensorParallel(Sharded):
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return module
 
-    def update(self, opt: Any, model: torch.nn.Module, skip_non_finite: bool,
+    def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if not self.sharding.sharded:
             gradients.average_over(model, self.mesh["dp"])
-        return super().update(opt, model, skip_non_finite, scaler)
+        return super().update(opt, model, skip_non_finite=skip_non_finite, scaler=scaler)
 
     def data_rank(self) -> int:
         return self.mesh["dp"].get_local_rank()
