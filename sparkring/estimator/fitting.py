@@ -103,7 +103,8 @@ def _fit_text(context: FitContext, dataset) -> SparkRingModel:
     finally:
         tokenized.unpersist()
         context.prepared, context.run_id = on_tokens.prepared, on_tokens.run_id
-    model._set_config(dataclasses.replace(on_tokens.config, text_col=layout.column))  # transform reads the documents
+    # transform(inference=...) reads the documents: the fitted model's own Params, but textCol
+    model._set_config(dataclasses.replace(model.config(), text_col=layout.column))
     model.history = text.with_figures(model.history, counts, figures, config.model_parallel.group_size)
     return model
 
