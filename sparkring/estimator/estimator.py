@@ -2,7 +2,6 @@
 pipeline parallel); each fit runs as the steps of fitting.py."""
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -15,8 +14,6 @@ from .fitting import FitContext, GridPoint, fit
 from .model import SparkRingModel
 from .params import SparkRingParams, signature, unknown_params
 from .persistence import SparkRingReader, SparkRingWriter
-
-log = logging.getLogger(__name__)
 
 
 class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
@@ -61,8 +58,9 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         """
         # CrossValidator calls this on the user's thread and fits on pool threads, where the
         # user's MLflow run is not active: each grid point becomes a child run of it
-        parent = tracking.active_run_id() if self.config().mlflow_logging != "off" else None
-        return _GridFits(self, paramMaps, dataset, parent_run=parent, keep_data=self.config().keep_data)
+        config = self.config()
+        parent = tracking.active_run_id() if config.mlflow_logging != "off" else None
+        return _GridFits(self, paramMaps, dataset, parent_run=parent, keep_data=config.keep_data)
 
     # -- persistence ------------------------------------------------------------------
     def write(self):

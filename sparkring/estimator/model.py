@@ -91,7 +91,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
         >>> net = model.getModel(); net(torch.randn(1, 64))  # doctest: +SKIP
         """
-        return self.config().model
+        return self.getOrDefault(self.model)  # read often (transform, save): not the whole config
 
     def copy(self, extra=None):
         that = super().copy(extra)

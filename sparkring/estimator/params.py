@@ -397,6 +397,7 @@ def reference_markdown() -> str:
 
 class SparkRingParams(HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed):
     """Params of SparkRingEstimator (the model carries them too), declared by PARAMS."""
+    model: Param  # set by _declare, as every Param of the table; named here for the model's getModel()
 
     def __init__(self):
         super().__init__()
