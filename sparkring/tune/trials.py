@@ -199,7 +199,7 @@ class TrialRuns:
         """This thread's trial raised: FAIL with its error (Optuna records it); the study goes on."""
         trial = self.mine.trial
         self._stop_judge()
-        trial.set_user_attr("error", f"{type(exc).__name__}: {exc}"[:2000])
+        trial.set_user_attr("error", _clipped(f"{type(exc).__name__}: {exc}"))
         self._end(trial, "FAIL", str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
 
     def interrupted(self) -> None:
@@ -313,3 +313,12 @@ def _state(name: str) -> Any:
     from optuna.trial import TrialState
 
     return TrialState[name]
+
+
+def _clipped(error: str, limit: int = 2000) -> str:
+    """An error short enough for the study's storage, keeping its head and its tail (a traceback's cause is last)."""
+    if len(error) <= limit:
+        return error
+    head = limit // 4
+    return error[:head] + "\n...\n" + error[-(limit - head - 5):]
+
