@@ -19,10 +19,11 @@ from ..runner import (
     check_timeouts,
     plan_for,
 )
-from ..trainer import EarlyStopping, losses, pipeline, tensor_parallel
+from ..trainer import EarlyStopping, losses, pipeline, pretrained, tensor_parallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
 from ..trainer.lightning import is_lightning_module
+from ..trainer.stored import StoredWeightsError
 from . import tracking
 from .config import EstimatorConfig
 from .params import OBJECT_PARAMS, param_values
@@ -80,24 +81,38 @@ def decide(config: EstimatorConfig, df) -> FitDecisions:
 
 def model_shape(config: EstimatorConfig) -> torch.nn.Module:
     """The model Param as a module: itself, or what its factory builds under the meta device
-    (no memory, no RNG), which every check before the Spark job looks at."""
-    model = config.model
+    (no memory, no RNG; its from_pretrained calls read the config only), which every check before
+    the Spark job looks at; stored values are checked against it by name and shape (headers only)."""
+    model = config.model_or_factory
     if isinstance(model, torch.nn.Module):
-        return model
-    if not callable(model):
-        raise ConfigurationError(f"model must be a torch.nn.Module or a zero-argument factory returning one, got "
-                                 f"{type(model).__name__}: pass model=<your nn.Module> or model=lambda: MyNet()")
+        stored = pretrained.stored_model(model, config.initial_weights, config.storage_options)
+    elif not callable(model):
+        raise ConfigurationError(f"model must be a torch.nn.Module, a zero-argument factory returning one or a "
+                                 f"Hugging Face checkpoint directory, got {type(model).__name__}: pass "
+                                 "model=<your nn.Module> or model=lambda: MyNet()")
+    else:
+        stored = _empty_model(config, model)
     try:
-        with torch.device("meta"):
-            built = model()
+        if stored is not None:
+            pretrained.matches(stored)
+    except StoredWeightsError as exc:
+        raise ConfigurationError(str(exc)) from None
+    built = stored.module if stored is not None else model
+    if not isinstance(built, torch.nn.Module):
+        raise ConfigurationError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+    return built
+
+
+def _empty_model(config: EstimatorConfig, factory: Any) -> pretrained.StoredModel:
+    try:
+        return pretrained.empty_model(factory, config.initial_weights, config.storage_options)
+    except StoredWeightsError as exc:
+        raise ConfigurationError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - the user's factory: say how to fix it
         raise ConfigurationError(
             f"the model factory fails under torch.device('meta') ({type(exc).__name__}: {exc}); build only the "
             "modules in it and initialize their values in initFn=lambda module: ..., which runs at full size "
             "after sharding") from exc
-    if not isinstance(built, torch.nn.Module):
-        raise ConfigurationError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
-    return built
 
 
 def plan_launch(config: EstimatorConfig, spark, num_proc: Optional[int]) -> LaunchPlan:

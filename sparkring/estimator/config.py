@@ -21,6 +21,7 @@ from ..trainer.config import (
     Sharding,
     Strategy,
 )
+from ..trainer.pretrained import HuggingFaceDirectory
 from .text_inference import InferenceMode
 from .tracking import MlflowLogging
 
@@ -41,6 +42,7 @@ class EstimatorConfig:
 
     # what trains
     model: Any = None
+    initial_weights: Optional[str] = None
     optimizer: Any = None
     loss: Any = None
     metrics: Any = None
@@ -125,6 +127,19 @@ class EstimatorConfig:
     shared_memory: bool = True
     loss_weights: Optional[List[float]] = None
     mlflow_logging: MlflowLogging = "auto"
+
+    @property
+    def model_or_factory(self) -> Any:
+        """The model Param as the ranks build it: a checkpoint directory's path becomes its
+        from_pretrained factory (HuggingFaceDirectory), read with the Store's storage options."""
+        if not isinstance(self.model, str):
+            return self.model
+        return HuggingFaceDirectory(self.model, self.storage_options)
+
+    @property
+    def storage_options(self) -> Dict[str, Any]:
+        """The Store's storage options (an object store's endpoint and credentials), for weights behind URLs."""
+        return dict(getattr(self.store, "storage_options", None) or {})
 
     @property
     def feature_columns(self) -> List[str]:

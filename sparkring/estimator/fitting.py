@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import cloudpickle
 import torch
@@ -18,7 +18,7 @@ import torch
 from ..data import Dataset, prepare
 from ..data.text import Encoder, mean_tokens, tokenize
 from ..runner import to_bytes
-from ..trainer import is_factory
+from ..trainer import is_factory, pretrained
 from ..trainer.events import TrainingEvent, from_payload
 from . import checks, text, tracking
 from .config import EstimatorConfig
@@ -147,8 +147,7 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
         result = launch_fit(context.spark, config, cfg, decided=decided, on_event=on_event, say=progress.note)
     finally:
         progress.close()
-    trained = fresh_module(config)
-    trained.load_state_dict(result.state_dict)
+    trained = fresh_module(config, result.state_dict)
     model = SparkRingModel()
     model._set_config(config)
     model._set(model=trained, runId=context.run_id, store=decided.store, optimizer=None)
@@ -159,16 +158,24 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
     return model
 
 
-def fresh_module(config: EstimatorConfig) -> torch.nn.Module:
-    """A CPU module to load the trained weights into: the factory's build, or a copy made
-    through the bytes the ranks got (a model on the driver's GPU is not copied on the GPU first).
+def fresh_module(config: EstimatorConfig, values: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A CPU module holding the trained ``values``: the factory's build (empty where its values
+    lie on storage: nothing is read from there), or a copy made through the bytes the ranks got (a
+    model on the driver's GPU is not copied on the GPU first).
 
-    >>> fresh_module(est.config()).load_state_dict(state)  # doctest: +SKIP
+    >>> fresh_module(est.config(), result.state_dict)  # doctest: +SKIP
     """
-    if is_factory(config.model):
+    model = config.model_or_factory
+    if is_factory(model):
+        stored = pretrained.stored_model(model, None, config.storage_options)
+        if stored is not None:
+            return pretrained.materialized(stored, torch.device("cpu"), config.seed, values=values)
         torch.manual_seed(config.seed)
-        return config.model()
-    return cloudpickle.loads(to_bytes(config.model))
+        module = model()
+    else:
+        module = cloudpickle.loads(to_bytes(model))
+    module.load_state_dict(values)
+    return module
 
 
 def _delete_quietly(ds: Dataset) -> None:

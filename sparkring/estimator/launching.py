@@ -55,6 +55,7 @@ def train_config(config: EstimatorConfig, decided: FitDecisions, ds, run_id: str
     parallel = config.model_parallel
     train_steps, val_steps = steps_per_epoch(config, ds, parallel.data_size(num_proc))
     as_is = {spec.field: getattr(config, spec.attr) for spec in PARAMS if spec.field is not None}
+    as_is["model"] = config.model_or_factory
     return TrainConfig(
         **as_is, losses=config.losses, metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
         spec=ds.spec, loss_weights=config.loss_weights or [1.0] * len(labels),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasLabelCol, HasPredictionCol, HasProbabilityCol, HasRawPredictionCol, HasSeed
@@ -17,6 +17,21 @@ from ..runner.driver.plan import BACKENDS
 from ..trainer.activation import MODES as ACTIVATION_MODES
 from ..trainer.config import COMPRESSIONS, LR_SCALINGS, ON_NON_FINITE, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES
 from .config import TASKS, EstimatorConfig
+from .param_converters import (
+    identity,
+    to_columns,
+    to_compile,
+    to_input_shapes,
+    to_loss_weights,
+    to_model_inputs,
+    to_names,
+    to_optional_float,
+    to_optional_int,
+    to_optional_names,
+    to_optional_string,
+    to_resource_profile,
+    to_validation,
+)
 from .text_inference import MODES as INFERENCE_MODES
 from .tracking import MODES as MLFLOW_MODES
 
@@ -30,91 +45,6 @@ def _one_of(choices: Tuple[Any, ...]) -> str:
     return " | ".join(map(repr, choices))
 
 
-def _identity(value: Any) -> Any:
-    return value
-
-
-def _names_converter(what: str):
-    """A converter to one column name or a non-empty list of them; ``what`` says what the list means."""
-    def convert(value: Any) -> Union[str, List[str]]:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-            return list(value)
-        raise TypeError(f"{what}: give a column name or a non-empty list of names, got {value!r}")
-    return convert
-
-
-_to_columns = _names_converter("featuresCol")
-_to_names = _names_converter("labelCol/predictionCol (one name per model head)")
-
-
-def _to_model_inputs(value: Any):
-    if value is None or isinstance(value, dict):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [v if isinstance(v, str) else list(v) for v in value]
-    raise TypeError(f"modelInputs must be a list of columns (or column lists) or a dict name -> column(s), "
-                    f"got {value!r}")
-
-
-def _to_input_shapes(value: Any):
-    if value is None or isinstance(value, dict):
-        return None if value is None else {k: list(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    raise TypeError(f"inputShapes must be a shape (list of ints) or a dict input name -> shape, got {value!r}")
-
-
-def _to_loss_weights(value: Any):
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return [TypeConverters.toFloat(v) for v in value]
-    raise TypeError(f"lossWeights must be a list of numbers, one per label, got {value!r}")
-
-
-def _to_validation(value: Any) -> Union[None, float, str]:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        raise TypeError("validation must be a fraction in (0, 1) or a boolean column name, not a bool")
-    return TypeConverters.toFloat(value)
-
-
-def _to_optional_int(value: Any):
-    return None if value is None else TypeConverters.toInt(value)
-
-
-def _to_optional_float(value: Any):
-    return None if value is None else TypeConverters.toFloat(value)
-
-
-def _to_optional_names(value: Any):
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return list(value)
-    raise TypeError(f"fsdpWrap and pipelineSplit take a list of names, e.g. ['TransformerEncoderLayer'] or "
-                    f"['layers.2'], got {value!r}")
-
-
-def _to_compile(value: Any):
-    if isinstance(value, bool) or isinstance(value, dict):
-        return value
-    raise TypeError(f"compile must be True/False or a dict of torch.compile options, got {value!r}")
-
-
-def _to_resource_profile(value: Any):
-    if value in ("auto", "off") or (not isinstance(value, str) and hasattr(value, "taskResources")):
-        return value
-    raise TypeError(f"resourceProfile must be 'auto', 'off' or a pyspark.resource.ResourceProfile, got {value!r}")
-
-
-def _to_optional_string(value: Any):
-    return None if value is None else TypeConverters.toString(value)
-
-
 @dataclass(frozen=True)
 class ParamSpec:
     """One Param of SparkRingEstimator, declared once: its Param, default, place in the
@@ -125,7 +55,7 @@ class ParamSpec:
     type: str                                 # as the signature and README show it
     default: Any
     doc: str
-    converter: Callable[[Any], Any] = _identity
+    converter: Callable[[Any], Any] = identity
     choices: Tuple[Optional[str], ...] = ()   # the allowed values of a string Param
     minimum: Optional[int] = None             # an int Param's least value (None also allowed if default is)
     is_object: bool = False                   # a Python object: persisted with cloudpickle, not JSON
@@ -139,9 +69,14 @@ class ParamSpec:
 
 
 PARAMS: Tuple[ParamSpec, ...] = (
-    ParamSpec("model", "torch.nn.Module | Callable[[], Module]", None,
-              "the torch.nn.Module (or LightningModule) to train, or a zero-argument factory every rank calls to build "
-              "it (under the meta device with a sharded strategy)", is_object=True, field="model"),
+    ParamSpec("model", "torch.nn.Module | Callable[[], Module] | str", None,
+              "the torch.nn.Module (or LightningModule) to train, a zero-argument factory every rank calls to build "
+              "it (under the meta device with a sharded strategy; its from_pretrained calls read each rank's share "
+              "from storage), or a Hugging Face checkpoint directory (a path or Store URL)", is_object=True,
+              field="model"),
+    ParamSpec("initialWeights", "str | None", None, "a safetensors file or directory, a DCP checkpoint directory or "
+              "a torch state-dict file (a path or Store URL) whose values every rank reads its share of into the "
+              "model built", to_optional_string, field="initial_weights"),
     ParamSpec("optimizer", "Optimizer | Callable[[params], Optimizer]", None,
               "a torch.optim.Optimizer over the model's parameters, or a factory params -> Optimizer", is_object=True,
               field="optimizer"),
@@ -152,24 +87,24 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "'accuracy' or callables (output, label) -> scalar (list or dict by name), averaged over ranks",
               is_object=True),
     ParamSpec("featuresCol", "str | list[str]", "features", "a vector/array column, or a list of numeric columns",
-              _to_columns),
+              to_columns),
     ParamSpec("labelCol", "str | list[str]", "label", "label column, or a list of them for a model with several heads",
-              _to_names),
+              to_names),
     ParamSpec("predictionCol", "str | list[str]", "prediction",
-              "prediction column, or one per head (a list as long as labelCol)", _to_names),
+              "prediction column, or one per head (a list as long as labelCol)", to_names),
     ParamSpec("probabilityCol", "str", "probability", "class probabilities column (classifiers)", shared=True),
     ParamSpec("rawPredictionCol", "str", "rawPrediction", "raw model output column (classifiers)", shared=True),
     ParamSpec("sampleWeightCol", "str | None", None, "column of per-row loss weights (optional)",
-              _to_optional_string),
+              to_optional_string),
     ParamSpec("modelInputs", "list | dict | None", None,
               "forward()'s arguments: a list of columns or column lists (positional) or a dict name -> column(s) "
-              "(keyword); default: featuresCol as one tensor", _to_model_inputs),
+              "(keyword); default: featuresCol as one tensor", to_model_inputs),
     ParamSpec("inputShapes", "list[int] | dict | None", None,
               "a row's shape per input (dict input name -> shape, or one shape for a single input), applied after "
-              "transformFn", _to_input_shapes),
+              "transformFn", to_input_shapes),
     ParamSpec("textCol", "str | None", None,
               "a string column of documents, tokenized on the executors with tokenizer (then task says what to "
-              "train; featuresCol, labelCol and loss follow from it)", _to_optional_string),
+              "train; featuresCol, labelCol and loss follow from it)", to_optional_string),
     ParamSpec("tokenizer", "tokenizers.Tokenizer | PreTrainedTokenizer | str | None", None,
               "textCol's tokenizer: a tokenizers.Tokenizer, a transformers tokenizer, or the local directory of one "
               "(never downloaded)", is_object=True),
@@ -182,7 +117,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "what a textCol fit trains: causal-lm (next-token prediction, labels are the shifted inputs, padding "
               "ignored), sequence-classification (labelCol's class per document, one unpacked document per row) or "
               "masked-lm (an encoder fills in 15% of each document's tokens, hidden by seed; one unpacked document "
-              "per row)", _to_optional_string, choices=(None,) + TASKS),
+              "per row)", to_optional_string, choices=(None,) + TASKS),
     ParamSpec("lora", "peft.LoraConfig | None", None,
               "a textCol fit trains only LoRA adapters on the model (peft): the base weights stay frozen and are not "
               "exchanged; the fitted model keeps the adapters", is_object=True),
@@ -190,7 +125,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "(a plain model, no peft needed to load it)", TypeConverters.toBoolean),
     ParamSpec("peakFlops", "float | None", None,
               "one rank's peak FLOP/s (e.g. 989e12 for an H100's bf16): a textCol fit's history then has mfu, "
-              "6 x parameters x tokens/s over it", _to_optional_float),
+              "6 x parameters x tokens/s over it", to_optional_float),
     ParamSpec("transformFn", "Callable[[dict], dict] | None", None,
               "transformFn(batch: dict) -> dict run on every batch before the model (e.g. decode image bytes); "
               "picklable", is_object=True, field="transform_fn"),
@@ -198,15 +133,15 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "the transformFn transform() uses (default: transformFn)", is_object=True),
     ParamSpec("readerWorkers", "int | None", None,
               "processes per rank that run transformFn ahead of the step (default: the cores per rank - 1, 1 to 4; "
-              "0 runs it inline)", _to_optional_int, minimum=0, field="reader_workers"),
+              "0 runs it inline)", to_optional_int, minimum=0, field="reader_workers"),
     ParamSpec("batchSize", "int", 32, "rows per rank per training step", TypeConverters.toInt, minimum=1,
               field="batch_size"),
-    ParamSpec("valBatchSize", "int | None", None, "rows per validation batch (default: batchSize)", _to_optional_int,
+    ParamSpec("valBatchSize", "int | None", None, "rows per validation batch (default: batchSize)", to_optional_int,
               minimum=1),
     ParamSpec("epochs", "int", 1, "passes over the training data", TypeConverters.toInt, minimum=1, field="epochs"),
-    ParamSpec("numProc", "int | None", None, "number of ranks (default: every task slot, or GPU)", _to_optional_int),
+    ParamSpec("numProc", "int | None", None, "number of ranks (default: every task slot, or GPU)", to_optional_int),
     ParamSpec("validation", "float | str | None", None, "fraction of rows held out, or a boolean column marking them",
-              _to_validation),
+              to_validation),
     ParamSpec("shuffle", "bool", True, "shuffle training rows every epoch", TypeConverters.toBoolean, field="shuffle"),
     ParamSpec("seed", "int", 0, "seed of the shuffle, the validation split and the model's initial weights",
               shared=True, field="seed"),
@@ -216,11 +151,11 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("useGpu", "bool | None", None, "train on GPUs (default: when Spark schedules GPUs)"),
     ParamSpec("ranksPerTask", "int | None", None,
               "ranks each Spark task runs, one per GPU where it holds several (default: the task's whole GPUs, else "
-              "1); numProc counts ranks", _to_optional_int, minimum=1),
+              "1); numProc counts ranks", to_optional_int, minimum=1),
     ParamSpec("resourceProfile", "str | ResourceProfile", "auto",
               "the training stage's own task resources (stage-level scheduling): auto (asks for ranksPerTask GPUs "
               "per task where spark.task.resource.gpu.amount is less), off, or a pyspark ResourceProfile",
-              _to_resource_profile, is_object=True),
+              to_resource_profile, is_object=True),
     ParamSpec("store", "Store | str | None", None,
               "sparkring.Store for data, checkpoints, logs (default: a temporary local one)", is_object=True),
     ParamSpec("runId", "str | None", None, "name of the run in the store; fitting again with the same runId resumes"),
@@ -229,7 +164,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "optimizer state sharded across the ranks) | hsdp (sharded within each host, replicated across hosts)",
               TypeConverters.toString, choices=STRATEGIES),
     ParamSpec("fsdpWrap", "list[str] | None", None, "module class names sharded as units (default: every layer of "
-              "the model's top-level children that holds parameters)", _to_optional_names),
+              "the model's top-level children that holds parameters)", to_optional_names),
     ParamSpec("initFn", "Callable[[Module], None] | None", None, "initializes each module that holds parameters, at "
               "full size, after a factory-built model is sharded (default: its reset_parameters())", is_object=True),
     ParamSpec("cpuOffload", "bool", False, "with a sharded strategy, keep each rank's shards of parameters, "
@@ -251,12 +186,12 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "(pipelineParallel x tensorParallel) pipelines in all", TypeConverters.toInt, minimum=1),
     ParamSpec("pipelineSplit", "list[str] | None", None, "module names where stages 1, 2, ... begin: top-level "
               "children of an nn.Sequential (e.g. ['4']), or any module of another model (e.g. ['layers.2'], cut by "
-              "torch's tracer); default: blocks balanced by parameter count", _to_optional_names),
+              "torch's tracer); default: blocks balanced by parameter count", to_optional_names),
     ParamSpec("pipelineSchedule", _one_of(PIPELINE_SCHEDULES), "1f1b",
               "gpipe | 1f1b | interleaved-1f1b (two stages per rank): torch's "
               "pipeline schedules", TypeConverters.toString, choices=PIPELINE_SCHEDULES),
     ParamSpec("microbatches", "int | None", None, "microbatches per step with pipelineParallel > 1; must divide "
-              "batchSize (default: pipelineParallel)", _to_optional_int, minimum=1),
+              "batchSize (default: pipelineParallel)", to_optional_int, minimum=1),
     ParamSpec("activationCheckpointing", _one_of(ACTIVATION_MODES), "none",
               "none | full (recompute every block's activations in "
               "backward instead of keeping them) | selective (every other block); blocks are fsdpWrap's units "
@@ -264,13 +199,13 @@ PARAMS: Tuple[ParamSpec, ...] = (
               TypeConverters.toString, choices=ACTIVATION_MODES),
     ParamSpec("gradientClipNorm", "float | None", None, "clip the gradients' global 2-norm to this before each step "
               "(the norm over every rank's part: tensor-parallel slices, fsdp shards, pipeline stages; after "
-              "16-mixed's unscaling)", _to_optional_float, field="gradient_clip_norm"),
+              "16-mixed's unscaling)", to_optional_float, field="gradient_clip_norm"),
     ParamSpec("backwardPassesPerStep", "int", 1, "batches whose gradients add up before a step",
               TypeConverters.toInt, minimum=1, field="backward_passes_per_step"),
     ParamSpec("compile", "bool | dict", False, "torch.compile each rank's module (True, or a dict of torch.compile "
               "options, e.g. {'mode': 'max-autotune'}); the fitted model holds the module itself, not the compiled "
               "wrapper; the first (compiling) step's seconds go to the first epoch's first_step_seconds",
-              _to_compile),
+              to_compile),
     ParamSpec("gradientCompression", _one_of(COMPRESSIONS), "none",
               "none | fp16 | bf16: how gradients travel in the allreduce",
               TypeConverters.toString, choices=COMPRESSIONS, field="compression"),
@@ -284,10 +219,10 @@ PARAMS: Tuple[ParamSpec, ...] = (
               TypeConverters.toString, choices=LR_SCALINGS, field="lr_scaling"),
     ParamSpec("warmupEpochs", "float", 0.0, "epochs to ramp lr up to its scaled value", TypeConverters.toFloat,
               field="warmup_epochs"),
-    ParamSpec("trainStepsPerEpoch", "int | None", None, "steps per epoch (default: one pass)", _to_optional_int,
+    ParamSpec("trainStepsPerEpoch", "int | None", None, "steps per epoch (default: one pass)", to_optional_int,
               minimum=1),
     ParamSpec("validationStepsPerEpoch", "int | None", None, "validation batches per epoch (default: all)",
-              _to_optional_int, minimum=1),
+              to_optional_int, minimum=1),
     ParamSpec("callbacks", "list | None", None, "objects with on_train_begin/on_epoch_end/on_train_end, or callables "
               "(epoch, logs); they run on rank 0", is_object=True),
     ParamSpec("earlyStopping", "int | dict | None", None,
@@ -319,15 +254,15 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("timeout", "float | None", None, "seconds before a rank is considered hung (default: none)"),
     ParamSpec("timeline", "str | None", None, "write a Chrome-trace JSON of every rank's spans (start-up, data wait, "
               "forward, backward, each gradient allreduce with its bytes, optimizer step, checkpoint, validation) "
-              "to this path on the driver; open it in Perfetto or chrome://tracing", _to_optional_string),
+              "to this path on the driver; open it in Perfetto or chrome://tracing", to_optional_string),
     ParamSpec("startTimeout", "float", 120.0, "seconds the ranks have to start (and an elastic fit that lost ranks "
               "waits for minProc slots; with at least minProc it goes on at once)", TypeConverters.toFloat),
     ParamSpec("minProc", "int | None", None, "elastic fit: when ranks are lost, go on with as few as this many "
               "(default: numProc, no shrinking); batches stay batchSize x numProc rows, so the result does not "
-              "depend on how many ranks trained", _to_optional_int, minimum=1),
+              "depend on how many ranks trained", to_optional_int, minimum=1),
     ParamSpec("checkpointEvery", "int | None", None, "elastic fit: also checkpoint every this many steps inside "
               "an epoch (default: at the end of each epoch only); a resumed run goes on at the next step",
-              _to_optional_int, minimum=1),
+              to_optional_int, minimum=1),
     ParamSpec("maxRestarts", "int", 3, "elastic fit: launches after the first one when ranks are lost",
               TypeConverters.toInt, minimum=0),
     ParamSpec("streamLogs", "bool", True, "stream progress and rank output live to the driver; False (or executors "
@@ -335,7 +270,7 @@ PARAMS: Tuple[ParamSpec, ...] = (
     ParamSpec("sharedMemory", "bool", True, "CPU gradient allreduce between ranks of one host through shared memory "
               "(/dev/shm); False sends it through gloo", TypeConverters.toBoolean),
     ParamSpec("lossWeights", "list[float] | None", None, "weight of each head's loss in the total (default: 1 each)",
-              _to_loss_weights),
+              to_loss_weights),
     ParamSpec("mlflowLogging", _one_of(MLFLOW_MODES), "auto",
               "auto (log the fit into the active MLflow run, if any) | on (also start "
               "a run when none is active) | off", TypeConverters.toString, choices=MLFLOW_MODES),

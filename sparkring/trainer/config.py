@@ -167,6 +167,7 @@ class TrainConfig:
     precision: Precision = "32"
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
+    initial_weights: Optional[str] = None     # stored values every rank reads its share of (trainer.pretrained)
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order the step sums them."""

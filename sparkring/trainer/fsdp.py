@@ -3,11 +3,8 @@ sharded by the wrap policy over the ring's DeviceMesh, each rank materializing o
 shards, checkpoints through torch.distributed.checkpoint (DCP, which reshards on load, so a
 run resumes at another numProc), and the full state gathered to rank 0 at the end.
 
-Initial weights: FSDP2 leaves a meta-built model's values to the caller, and DTensor's random
-ops draw per shard on CPU. So each module that holds parameters is initialized on its own at
-full size (its ``reset_parameters()`` or the user's ``initFn``), in module order from the seed,
-and every rank keeps its slice: at most one module is ever whole in memory, and the same seed
-gives the weights ``torch.manual_seed(seed); factory()`` gives, at any numProc."""
+Initial weights: FSDP2 leaves a meta-built model's values to the caller; trainer.initialize gives
+them module by module, and trainer.pretrained reads what lies on storage into each rank's shards."""
 from __future__ import annotations
 
 import io
@@ -18,10 +15,12 @@ import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints
+from . import checkpoints, pretrained
 from .activation import blocks, checkpoint_activations
 from .checkpoints import FILE, SHARDED, TRAINER_STATE, CheckpointName
 from .config import Sharding, is_factory
+from .initialize import initialize_modules
+from .pretrained import StoredModel
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +42,32 @@ def device_mesh(strategy: str):
 
 
 def build_sharded(model: Any, sharding: Sharding, device: torch.device, seed: int, mesh: Any = None,
-                  split: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None) -> torch.nn.Module:
+                  split: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None,
+                  stored: Optional[StoredModel] = None) -> torch.nn.Module:
     """The rank's model sharded over ``mesh`` (default: the strategy's), with only its own shards
-    materialized (a factory's built under the meta device and initialized module by module; a
-    module's values are every rank's). ``split`` (tensor parallelism) runs first, then activation
-    checkpointing, then FSDP2, as torchtitan orders them."""
+    materialized (a factory's built under the meta device and initialized module by module, then
+    what lies on storage read into them: ``stored``; a module's values are every rank's). ``split``
+    (tensor parallelism) runs first, then activation checkpointing, then FSDP2, as torchtitan orders them."""
     mesh = device_mesh(sharding.strategy) if mesh is None else mesh
-    if is_factory(model):
-        with torch.device("meta"):
-            module = model()
+    if stored is not None and stored.empty or stored is None and is_factory(model):
+        if stored is not None:
+            module, filled = stored.module, pretrained.covered_names(stored)
+        else:
+            with torch.device("meta"):
+                module, filled = model(), set()
         module = shard(split(module) if split is not None else module, sharding, mesh, split is None)
         # offloaded shards live in host memory: FSDP2 copies each to the device when it gathers it
         module.to_empty(device=torch.device("cpu") if sharding.cpu_offload else device)
-        _initialize(module, seed, sharding.init_fn)
+        initialize_modules(module, seed, pretrained.initializer(module, sharding.init_fn), skip=filled)
+        if stored is not None:
+            pretrained.fill(stored, module)
         return module
-    module = model.to(device)  # every rank holds the driver's values: rank 0's are the initial weights
-    return shard(split(module) if split is not None else module, sharding, mesh, split is None)
+    # every rank holds the driver's values: rank 0's are the initial weights
+    module = (stored.module if stored is not None else model).to(device)
+    module = shard(split(module) if split is not None else module, sharding, mesh, split is None)
+    if stored is not None:
+        pretrained.fill(stored, module)
+    return module
 
 
 def shard(module: torch.nn.Module, sharding: Sharding, mesh: Any, whole_ring: bool) -> torch.nn.Module:
@@ -79,46 +88,6 @@ def shard(module: torch.nn.Module, sharding: Sharding, mesh: Any, whole_ring: bo
 
         use_shared_memory(module)  # ranks of one host exchange shards through shared memory, not loopback TCP
     return module
-
-
-def _initialize(model: torch.nn.Module, seed: int, init_fn: Optional[Callable[[torch.nn.Module], None]]) -> None:
-    """Give every module its initial values, one module at a time at full size, then keep this
-    rank's slice of each sharded parameter."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    torch.manual_seed(seed)
-    for name, module in model.named_modules():
-        own = dict(module.named_parameters(recurse=False))
-        if not own and not any(True for _ in module.buffers(recurse=False)):
-            continue
-        reset = init_fn or getattr(module, "reset_parameters", None)
-        if reset is None:
-            raise ValueError(f"module {name or '<root>'} ({type(module).__name__}) has parameters or buffers but no "
-                             "reset_parameters() to initialize them after sharding; pass initFn=lambda module: ... "
-                             "(called for every module that holds parameters)")
-        full = {n: torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device
-                                                  if isinstance(p, DTensor) else p.device), requires_grad=False)
-                for n, p in own.items()}
-        for n, f in full.items():
-            module._parameters[n] = f
-        try:
-            with torch.no_grad():
-                if init_fn is not None:
-                    init_fn(module)
-                else:
-                    module.reset_parameters()
-        finally:
-            for n, p in own.items():
-                module._parameters[n] = p
-        with torch.no_grad():
-            for n, p in own.items():
-                value = full[n].detach()
-                if isinstance(p, DTensor):
-                    # every rank computed the same full value: each keeps its slice, no transfer
-                    p.to_local().copy_(distribute_tensor(value, p.device_mesh, p.placements,
-                                                         src_data_rank=None).to_local())
-                else:
-                    p.copy_(value)
 
 
 def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from sparkring.collective.timeline import process_started_us, recorder
 from sparkring.errors import NonFiniteLossError
 from sparkring.runner import report
 
-from . import checkpoints, comm_spans
+from . import checkpoints, comm_spans, pretrained
 from .activation import without_kv_cache
 from .batches import pinned, run_batches
 from .config import TrainConfig, default_reader_workers
@@ -97,7 +97,9 @@ class Trainer:
         self.rank, self.size = sr.rank(), sr.size()
         self.device = sr.rank_device(cfg.use_gpu)
         self.placement = placement_for(cfg)
-        self.model = self.placement.build(cfg.model, self.device, cfg.seed)
+        # a model whose values lie on storage is built empty: the placement reads this rank's share
+        stored = pretrained.stored_model(cfg.model, cfg.initial_weights, cfg.store.storage_options)
+        self.model = self.placement.build(stored or cfg.model, self.device, cfg.seed)
         without_kv_cache(self.model)
         # the rows' shares: ranks holding slices of one model (a tensor-parallel group) read the same rows
         self.data_rank, self.data_size = self.placement.data_rank(), self.placement.data_size()

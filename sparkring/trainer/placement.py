@@ -12,17 +12,18 @@ import functools
 import io
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints, comm_spans, fsdp, gradients, pipeline, tensor_parallel
+from . import checkpoints, comm_spans, fsdp, gradients, pipeline, pretrained, tensor_parallel
 from .activation import checkpoint_activations
 from .batches import run_batches
 from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
 from .config import Compression, ModelOrFactory, ModelParallel, Sharding, TrainConfig, is_factory
+from .pretrained import StoredModel
 from .state import TrainerState
 from .step import PlainStep, Step
 
@@ -85,7 +86,7 @@ class Placement:
         self.config = config
         self.store, self.run_id, self.sharding = config.store, config.run_id, config.sharding
 
-    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+    def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         """This rank's model (or its part of it), on ``device``."""
         raise NotImplementedError
 
@@ -145,17 +146,28 @@ class Placement:
         return sr.size()
 
 
-def whole_model(model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
-    """The whole model on ``device``: a factory's built from ``seed`` (the same on every rank).
+def whole_model(model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int,
+                init_fn: Optional[Callable[[torch.nn.Module], None]] = None) -> torch.nn.Module:
+    """The whole model on ``device``: a factory's built from ``seed`` (the same on every rank), a
+    stored model's read from storage (what the storage lacks initialized from ``seed``).
 
     >>> whole_model(lambda: torch.nn.Linear(2, 1), torch.device("cpu"), seed=0).weight.shape
     torch.Size([1, 2])
     """
+    if isinstance(model, StoredModel):
+        return pretrained.materialized(model, device, seed, init_fn)
     if is_factory(model):
         torch.manual_seed(seed)
         return model().to(device)  # type: ignore[operator]
     assert isinstance(model, torch.nn.Module)
     return model.to(device)
+
+
+def _sharded(model: Union[ModelOrFactory, StoredModel], sharding: Sharding, device: torch.device, seed: int,
+             **kwargs: Any) -> torch.nn.Module:
+    stored = model if isinstance(model, StoredModel) else None
+    return fsdp.build_sharded(stored.module if stored is not None else model, sharding, device, seed,
+                              stored=stored, **kwargs)
 
 
 def scaled_update(opt: Any, scaler: torch.amp.GradScaler, clip: Callable[[], None] = lambda: None) -> int:
@@ -179,8 +191,8 @@ class Replicated(Placement):
     """Every rank holds the whole model; DistributedOptimizer allreduces the gradients in
     buckets; rank 0 writes a checkpoint as one file and keeps the fitted state."""
 
-    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
-        module = whole_model(model, device, seed)
+    def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
+        module = whole_model(model, device, seed, self.sharding.init_fn)
         checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
         return module
 
@@ -261,8 +273,8 @@ class Sharded(Placement):
         super().__init__(config)
         self.checkpointer: Optional[fsdp.Checkpointer] = None
 
-    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
-        module = fsdp.build_sharded(model, self.sharding, device, seed)
+    def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
+        module = _sharded(model, self.sharding, device, seed)
         # an asynchronous checkpointer makes a process group of its own: every rank, after the mesh's
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return module
@@ -307,7 +319,7 @@ class TensorParallel(Sharded):
         self.parallel = config.parallel
         self.mesh: Any = None
 
-    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+    def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         self.mesh = sr.device_mesh(tp=self.parallel.tensor_parallel)
         tp_mesh = self.mesh["tp"]
 
@@ -315,9 +327,9 @@ class TensorParallel(Sharded):
             return tensor_parallel.parallelize(module, self.parallel.plan, tp_mesh)
 
         if self.sharding.sharded:
-            module = fsdp.build_sharded(model, self.sharding, device, seed, mesh=self.mesh["dp"], split=split)
+            module = _sharded(model, self.sharding, device, seed, mesh=self.mesh["dp"], split=split)
         else:
-            module = split(whole_model(model, device, seed))
+            module = split(whole_model(model, device, seed, self.sharding.init_fn))
             checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return module
@@ -346,12 +358,12 @@ class Pipelined(TensorParallel):
         self.stages: List[Any] = []
         self.indices: List[int] = []
 
-    def build(self, model: ModelOrFactory, device: torch.device, seed: int) -> torch.nn.Module:
+    def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         from torch.distributed.pipelining import PipelineStage
 
         p = self.parallel
         self.mesh = sr.device_mesh(tp=p.tensor_parallel, pp=p.pipeline_parallel)
-        whole = whole_model(model, device, seed)
+        whole = whole_model(model, device, seed, self.sharding.init_fn)
         split = list(p.pipeline_split) or pipeline.balanced_split(whole, p.stages, self.sharding.wrap)
         assert self.config.example is not None, "a pipeline needs PlacementConfig.example"
         example = self.config.example
