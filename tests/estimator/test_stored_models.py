@@ -57,3 +57,85 @@ def test_a_checkpoint_directory_is_a_model(spark, checkpoint, tokenizer, tmp_pat
     fitted = _estimator(str(path), tokenizer, Store(str(tmp_path / "store")), strategy="fsdp").fit(_text_df(spark))
     _assert_same(fitted, expected)
     assert type(fitted.getModel()).__name__ == "LlamaForCausalLM"
+
+
+def test_a_bf16_checkpoint_with_tied_embeddings_stays_bf16_and_tied_under_fsdp(spark, tokenizer, tmp_path):
+    path = tmp_path / "bf16"
+    expected = stored_fns.save_llama(path, tokenizer.get_vocab_size(), tied=True, dtype=torch.bfloat16)
+    fitted = _estimator(stored_fns.from_pretrained(path), tokenizer, Store(str(tmp_path / "store")),
+                        strategy="fsdp").fit(_text_df(spark))
+    _assert_same(fitted, expected)
+    model = fitted.getModel()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+
+
+def test_a_sharded_checkpoint_with_an_index_on_s3_is_read_by_every_rank(spark, s3, tokenizer, tmp_path):
+    import fsspec
+
+    local = tmp_path / "sharded"
+    expected = stored_fns.save_llama(local, tokenizer.get_vocab_size(), max_shard_size="60KB")
+    assert (local / "model.safetensors.index.json").exists()
+    store = s3.store("stored-models")
+    fs = fsspec.filesystem("s3", **s3.storage_options)
+    fs.put(str(local), "runs/checkpoints/sharded", recursive=True)
+    fitted = _estimator("s3://runs/checkpoints/sharded", tokenizer, store, strategy="fsdp").fit(_text_df(spark))
+    _assert_same(fitted, expected)
+
+
+@pytest.mark.parametrize("form,placement", [("safetensors", dict(pipelineParallel=2, pipelineSplit=["2"])),
+                                            ("safetensors-directory", {}), ("dcp", dict(strategy="fsdp")),
+                                            ("torch", {})], ids=["safetensors-pp2", "directory", "dcp-fsdp", "torch"])
+def test_initial_weights_fill_a_plain_factory_model_from_each_stored_form(spark, tmp_path, form, placement):
+    from est_helpers import classification_df
+
+    path, expected = stored_fns.save_mlp_weights(str(tmp_path / "weights"), form)
+    fitted = SparkRingEstimator(model=stored_fns.mlp_factory, optimizer=stored_fns.frozen, loss="cross_entropy",
+                                initialWeights=path, numProc=2, batchSize=16, epochs=1,
+                                store=Store(str(tmp_path / "store")), verbose=0, **placement,
+                                ).fit(classification_df(spark, n=96))
+    _assert_same(fitted, expected)
+
+
+def test_stored_weights_that_do_not_fit_are_refused_before_any_spark_job(spark, checkpoint, tokenizer, tmp_path):
+    from est_helpers import classification_df
+    from safetensors.torch import save_file
+
+    path, _ = checkpoint
+    store = Store(str(tmp_path / "store"))
+    df = classification_df(spark, n=32)
+    jobs = len(spark.sparkContext.statusTracker().getJobIdsForGroup())
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(ConfigurationError, match=r"no-config has no config.json"):
+        _estimator(str(tmp_path / "no-config"), tokenizer, store).fit(_text_df(spark))
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ConfigurationError, match=r"no-weights holds no weights"):
+        _estimator(str(tmp_path / "no-weights"), tokenizer, store).fit(_text_df(spark))
+    wrong = {k: torch.zeros(v.shape[::-1]) for k, v in stored_fns.mlp_factory().state_dict().items()}
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(ConfigurationError, match=r"wrong.safetensors: tensor '0.weight' is \[8, 16\], but the "
+                                                 r"model's '0.weight' is \[16, 8\]"):
+        SparkRingEstimator(model=stored_fns.mlp_factory, loss="cross_entropy", store=store, numProc=2,
+                           initialWeights=str(tmp_path / "wrong.safetensors")).fit(df)
+    save_file({"0.weight": torch.zeros(16, 8)}, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ConfigurationError, match=r"partial.safetensors lacks 3 of the model's tensors"):
+        SparkRingEstimator(model=stored_fns.mlp_factory, loss="cross_entropy", store=store, numProc=2,
+                           initialWeights=str(tmp_path / "partial.safetensors")).fit(df)
+    assert len(spark.sparkContext.statusTracker().getJobIdsForGroup()) == jobs
+
+
+def test_lora_on_a_from_pretrained_factory_starts_from_the_checkpoint_with_adapters_that_change_nothing(
+        spark, checkpoint, tokenizer, tmp_path):
+    from peft import LoraConfig
+
+    path, expected = checkpoint
+    fitted = _estimator(stored_fns.from_pretrained(path), tokenizer, Store(str(tmp_path / "store")), strategy="fsdp",
+                        lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).fit(_text_df(spark))
+    state = fitted.getModel().state_dict()
+    for name, value in expected.items():
+        wrapped = name.replace("q_proj.", "q_proj.base_layer.").replace("v_proj.", "v_proj.base_layer.")
+        torch.testing.assert_close(state["base_model.model." + wrapped], value, atol=0, rtol=0, msg=name)
+    b = [v for k, v in state.items() if "lora_B" in k]
+    assert b and all(not v.any() for v in b)  # peft's start: the adapted model is the checkpoint's
+    a = [v for k, v in state.items() if "lora_A" in k]
+    assert a and all(v.abs().sum() > 0 for v in a)

@@ -37,3 +37,39 @@ def from_pretrained(path):
 def frozen(params):
     """An optimizer that does not move the weights (lr=0): the fitted model is what was loaded."""
     return torch.optim.SGD(params, lr=0.0)
+
+
+def mlp_factory():
+    """A plain torch model's factory (initialWeights fills it)."""
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def save_mlp_weights(directory, form):
+    """mlp_factory's model with distinct values, saved as ``form`` (safetensors file or directory, DCP
+    directory, torch file); the path to give initialWeights and the values."""
+    import os
+
+    torch.manual_seed(11)
+    state = {k: torch.randn_like(v) for k, v in mlp_factory().state_dict().items()}
+    os.makedirs(directory, exist_ok=True)
+    if form == "safetensors":
+        from safetensors.torch import save_file
+
+        path = os.path.join(directory, "weights.safetensors")
+        save_file(state, path)
+    elif form == "safetensors-directory":
+        from safetensors.torch import save_file
+
+        path = directory
+        names = sorted(state)
+        save_file({k: state[k] for k in names[:2]}, os.path.join(path, "part-1.safetensors"))
+        save_file({k: state[k] for k in names[2:]}, os.path.join(path, "part-2.safetensors"))
+    elif form == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        path = os.path.join(directory, "dcp")
+        dcp.save({k: v.clone() for k, v in state.items()}, checkpoint_id=path, no_dist=True)
+    else:
+        path = os.path.join(directory, "weights.pt")
+        torch.save(state, path)
+    return path, state
