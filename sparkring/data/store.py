@@ -164,6 +164,16 @@ class Store:
     def model_path(self, run_id: str, *parts: str) -> str:
         return self.run_path(run_id, "model", *parts)
 
+    def url_of(self, path: str) -> str:
+        """The URL (or local path) of ``path`` in the store's filesystem, for readers outside the Store.
+
+        >>> Store("/tmp/s").url_of(Store("/tmp/s").model_path("r1"))
+        '/tmp/s/runs/r1/model'
+        """
+        if not path.startswith(self.root) or "://" not in self.url:
+            return path
+        return posixpath.join(self.url, path[len(self.root):].lstrip("/"))
+
     def local_path(self, path: str) -> Optional[str]:
         """The OS path of ``path`` when the store is on the local disk, else None."""
         return path if self.is_local else None

@@ -10,19 +10,15 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
-
-import cloudpickle
-import torch
+from typing import Any, Callable, List, Optional
 
 from ..data import Dataset, prepare
 from ..data.text import Encoder, mean_tokens, tokenize
-from ..runner import to_bytes
-from ..trainer import is_factory, pretrained
 from ..trainer.events import TrainingEvent, from_payload
 from . import checks, text, tracking
 from .config import EstimatorConfig
 from .console import Progress, SparkBarPause
+from .fitted import FittedWeights
 from .launching import launch_fit, train_config
 from .model import SparkRingModel
 from .params import param_values
@@ -147,35 +143,15 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
         result = launch_fit(context.spark, config, cfg, decided=decided, on_event=on_event, say=progress.note)
     finally:
         progress.close()
-    trained = fresh_module(config, result.state_dict)
     model = SparkRingModel()
     model._set_config(config)
-    model._set(model=trained, runId=context.run_id, store=decided.store, optimizer=None)
+    model._set(runId=context.run_id, store=decided.store, optimizer=None)
+    model.weights = FittedWeights(decided.store.url_of(result.weights), decided.store.storage_options)
     model.history = result.history
     model.featureSpec = ds.spec
     model.outputShapes = result.output_shapes
     model.phases = clock.phases()
     return model
-
-
-def fresh_module(config: EstimatorConfig, values: Dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A CPU module holding the trained ``values``: the factory's build (empty where its values
-    lie on storage: nothing is read from there), or a copy made through the bytes the ranks got (a
-    model on the driver's GPU is not copied on the GPU first).
-
-    >>> fresh_module(est.config(), result.state_dict)  # doctest: +SKIP
-    """
-    model = config.model_or_factory
-    if is_factory(model):
-        stored = pretrained.stored_model(model, None, config.storage_options)
-        if stored is not None:
-            return pretrained.materialized(stored, torch.device("cpu"), config.seed, values=values)
-        torch.manual_seed(config.seed)
-        module = model()
-    else:
-        module = cloudpickle.loads(to_bytes(model))
-    module.load_state_dict(values)
-    return module
 
 
 def _delete_quietly(ds: Dataset) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -17,11 +18,12 @@ from ..errors import ConfigurationError
 from ..runner.gpus import device_ordinal
 from ..trainer import losses
 from ..trainer.lightning import inference_call
+from .fitted import FittedWeights, stored_fit
 from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
 from .persistence import SparkRingReader, SparkRingWriter
 from .phases import FitPhases
-from .shipping import Shipments
+from .shipping import Shipments, weights_version
 from .text import merged
 from .text_inference import TextInference, TextPredictor
 
@@ -68,6 +70,15 @@ def _avoid_columnar_udf_input_with_udts(spark) -> None:
         pass
 
 
+class _Loaded:
+    """The module read from a fit's weights (and its weights' version then), shared by a model's copies."""
+
+    def __init__(self) -> None:
+        self.module: Optional[torch.nn.Module] = None
+        self.version: Any = None
+        self.lock = threading.Lock()
+
+
 class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     """The trained model: a pyspark.ml Model wrapping rank 0's torch module.
 
@@ -85,16 +96,43 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         self.featureSpec: Optional[FeatureSpec] = None
         self.outputShapes: Optional[List[List[int]]] = None
         self._shipments = Shipments()  # shared with copies: the same module ships once
+        # where a fit left the weights: the model Param is then the recipe that builds the module around them
+        self.weights: Optional[FittedWeights] = None
+        self._loaded = _Loaded()  # shared with copies: read from storage once
 
     def getModel(self) -> torch.nn.Module:
-        """The trained torch module (rank 0's weights, on CPU).
+        """The trained torch module (rank 0's weights, on CPU), read from the fit's Store on the
+        first call (the weights never pass through Spark or the driver until asked for).
 
         >>> net = model.getModel(); net(torch.randn(1, 64))  # doctest: +SKIP
         """
-        return self.getOrDefault(self.model)  # read often (transform, save): not the whole config
+        recipe = self.getOrDefault(self.model)  # read often (transform, save): not the whole config
+        if self.weights is None:
+            return recipe
+        with self._loaded.lock:
+            if self._loaded.module is None:
+                self._loaded.module = self.weights.load(recipe, torch.device("cpu")).eval()
+                self._loaded.version = weights_version(self._loaded.module)
+            return self._loaded.module
+
+    def _shippable(self) -> Any:
+        """What transform() ships: the recipe and the weights' place (each executor reads the Store
+        once), or the module itself where it was changed on the driver since it was read."""
+        loaded = self._loaded.module
+        if self.weights is not None and (loaded is None or weights_version(loaded) == self._loaded.version):
+            return stored_fit(self.getOrDefault(self.model), self.weights)
+        return self.getModel()
+
+    def _set(self, **kwargs: Any):
+        if "model" in kwargs:  # a module set anew: the fitted weights on storage are no longer its
+            self.weights, self._loaded = None, _Loaded()
+        return super()._set(**kwargs)
 
     def copy(self, extra=None):
+        weights, loaded = self.weights, self._loaded
         that = super().copy(extra)
+        if not any(getattr(p, "name", p) == "model" for p in (extra or {})):
+            that.weights, that._loaded = weights, loaded
         that.history = list(self.history)
         that.phases = self.phases
         that.featureSpec = self.featureSpec
@@ -183,7 +221,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
         recipe, encoder = self._text_inference(dataset)
         # the tokenizer travels with the weights, loaded once per Python worker, not in every task's closure
-        shipped = self._shipments.ship(dataset.sparkSession, self.getModel(), tokenizer=encoder)
+        shipped = self._shipments.ship(dataset.sparkSession, self._shippable(), tokenizer=encoder)
         use_gpu, batch = cfg.use_gpu, cfg.inference_batch_size
 
         def values(texts: pd.Series) -> List[Any]:
@@ -245,7 +283,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         spark = dataset.sparkSession
         if any(isinstance(f.dataType, VectorUDT) for f in dataset.schema.fields):
             _avoid_columnar_udf_input_with_udts(spark)
-        shipped = self._shipments.ship(spark, self.getModel())
+        shipped = self._shipments.ship(spark, self._shippable())
         use_gpu = cfg.use_gpu
 
         def forward(arrays: Sequence[pa.Array]) -> List[np.ndarray]:

@@ -16,13 +16,14 @@ import logging
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import cloudpickle
 import torch
 
 from ..data.text import Encoder
 from ..runner import to_bytes
+from .fitted import StoredFit
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class ShippedModel:
             model = _worker_models.get((self.key, str(device)))
             if model is None:
                 model = cloudpickle.loads(self.carrier.value)
+                if isinstance(model, StoredFit):  # read from the fit's Store, straight onto the device
+                    model = model.load(device)
                 model.eval()
                 model.to(device)
                 while len(_worker_models) >= 2:
@@ -120,17 +123,19 @@ class Shipments:
     """
 
     def __init__(self) -> None:
-        self._last: Optional[Tuple[Any, torch.nn.Module, Tuple, Any, ShippedModel]] = None
+        self._last: Optional[Tuple[Any, Any, Tuple, Any, ShippedModel]] = None
         self._lock = threading.Lock()
 
-    def ship(self, spark, model: torch.nn.Module, tokenizer: Any = None) -> ShippedModel:
+    def ship(self, spark, model: Union[torch.nn.Module, StoredFit], tokenizer: Any = None) -> ShippedModel:
         """The model's shipment for ``spark`` (with ``tokenizer``, any picklable object, where
-        given): the last one if the weights are unchanged and the tokenizer is the same."""
-        version = weights_version(model)
+        given): the last one if the weights are unchanged and the tokenizer is the same. A
+        StoredFit ships its recipe and the weights' place: each executor reads the Store."""
+        version = ("stored", model.weights.url) if isinstance(model, StoredFit) else weights_version(model)
         with self._lock:
             if self._last is not None:
                 last_spark, last_model, last_version, last_tokenizer, shipped = self._last
-                if (last_spark is spark and last_model is model and last_version == version
+                same_model = last_model is model or isinstance(model, StoredFit) and last_model == model
+                if (last_spark is spark and same_model and last_version == version
                         and _same_tokenizer(last_tokenizer, tokenizer)):
                     return shipped
             data = to_bytes(model)

@@ -57,7 +57,7 @@ def build_sharded(model: Any, sharding: Sharding, device: torch.device, seed: in
                 module, filled = model(), set()
         module = shard(split(module) if split is not None else module, sharding, mesh, split is None)
         # offloaded shards live in host memory: FSDP2 copies each to the device when it gathers it
-        module.to_empty(device=torch.device("cpu") if sharding.cpu_offload else device)
+        filled |= pretrained.to_empty(module, torch.device("cpu") if sharding.cpu_offload else device, tie=False)
         initialize_modules(module, seed, pretrained.initializer(module, sharding.init_fn), skip=filled)
         if stored is not None:
             pretrained.fill(stored, module)

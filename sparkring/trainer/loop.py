@@ -5,7 +5,6 @@ The loop says when; the placement (trainer.placement) and the step (trainer.step
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import random
@@ -33,6 +32,7 @@ from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
 from .measure import StepClock, state_bytes
 from .placement import placement_for
+from .saving import write_safetensors
 from .shared_rows import share_rows_on_host
 from .state import TrainerState
 from .step import Step
@@ -42,10 +42,11 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RankResult:
-    """What rank 0 hands back to the driver: the trained weights (on the CPU), the per-epoch
-    figures, and the output shape of each head (transform's columns)."""
+    """What rank 0 hands back to the driver: where the trained weights lie (a directory of the Store
+    holding safetensors: they never travel through Spark), the per-epoch figures, and the output
+    shape of each head (transform's columns)."""
 
-    state_dict: Dict[str, Any]
+    weights: Optional[str]
     history: List[Dict[str, Any]]
     output_shapes: Any
     paused: bool = False  # stopped at a checkpoint when the driver asked (an elastic fit resizes): no weights
@@ -386,7 +387,7 @@ class Trainer:
         self.placement.finish()
         if self.board is not None:
             self.board.close()
-        return RankResult(state_dict={}, history=self.history, output_shapes=None, paused=True) if self.rank == 0 \
+        return RankResult(weights=None, history=self.history, output_shapes=None, paused=True) if self.rank == 0 \
             else None
 
     def finish(self) -> Optional[RankResult]:
@@ -398,11 +399,7 @@ class Trainer:
         self.callbacks.call("on_train_end", self.history, self.model)
         if self.board is not None:
             self.board.close()
-        self.cfg.store.write_bytes(self.cfg.store.model_path(self.cfg.run_id, "state_dict.pt"), _to_bytes(state))
-        return RankResult(state_dict=state, history=self.history, output_shapes=self.step.output_shapes)
-
-
-def _to_bytes(state: Dict[str, Any]) -> bytes:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getvalue()
+        weights = self.cfg.store.model_path(self.cfg.run_id)
+        write_safetensors(self.cfg.store, weights, state)
+        del state
+        return RankResult(weights=weights, history=self.history, output_shapes=self.step.output_shapes)

@@ -11,16 +11,18 @@ placement fills them after it has sharded or split the model (``fill``)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
+import cloudpickle
 import torch
 
 from .config import is_factory
-from .initialize import WRAPPER_PARTS, initialize_modules, plain_name
+from .initialize import initialize_modules, plain_name
 from .stored import CONFIG, Location, StoredTensors, StoredWeightsError
 
 log = logging.getLogger(__name__)
@@ -28,15 +30,14 @@ log = logging.getLogger(__name__)
 # the patch is process-wide (a Tuner fits in threads): one factory at a time runs under it
 _PATCH_LOCK = threading.RLock()
 _local = threading.local()
-# peft's wrapped base layer is the checkpoint's layer itself
-_WRAPPER_PARTS = WRAPPER_PARTS + ("base_layer.",)
 
 
 @dataclass(frozen=True)
 class WeightsSource:
     """Where a part of a model's values lie: ``location``'s names start at module path ``prefix``;
-    ``strict``: every parameter there must be stored (initialWeights), else the missing are
-    initialized as ``from_pretrained`` does (a new classification head).
+    ``strict``: every parameter there must be stored (initialWeights, a fit's weights), else the
+    missing are initialized as ``from_pretrained`` does (a new classification head), and names are
+    a pretrained checkpoint's (peft's wrapped ``base_layer`` is the checkpoint's layer itself).
 
     >>> WeightsSource(Location("/models/llama"), prefix="base_model.model.").prefix
     'base_model.model.'
@@ -252,10 +253,8 @@ def stored_name(name: str, source: WeightsSource) -> Optional[str]:
     """
     if not name.startswith(source.prefix):
         return None
-    rest = name[len(source.prefix):]
-    for part in _WRAPPER_PARTS:
-        rest = rest.replace(part, "")
-    return rest
+    rest = plain_name(name[len(source.prefix):])
+    return rest if source.strict else rest.replace("base_layer.", "")
 
 
 def _entries(module: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
@@ -283,6 +282,8 @@ def matches(stored: StoredModel) -> List[Tuple[WeightsSource, Dict[str, torch.Te
                 continue
             _check_fits(info[key], key, name, tensor)
             found.setdefault(key, tensor)
+        tied, by_name = {id(t) for t in found.values()}, dict(entries)
+        missing = [name for name in missing if id(by_name[name]) not in tied]  # stored under a tied name
         _check_coverage(source, found, missing, sorted(info))
         out.append((source, found))
     return out
@@ -388,6 +389,20 @@ def initializer(module: torch.nn.Module, init_fn: Optional[Callable[[torch.nn.Mo
     return how
 
 
+def to_empty(module: torch.nn.Module, device: torch.device, tie: bool = True) -> Set[str]:
+    """Give ``module``'s meta tensors uninitialized storage on ``device`` (a whole model's ties made
+    again: not a sharded one's, whose units FSDP2 made), keeping the values of buffers that had some
+    (a skeleton's); the names of those kept."""
+    real = {n: b.detach().clone() for n, b in module.named_buffers() if not b.is_meta}
+    module.to_empty(device=device)
+    if tie:
+        retie(module)
+    with torch.no_grad():
+        for name, value in real.items():
+            module.get_buffer(name).copy_(value)
+    return {plain_name(n) for n in real}
+
+
 def materialized(stored: StoredModel, device: torch.device, seed: int = 0,
                  init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
                  values: Optional[Dict[str, torch.Tensor]] = None) -> torch.nn.Module:
@@ -400,8 +415,7 @@ def materialized(stored: StoredModel, device: torch.device, seed: int = 0,
     module = stored.module
     if stored.empty:
         filled = set(values) if values is not None else covered_names(stored)
-        module = module.to_empty(device=device)
-        retie(module)
+        filled |= to_empty(module, device)
         initialize_modules(module, seed, initializer(module, init_fn), skip=filled)
     else:
         module = module.to(device)
@@ -410,3 +424,36 @@ def materialized(stored: StoredModel, device: torch.device, seed: int = 0,
     else:
         fill(stored, module)
     return module
+
+
+def _meta_parameter(shape: Tuple[int, ...], dtype: torch.dtype, requires_grad: bool) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=requires_grad)
+
+
+class _SkeletonPickler(cloudpickle.Pickler):
+    """Pickles a module with its parameters as meta tensors (shape, dtype, requires_grad: no values)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.nn.Parameter):
+            return _meta_parameter, (tuple(obj.shape), obj.dtype, obj.requires_grad)
+        return super().reducer_override(obj)
+
+
+def skeleton_bytes(module: torch.nn.Module) -> bytes:
+    """``module`` pickled without its parameters' values (kilobytes whatever its size; buffers kept).
+
+    >>> len(skeleton_bytes(torch.nn.Linear(1000, 1000))) < 10_000
+    True
+    """
+    buf = io.BytesIO()
+    _SkeletonPickler(buf).dump(module)
+    return buf.getvalue()
+
+
+def skeleton(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose parameters are on the meta device (tied ones still tied).
+
+    >>> skeleton(torch.nn.Linear(2, 1)).weight.is_meta
+    True
+    """
+    return cloudpickle.loads(skeleton_bytes(module))

@@ -63,7 +63,7 @@ def test_fit_trains_a_classifier_and_transform_adds_spark_ml_columns(spark, stor
     with torch.no_grad():
         logits = net(torch.tensor([list(rows[0].features)], dtype=torch.float32))
     assert rows[0].prediction == float(logits.argmax())
-    assert os.path.exists(store.model_path(model.getOrDefault("runId"), "state_dict.pt"))
+    assert os.path.exists(store.model_path(model.getOrDefault("runId"), "model.safetensors"))
     assert not os.path.exists(store.data_path(model.getOrDefault("runId")))  # keepData=False
 
 

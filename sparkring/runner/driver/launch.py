@@ -274,7 +274,8 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     ranks_per_task=launch_plan.ranks_per_task, gang=launch_plan.gang)
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     stage = Stage(spark, spec, launch_plan, tag, start_timeout)
-    log.info("launching %d ranks (driver channel %s:%d)", num_proc, *channel.address)
+    log.info("launching %d ranks (a payload of %d bytes; driver channel %s:%d)", num_proc, len(payload),
+             *channel.address)
     stage.start()
     try:
         _watch(stage, channel, Watch(state, launch_plan, start_timeout, timeout, stage.started))

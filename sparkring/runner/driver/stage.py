@@ -49,7 +49,10 @@ class StageOutcome:
             if len(got) != totals.get(rank, -1):
                 raise SparkRingError(f"rank {rank}'s result came back incomplete "
                                      f"({len(got)} of {totals.get(rank)} chunks)")
-            results.append(cloudpickle.loads(b"".join(got[i] for i in range(len(got)))))
+            data = b"".join(got[i] for i in range(len(got)))
+            if data:
+                log.info("rank %d's result: %d bytes", rank, len(data))
+            results.append(cloudpickle.loads(data))
         return results
 
 
