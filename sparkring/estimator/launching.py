@@ -4,18 +4,24 @@ checkpointEvery ask for one), with a non-finite loss turned into TrainingError."
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Callable, List, Optional, Tuple
+
+import torch
 
 from ..collective import environment
 from ..collective.elastic import Relaunches
 from ..errors import NonFiniteLossError, RankFailedError, TrainingError
 from ..runner import ConfigurationError, ElasticLaunch, ElasticPolicy, LaunchPlan, launch, relaunch_until_done
-from ..trainer import RankResult, TrainConfig, train_rank
+from ..trainer import RankResult, TrainConfig, pretrained, train_rank
 from ..trainer.checkpoints import resume_point
 from ..trainer.elastic import stop_request
+from ..trainer.saving import write_safetensors
 from .checks import FitDecisions, elastic_plan, plan_launch
 from .config import EstimatorConfig
 from .params import PARAMS
+
+log = logging.getLogger(__name__)
 
 
 def steps_per_epoch(config: EstimatorConfig, ds, num_proc: int) -> Tuple[int, int]:
@@ -55,7 +61,7 @@ def train_config(config: EstimatorConfig, decided: FitDecisions, ds, run_id: str
     parallel = config.model_parallel
     train_steps, val_steps = steps_per_epoch(config, ds, parallel.data_size(num_proc))
     as_is = {spec.field: getattr(config, spec.attr) for spec in PARAMS if spec.field is not None}
-    as_is["model"] = config.model_or_factory
+    as_is["model"], as_is["initial_weights"] = _model_for_ranks(config, decided.store, run_id)
     return TrainConfig(
         **as_is, losses=config.losses, metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
         spec=ds.spec, loss_weights=config.loss_weights or [1.0] * len(labels),
@@ -65,6 +71,28 @@ def train_config(config: EstimatorConfig, decided: FitDecisions, ds, run_id: str
         skip_non_finite=config.on_non_finite == "skip_step", lightning=decided.lightning,
         sharding=config.sharding, parallel=parallel, compile=config.compile_options,
         elastic=elastic_plan(config, num_proc))
+
+
+# a model passed as an object above this size goes to the ranks through the Store, not in the task payload
+OBJECTS_THROUGH_STORE_BYTES = 256 * 2 ** 20
+
+
+def _model_for_ranks(config: EstimatorConfig, store, run_id: str) -> Tuple[Any, Optional[str]]:
+    """The model the ranks build and the initial weights they read: a large module object is written
+    to the run's folder once and travels as its skeleton (its parameters without values)."""
+    model = config.model_or_factory
+    if not isinstance(model, torch.nn.Module):
+        return model, config.initial_weights
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    if size <= OBJECTS_THROUGH_STORE_BYTES:
+        return model, config.initial_weights
+    initial = config.initial_weights
+    if initial is None:
+        directory = store.run_path(run_id, "initial-model")
+        write_safetensors(store, directory, model.state_dict())
+        initial = store.url_of(directory)
+        log.info("the model (%d MB) goes to the ranks through %s", size // 2 ** 20, initial)
+    return pretrained.skeleton(model), initial
 
 
 class _FitPolicy(ElasticPolicy):

@@ -139,3 +139,49 @@ def test_lora_on_a_from_pretrained_factory_starts_from_the_checkpoint_with_adapt
     assert b and all(not v.any() for v in b)  # peft's start: the adapted model is the checkpoint's
     a = [v for k, v in state.items() if "lora_A" in k]
     assert a and all(v.abs().sum() > 0 for v in a)
+
+
+def _sizes(text, pattern):
+    import re
+
+    return [int(n) for n in re.findall(pattern, text)]
+
+
+def test_a_model_of_tens_of_millions_of_parameters_never_travels_through_spark(spark, tmp_path, caplog):
+    import logging
+
+    from est_helpers import classification_df
+    from safetensors.torch import save_file
+
+    caplog.set_level(logging.INFO, logger="sparkring")
+    store = Store(str(tmp_path / "store"))
+    df = classification_df(spark, n=64)
+    fitted = SparkRingEstimator(model=stored_fns.wide_mlp_factory, optimizer=stored_fns.frozen, loss="cross_entropy",
+                                numProc=2, batchSize=16, epochs=1, store=store, verbose=0, runId="wide").fit(df)
+    model_bytes = sum(p.numel() * 4 for p in stored_fns.wide_mlp_factory().parameters())
+    payloads, results = _sizes(caplog.text, r"a payload of (\d+) bytes"), _sizes(caplog.text, r"result: (\d+) bytes")
+    assert payloads and results and max(payloads + results) < 100_000 < model_bytes // 500
+    # the weights are read from the Store when asked for: getModel() on the driver, transform() on the executors
+    replaced = {k: torch.full_like(v, 0.01) for k, v in stored_fns.wide_mlp_factory().state_dict().items()}
+    save_file(replaced, store.model_path("wide", "model.safetensors"))
+    scored = fitted.transform(df).select("probability").head()
+    assert scored.probability.toArray().tolist() == pytest.approx([1 / 3] * 3)  # equal weights: equal classes
+    torch.testing.assert_close(fitted.getModel()[0].weight, replaced["0.weight"])
+
+
+def test_a_large_model_object_reaches_the_ranks_through_the_store(spark, tmp_path, caplog, monkeypatch):
+    import logging
+
+    from est_helpers import classification_df
+
+    import sparkring.estimator.launching as launching
+
+    monkeypatch.setattr(launching, "OBJECTS_THROUGH_STORE_BYTES", 1024)  # the tiny model counts as large
+    caplog.set_level(logging.INFO, logger="sparkring")
+    net = stored_fns.wide_mlp_factory()
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    fitted = SparkRingEstimator(model=net, optimizer=stored_fns.frozen, loss="cross_entropy", numProc=2, batchSize=16,
+                                epochs=1, store=Store(str(tmp_path / "store")), strategy="fsdp", verbose=0,
+                                ).fit(classification_df(spark, n=64))
+    assert "goes to the ranks through" in caplog.text and max(_sizes(caplog.text, r"a payload of (\d+) bytes")) < 100_000
+    _assert_same(fitted, expected)
