@@ -18,6 +18,7 @@ from ..errors import ConfigurationError
 from ..runner.gpus import device_ordinal
 from ..trainer import losses
 from ..trainer.lightning import inference_call
+from . import exporting
 from .fitted import FittedWeights, stored_fit
 from .inference import Predictor, output_fields, pandas_to_arrow
 from .params import SparkRingParams
@@ -325,14 +326,24 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
 
     # -- persistence ------------------------------------------------------------------
     def write(self):
-        saved = self
-        if self.config().merge_adapters and hasattr(self.getModel(), "merge_and_unload"):
-            saved = self.copy({self.getParam("model"): merged(self.getModel()), self.getParam("lora"): None})
-        buf = io.BytesIO()
-        torch.save(saved.getModel().state_dict(), buf)
+        """Saves Params and code pickled (factory, loss, callables; never weights), the weights under
+        ``<path>/model/`` as the ecosystem loads them (exporting.py: a Hugging Face or peft directory,
+        or model.safetensors), the history and feature specification in the metadata."""
+        module, recipe, saved = self.getModel(), self.getOrDefault(self.model), self
+        if self.config().merge_adapters and hasattr(module, "merge_and_unload"):
+            module = recipe = merged(module)
+            saved = self.copy({self.getParam("model"): module, self.getParam("lora"): None})
+        if self.weights is None:
+            recipe = module
+        tokenizer = self.getOrDefault(self.tokenizer) if self.isDefined(self.tokenizer) else None
+
+        def files(store) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+            done = exporting.export(module, recipe, tokenizer, store)
+            return {"model": done.recipe}, {"modelForm": done.form}
+
         extra = {"history": self.history, "outputShapes": self.outputShapes,
                  "featureSpec": self.featureSpec.to_dict() if self.featureSpec is not None else None}
-        return SparkRingWriter(saved, extra=extra, blobs={"state_dict.pt": buf.getvalue()})
+        return SparkRingWriter(saved, extra=extra, files=files)
 
     @classmethod
     def read(cls):
@@ -343,6 +354,11 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         spec = metadata.get("featureSpec")
         self.featureSpec = FeatureSpec.from_dict(spec) if spec else None
         self.outputShapes = metadata.get("outputShapes")
-        state = torch.load(io.BytesIO(store.read_bytes(store.path("state_dict.pt"))), map_location="cpu",
-                           weights_only=True)
-        self.getModel().load_state_dict(state)
+        if store.exists(store.path("state_dict.pt")):  # saved by an earlier version: the module pickled whole
+            state = torch.load(io.BytesIO(store.read_bytes(store.path("state_dict.pt"))), map_location="cpu",
+                               weights_only=True)
+            self.getModel().load_state_dict(state)
+            return
+        recipe, weights, module = exporting.imported(metadata["modelForm"], self.getOrDefault(self.model), store)
+        self._set(model=module if module is not None else recipe)
+        self.weights = weights

@@ -7,7 +7,7 @@ readers load), so a model saves to wherever a Store reaches (``s3://`` through s
 Hadoop's connector for that scheme, and a Spark Connect client needs no Hadoop FileSystem."""
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
@@ -21,12 +21,16 @@ METADATA_DIR = "metadata"
 
 
 class SparkRingWriter(MLWriter):
-    """Saves an estimator or model: pyspark's metadata and JSON Params, object Params pickled, extra blobs."""
-    def __init__(self, instance, extra: Optional[Dict[str, Any]] = None, blobs: Optional[Dict[str, bytes]] = None):
+    """Saves an estimator or model: pyspark's metadata and JSON Params, object Params pickled, extra
+    blobs; ``files`` writes what else belongs in the directory (a model's weights) and returns the
+    object Params to pickle instead of the instance's and more metadata."""
+    def __init__(self, instance, extra: Optional[Dict[str, Any]] = None, blobs: Optional[Dict[str, bytes]] = None,
+                 files: Optional[Callable[[Store], Tuple[Dict[str, Any], Dict[str, Any]]]] = None):
         super().__init__()
         self.instance = instance
         self.extra = extra or {}
         self.blobs = blobs or {}
+        self.files = files
 
     def _handleOverwrite(self, path: str) -> None:
         store = Store(path)
@@ -40,12 +44,17 @@ class SparkRingWriter(MLWriter):
                                   f"write().overwrite().save({path!r})")
         json_params = {p.name: v for p, v in inst._paramMap.items() if p.name not in OBJECT_PARAMS}
         objects = {name: inst.getOrDefault(name) for name in OBJECT_PARAMS if inst.isSet(name)}
+        extra = dict(self.extra)
+        if self.files is not None:
+            instead, more = self.files(store)
+            objects.update(instead)
+            extra.update(more)
         store.write_bytes(store.path(OBJECTS_FILE), to_bytes(objects))
         for name, data in self.blobs.items():
             store.write_bytes(store.path(name), data)
         # the metadata last: a save cut short leaves no stage that loads half
         metadata = DefaultParamsWriter._get_metadata_to_save(
-            inst, _metadata_context(self.sparkSession), extraMetadata=self.extra, paramMap=json_params)
+            inst, _metadata_context(self.sparkSession), extraMetadata=extra, paramMap=json_params)
         store.write_bytes(store.path(METADATA_DIR, "part-00000"), metadata.encode() + b"\n")
         store.write_bytes(store.path(METADATA_DIR, "_SUCCESS"), b"")
 

@@ -186,3 +186,74 @@ def test_a_large_model_object_reaches_the_ranks_through_the_store(spark, tmp_pat
     assert "goes to the ranks through" in caplog.text
     assert max(_sizes(caplog.text, r"a payload of (\d+) bytes")) < 100_000
     _assert_same(fitted, expected)
+
+
+def test_a_saved_fit_is_a_hugging_face_directory_a_peft_adapter_or_safetensors(spark, checkpoint, tokenizer, tmp_path):
+    import json
+
+    from est_helpers import adam, classification_df
+    from peft import LoraConfig, PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sparkring import SparkRingModel
+
+    path, _ = checkpoint
+    store, df = Store(str(tmp_path / "store")), _text_df(spark)
+    trained = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
+    full = _estimator(stored_fns.from_pretrained(path), tokenizer, store, strategy="fsdp", **trained).fit(df)
+    full.write().save(str(tmp_path / "full"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full" / "model"))
+    _assert_same_module(exported, full.getModel())
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "full" / "model")).encode("the cat") == \
+        tokenizer.encode("the cat").ids
+    assert "objects.pkl" in {p.name for p in (tmp_path / "full").iterdir()}
+    _assert_same_module(SparkRingModel.load(str(tmp_path / "full")).getModel(), full.getModel())
+
+    lora = _estimator(stored_fns.from_pretrained(path), tokenizer, store, lora=LoraConfig(r=4, target_modules=[
+        "q_proj", "v_proj"]), **trained).fit(df)
+    lora.write().save(str(tmp_path / "lora"))
+    adapter = tmp_path / "lora" / "model"
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    assert any(v.abs().sum() > 0 for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()
+               if "lora_B" in k)  # the adapters trained
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(path)), str(adapter))
+    _assert_same_module(peft, lora.getModel())
+    _assert_same_module(SparkRingModel.load(str(tmp_path / "lora")).getModel(), lora.getModel())
+
+    plain = SparkRingEstimator(model=stored_fns.mlp_factory, optimizer=adam, loss="cross_entropy", numProc=2,
+                               batchSize=16, epochs=1, store=store, verbose=0).fit(classification_df(spark, n=64))
+    plain.write().save(str(tmp_path / "plain"))
+    values = load_file(str(tmp_path / "plain" / "model" / "model.safetensors"))
+    _assert_same_module(plain.getModel(), values)
+    reloaded = SparkRingModel.load(str(tmp_path / "plain"))
+    _assert_same_module(reloaded.getModel(), values)
+    assert reloaded.transform(classification_df(spark, n=8)).count() == 8
+
+
+def _assert_same_module(module, expected):
+    state = module.state_dict()
+    expected = expected if isinstance(expected, dict) else expected.state_dict()
+    assert set(state) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, atol=0, rtol=0, msg=name)
+
+
+def test_a_model_saved_by_an_earlier_version_still_loads(spark, tmp_path):
+    import io
+
+    from est_helpers import adam, classification_df
+
+    from sparkring import SparkRingModel
+    from sparkring.estimator.persistence import SparkRingWriter
+
+    fitted = SparkRingEstimator(model=stored_fns.mlp_factory, optimizer=adam, loss="cross_entropy", numProc=2,
+                                batchSize=16, epochs=1, store=Store(str(tmp_path / "store")), verbose=0,
+                                ).fit(classification_df(spark, n=64))
+    module = fitted.getModel()
+    old = fitted.copy({fitted.getParam("model"): module})  # the module pickled whole, its state beside it
+    buf = io.BytesIO()
+    torch.save(module.state_dict(), buf)
+    SparkRingWriter(old, extra={"history": old.history}, blobs={"state_dict.pt": buf.getvalue()}).save(
+        str(tmp_path / "old"))
+    _assert_same_module(SparkRingModel.load(str(tmp_path / "old")).getModel(), module)

@@ -1,0 +1,124 @@
+"""A fitted model's weights as the ecosystem loads them, under a saved model's ``model/`` directory:
+a Hugging Face directory for a transformers model (config, safetensors, the tokenizer's files), peft's
+adapter directory for a LoRA fit kept unmerged, ``model.safetensors`` for a plain torch module; and
+read back without unpickling any weights (the pickled parts of a saved model are code)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..data import Store
+from ..trainer import pretrained
+from ..trainer.saving import write_safetensors
+from .fitted import FittedWeights, empty_module
+
+MODEL_DIR = "model"
+TRANSFORMERS, PEFT, SAFETENSORS = "transformers", "peft", "safetensors"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+BASE_WEIGHTS = "sparkring-base"  # a LoRA fit's base, where no checkpoint on storage holds it
+
+
+def form_of(module: torch.nn.Module) -> str:
+    """How ``module``'s weights are saved: 'peft', 'transformers' or 'safetensors'.
+
+    >>> form_of(torch.nn.Linear(2, 1))
+    'safetensors'
+    """
+    if hasattr(module, "peft_config") and hasattr(module, "get_base_model"):
+        return PEFT
+    if hasattr(module, "save_pretrained") and hasattr(module, "config"):
+        return TRANSFORMERS
+    return SAFETENSORS
+
+
+@dataclass(frozen=True)
+class Export:
+    """What a save wrote: the form, and the model Param's value pickled beside it (code only: a
+    factory, or a module's skeleton; None where the directory alone builds the model)."""
+
+    form: str
+    recipe: Any
+
+
+def export(module: torch.nn.Module, recipe: Any, tokenizer: Any, store: Store) -> Export:
+    """Write ``module``'s weights under ``store``'s ``model/`` (``recipe``: the model Param that built it).
+
+    >>> export(model.getModel(), recipe, tokenizer, Store("/tmp/m")).form  # doctest: +SKIP
+    'transformers'
+    """
+    form = form_of(module)
+    directory = store.path(MODEL_DIR)
+    if form == SAFETENSORS:
+        write_safetensors(store, directory, module.state_dict())
+        return Export(form, pretrained.skeleton(recipe))
+    with tempfile.TemporaryDirectory() as local:
+        module.save_pretrained(local, safe_serialization=True)
+        if form == TRANSFORMERS:
+            _save_tokenizer(tokenizer, local)
+        _upload(store, local, directory)
+    if form == TRANSFORMERS:
+        return Export(form, None)
+    if not pretrained.empty_model(empty_recipe(recipe), None, store.storage_options).sources:
+        # the base came as a module, from no checkpoint: its values are saved beside the adapters
+        write_safetensors(store, f"{directory}/{BASE_WEIGHTS}", module.state_dict())
+    return Export(form, pretrained.skeleton(recipe))
+
+
+def empty_recipe(recipe: Any) -> Any:
+    """A factory for ``recipe`` (a module stands for itself)."""
+    return recipe if callable(recipe) and not isinstance(recipe, torch.nn.Module) else (lambda: recipe)
+
+
+def _save_tokenizer(tokenizer: Any, local: str) -> None:
+    """The tokenizer's files beside the weights (a tokenizers.Tokenizer through transformers' fast wrapper)."""
+    if tokenizer is None:
+        return
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(local)
+        return
+    inner = getattr(tokenizer, "tokenizer", tokenizer)  # an Encoder around the user's tokenizer
+    if type(inner).__name__ == "Tokenizer" and hasattr(inner, "to_str"):
+        from transformers import PreTrainedTokenizerFast
+
+        PreTrainedTokenizerFast(tokenizer_object=inner).save_pretrained(local)
+
+
+def _upload(store: Store, local: str, directory: str) -> None:
+    store.makedirs(directory)
+    for name in sorted(os.listdir(local)):
+        with open(os.path.join(local, name), "rb") as f:
+            store.write_bytes(f"{directory}/{name}", f.read())
+
+
+def imported(export_form: str, recipe: Any, store: Store) -> tuple:
+    """What a loaded model holds: (the model Param, FittedWeights to read lazily or None, the module
+    read now or None), from a saved ``model/`` directory of ``export_form``."""
+    url = store.url_of(store.path(MODEL_DIR))
+    if export_form == TRANSFORMERS:
+        return url, FittedWeights(url, store.storage_options), None
+    if export_form == SAFETENSORS:
+        return recipe, FittedWeights(url, store.storage_options), None
+    return recipe, None, _peft_model(recipe, store, url)
+
+
+def _peft_model(recipe: Any, store: Store, url: str) -> torch.nn.Module:
+    """A LoRA fit's model: its base read where the factory reads it (or from the saved base), then
+    peft's adapters from the adapter directory."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load
+
+    options = store.storage_options
+    base = f"{url}/{BASE_WEIGHTS}"
+    if store.exists(store.path(MODEL_DIR, BASE_WEIGHTS)):
+        module = FittedWeights(base, options).load(recipe, torch.device("cpu"))
+    else:
+        stored: Optional[pretrained.StoredModel] = pretrained.stored_model(empty_recipe(recipe), None, options)
+        if stored is None:
+            stored = pretrained.StoredModel(empty_module(recipe, options), [])
+        module = pretrained.materialized(stored, torch.device("cpu"))
+    set_peft_model_state_dict(module, load(store.read_bytes(store.path(MODEL_DIR, ADAPTER_WEIGHTS))))
+    return module.eval()
