@@ -152,7 +152,8 @@ def test_the_tokenizer_is_deserialized_once_per_python_worker_not_once_per_task(
     first = [r.prediction for r in generating.transform(prompts).collect()]
     assert [r.prediction for r in generating.transform(prompts).collect()] == first  # 12 tasks in all
     workers = unpickled.read_text().split()
-    assert 1 <= len(workers) <= 2 and len(set(workers)) == len(workers), workers  # local[2]: two workers at most
+    # each worker once (how many idle workers PySpark's pool holds depends on the jobs before): fewer than the tasks
+    assert 1 <= len(workers) < 6 and len(set(workers)) == len(workers), workers
 
 
 def test_lora_in_bf16_mixed_precision_trains_only_the_adapters_and_the_merged_model_scores_as_the_adapted_one(
