@@ -97,9 +97,9 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.size = sr.rank(), sr.size()
         self.device = sr.rank_device(cfg.use_gpu)
-        self.placement = placement_for(cfg)
         # a model whose values lie on storage is built empty: the placement reads this rank's share
         stored = pretrained.stored_model(cfg.model, cfg.initial_weights, cfg.store.storage_options)
+        self.placement = placement_for(cfg, pretrained_model=stored is not None)
         self.model = self.placement.build(stored or cfg.model, self.device, cfg.seed)
         without_kv_cache(self.model)
         # the rows' shares: ranks holding slices of one model (a tensor-parallel group) read the same rows

@@ -49,13 +49,14 @@ class PlacementConfig:
     backward_passes_per_step: int = 1
     clip_norm: Optional[float] = None   # gradientClipNorm
     example: Optional[Callable[[torch.device], tuple]] = None
+    dcp_checkpoints: bool = False       # a replicated model's checkpoints as DCP too (a pretrained fit's)
 
     @classmethod
-    def of(cls, cfg: TrainConfig) -> "PlacementConfig":
-        """The placement a fit's TrainConfig asks for."""
+    def of(cls, cfg: TrainConfig, dcp_checkpoints: bool = False) -> "PlacementConfig":
+        """The placement a fit's TrainConfig asks for (``dcp_checkpoints``: a pretrained model's fit)."""
         return cls(store=cfg.store, run_id=cfg.run_id, sharding=cfg.sharding, parallel=cfg.parallel,
                    compression=cfg.compression, backward_passes_per_step=cfg.backward_passes_per_step,
-                   clip_norm=cfg.gradient_clip_norm,
+                   clip_norm=cfg.gradient_clip_norm, dcp_checkpoints=dcp_checkpoints,
                    example=functools.partial(_pipeline_example, cfg) if cfg.parallel.pipeline_parallel > 1 else None)
 
     def build(self) -> "Placement":
@@ -189,11 +190,18 @@ def scaled_update(opt: Any, scaler: torch.amp.GradScaler, clip: Callable[[], Non
 
 class Replicated(Placement):
     """Every rank holds the whole model; DistributedOptimizer allreduces the gradients in
-    buckets; rank 0 writes a checkpoint as one file and keeps the fitted state."""
+    buckets; rank 0 writes a checkpoint as one file (a pretrained fit's: DCP, which any
+    placement and numProc resumes from) and keeps the fitted state."""
+
+    def __init__(self, config: PlacementConfig):
+        super().__init__(config)
+        self.checkpointer: Optional[fsdp.Checkpointer] = None
 
     def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         module = whole_model(model, device, seed, self.sharding.init_fn)
         checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
+        if self.config.dcp_checkpoints:
+            self.checkpointer = fsdp.Checkpointer(self.store, self.run_id)
         return module
 
     def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
@@ -248,7 +256,10 @@ class Replicated(Placement):
         return opt.exchange_seconds
 
     def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
-        """Rank 0's file: the weights, the optimizer's state and the loop's, on the CPU."""
+        """Rank 0's file: the weights, the optimizer's state and the loop's, on the CPU (or DCP)."""
+        if self.checkpointer is not None:
+            self.checkpointer.save(state.epoch, model, opt, state.to_dict(), step=state.step)
+            return
         if sr.rank() != 0:
             return
         buf = io.BytesIO()
@@ -257,6 +268,10 @@ class Replicated(Placement):
         name = CheckpointName(state.epoch, state.step, FILE).name
         self.store.write_bytes(self.store.checkpoint_path(self.run_id, name), buf.getvalue())
         checkpoints.prune(self.store, self.run_id, FILE)
+
+    def finish(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.finish()
 
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         if sr.rank() != 0:
@@ -413,13 +428,13 @@ class Pipelined(TensorParallel):
         return pipeline.gather_full_state(model, owner)
 
 
-def placement_for(cfg: TrainConfig) -> Placement:
-    """The placement the fit's degrees and strategy name.
+def placement_for(cfg: TrainConfig, pretrained_model: bool = False) -> Placement:
+    """The placement the fit's degrees and strategy name (``pretrained_model``: checkpoints as DCP).
 
     >>> type(placement_for(cfg)).__name__  # strategy="fsdp"  # doctest: +SKIP
     'Sharded'
     """
-    return PlacementConfig.of(cfg).build()
+    return PlacementConfig.of(cfg, dcp_checkpoints=pretrained_model).build()
 
 
 def _pipeline_example(cfg: TrainConfig, device: torch.device) -> tuple:

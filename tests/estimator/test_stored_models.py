@@ -257,3 +257,15 @@ def test_a_model_saved_by_an_earlier_version_still_loads(spark, tmp_path):
     SparkRingWriter(old, extra={"history": old.history}, blobs={"state_dict.pt": buf.getvalue()}).save(
         str(tmp_path / "old"))
     _assert_same_module(SparkRingModel.load(str(tmp_path / "old")).getModel(), module)
+
+
+def test_a_pretrained_ddp_fit_checkpoints_as_dcp_and_resumes_at_another_num_proc(spark, checkpoint, tokenizer,
+                                                                                 tmp_path):
+    path, _ = checkpoint
+    store, df = Store(str(tmp_path / "store")), _text_df(spark)
+    trained = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.5), runId="pre")
+    first = _estimator(stored_fns.from_pretrained(path), tokenizer, store, **trained).fit(df)
+    assert any(name.endswith(".dcp") for name in store.listdir(store.checkpoint_path("pre")))
+    resumed = _estimator(stored_fns.from_pretrained(path), tokenizer, store, numProc=1, epochs=2, **trained).fit(df)
+    assert [e["epoch"] for e in resumed.history] == [0, 1]
+    assert resumed.history[0]["loss"] == first.history[0]["loss"]  # epoch 0 was not trained again
