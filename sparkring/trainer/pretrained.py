@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import logging
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
@@ -78,9 +79,12 @@ class StoredModel:
 
 
 @contextlib.contextmanager
-def deferred_from_pretrained(storage_options: Optional[Dict[str, Any]] = None) -> Iterator[List[Tuple[Any, str]]]:
+def deferred_from_pretrained(storage_options: Optional[Dict[str, Any]] = None,
+                             import_transformers: bool = True) -> Iterator[List[Tuple[Any, str]]]:
     """While inside, ``from_pretrained`` of transformers' models (and Auto classes) builds the model
-    empty from the checkpoint's config and records ``(module, path)`` in the yielded list.
+    empty from the checkpoint's config and records ``(module, path)`` in the yielded list (where
+    transformers is not imported yet and ``import_transformers`` is False, only a
+    HuggingFaceDirectory records itself: importing transformers costs seconds on every rank).
 
     >>> with deferred_from_pretrained() as calls, torch.device("meta"):  # doctest: +SKIP
     ...     model = AutoModelForCausalLM.from_pretrained("/models/llama")
@@ -88,23 +92,45 @@ def deferred_from_pretrained(storage_options: Optional[Dict[str, Any]] = None) -
     '/models/llama'
     """
     with _PATCH_LOCK:
-        try:
-            from transformers import PreTrainedModel
-            from transformers.models.auto.auto_factory import _BaseAutoModelClass
-        except ImportError:
-            yield []
-            return
         calls: List[Tuple[Any, str]] = []
         saved = (getattr(_local, "calls", None), getattr(_local, "options", None))
         _local.calls, _local.options = calls, dict(storage_options or {})
-        originals = (PreTrainedModel.__dict__["from_pretrained"], _BaseAutoModelClass.__dict__["from_pretrained"])
-        PreTrainedModel.from_pretrained = classmethod(_empty_from_pretrained)  # type: ignore[method-assign]
-        _BaseAutoModelClass.from_pretrained = classmethod(_empty_auto_from_pretrained)  # type: ignore[method-assign]
         try:
-            yield calls
+            with _patched() if import_transformers or "transformers" in sys.modules else contextlib.nullcontext():
+                yield calls
         finally:
-            PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained = originals  # type: ignore
             _local.calls, _local.options = saved
+
+
+@contextlib.contextmanager
+def _patched() -> Iterator[None]:
+    try:
+        from transformers import PreTrainedModel
+        from transformers.models.auto.auto_factory import _BaseAutoModelClass
+    except ImportError:
+        yield
+        return
+    originals = (PreTrainedModel.__dict__["from_pretrained"], _BaseAutoModelClass.__dict__["from_pretrained"])
+    PreTrainedModel.from_pretrained = classmethod(_empty_from_pretrained)  # type: ignore[method-assign]
+    _BaseAutoModelClass.from_pretrained = classmethod(_empty_auto_from_pretrained)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained = originals  # type: ignore
+
+
+def _built_deferred(factory: Callable[[], Any], storage_options: Optional[Dict[str, Any]]
+                    ) -> Tuple[Any, List[Tuple[Any, str]]]:
+    """``factory()`` under the meta device with its from_pretrained calls deferred; transformers is
+    patched only where it is imported already, or once the factory imported it (then built again)."""
+    try:
+        with deferred_from_pretrained(storage_options, import_transformers=False) as calls, torch.device("meta"):
+            return factory(), calls
+    except RuntimeError:
+        if "transformers" not in sys.modules:
+            raise
+    with deferred_from_pretrained(storage_options) as calls, torch.device("meta"):
+        return factory(), calls
 
 
 def read_config(location: Location) -> Any:
@@ -216,8 +242,7 @@ def empty_model(factory: Callable[[], Any], initial_weights: Optional[str] = Non
     >>> empty_model(lambda: torch.nn.Linear(2, 1)).module.weight.is_meta
     True
     """
-    with deferred_from_pretrained(storage_options) as calls, torch.device("meta"):
-        module = factory()
+    module, calls = _built_deferred(factory, storage_options)
     sources = []
     paths = {id(m): name for name, m in module.named_modules()} if isinstance(module, torch.nn.Module) else {}
     for part, path in calls:
