@@ -18,7 +18,7 @@ import mlflow
 import pandas as pd
 import torch
 
-from .estimator import SparkRingModel
+from .estimator import SparkRingModel, exporting
 from .estimator.tracking import pip_requirements
 from .runner import to_bytes
 
@@ -84,9 +84,34 @@ def log_model(model: Any, name: str = "model", df=None, **kwargs: Any):
 
             net = cloudpickle.loads(net_bytes).eval()
             kwargs["signature"] = infer_signature(example, predictor.predict_pandas(net, torch.device("cpu"), example))
-        return mlflow.pyfunc.log_model(name=name, python_model=SparkRingPyfunc(),
+        info = mlflow.pyfunc.log_model(name=name, python_model=SparkRingPyfunc(),
                                        artifacts={"predictor": predictor_path, "spark_model": spark_dir},
                                        input_example=example, pip_requirements=pip_requirements(_PACKAGES), **kwargs)
+    if text and exporting.form_of(model.getModel()) == exporting.TRANSFORMERS:
+        log_transformers_model(model, f"{name}-transformers")
+    return info
+
+
+def log_transformers_model(model: SparkRingModel, name: str = "transformers", **kwargs: Any):
+    """Log a text fit's transformers model and its tokenizer with MLflow's own transformers flavour
+    (``mlflow.transformers.load_model`` gives a pipeline back; log_model calls it for such fits,
+    as ``<name>-transformers``). Returns MLflow's ModelInfo.
+
+    >>> with mlflow.start_run():  # doctest: +SKIP
+    ...     info = sparkring.mlflow.log_transformers_model(lm)
+    >>> mlflow.transformers.load_model(info.model_uri)("the cat")  # doctest: +SKIP
+    """
+    from mlflow import transformers as mlflow_transformers
+
+    module = model.getModel()
+    if exporting.form_of(module) != exporting.TRANSFORMERS:
+        raise TypeError(f"{type(module).__name__} is not a transformers model (a peft model: set mergeAdapters=True)")
+    tokenizer = exporting.transformers_tokenizer(model.getOrDefault(model.tokenizer))
+    components = {"model": module, **({"tokenizer": tokenizer} if tokenizer is not None else {})}
+    task = {"causal-lm": "text-generation", "masked-lm": "fill-mask",
+            "sequence-classification": "text-classification"}.get(model.config().task or "", None)
+    kwargs.setdefault("pip_requirements", pip_requirements(["torch", "transformers", "tokenizers", "safetensors"]))
+    return mlflow_transformers.log_model(components, name=name, task=task, **kwargs)
 
 
 def load_model(model_uri: str) -> Any:

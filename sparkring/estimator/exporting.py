@@ -73,18 +73,34 @@ def empty_recipe(recipe: Any) -> Any:
     return recipe if callable(recipe) and not isinstance(recipe, torch.nn.Module) else (lambda: recipe)
 
 
-def _save_tokenizer(tokenizer: Any, local: str) -> None:
-    """The tokenizer's files beside the weights (a tokenizers.Tokenizer through transformers' fast wrapper)."""
+def transformers_tokenizer(tokenizer: Any) -> Any:
+    """The tokenizer Param as a transformers tokenizer (a tokenizers.Tokenizer through the fast
+    wrapper, a local directory loaded), or None where there is none.
+
+    >>> transformers_tokenizer(None) is None
+    True
+    """
     if tokenizer is None:
-        return
+        return None
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(local)
-        return
+        return tokenizer
     inner = getattr(tokenizer, "tokenizer", tokenizer)  # an Encoder around the user's tokenizer
     if type(inner).__name__ == "Tokenizer" and hasattr(inner, "to_str"):
         from transformers import PreTrainedTokenizerFast
 
-        PreTrainedTokenizerFast(tokenizer_object=inner).save_pretrained(local)
+        return PreTrainedTokenizerFast(tokenizer_object=inner)
+    return None
+
+
+def _save_tokenizer(tokenizer: Any, local: str) -> None:
+    """The tokenizer's files beside the weights."""
+    found = transformers_tokenizer(tokenizer)
+    if found is not None:
+        found.save_pretrained(local)
 
 
 def _upload(store: Store, local: str, directory: str) -> None:

@@ -214,6 +214,7 @@ def test_a_causal_lm_sharded_with_fsdp_and_checkpointed_at_its_decoder_layers_tr
 
 def test_a_text_model_logged_to_mlflow_generates_from_text_with_its_tokenizer(spark, fitted_lm, tmp_path):
     import mlflow
+    import mlflow.transformers
     import pandas as pd
 
     import sparkring.mlflow
@@ -231,6 +232,13 @@ def test_a_text_model_logged_to_mlflow_generates_from_text_with_its_tokenizer(sp
         served = pyfunc.predict(pd.DataFrame({"text": ["the big cat", "the small dog"]}))["prediction"].tolist()
         assert served == [r.prediction for r in generating.transform(prompts).collect()]
         assert type(sparkring.mlflow.load_model(info.model_uri).getOrDefault("tokenizer")).__name__ == "Tokenizer"
+        # MLflow's own transformers flavour too, with the tokenizer
+        logged = mlflow.search_logged_models(filter_string="name = 'lm-transformers'", output_format="list")
+        assert len(logged) == 1
+        components = mlflow.transformers.load_model(logged[0].model_uri, return_type="components")
+        for name, value in fitted_lm.getModel().state_dict().items():
+            torch.testing.assert_close(components["model"].state_dict()[name], value, atol=0, rtol=0)
+        assert components["tokenizer"].encode("the cat") == text_fns.tokenizer().encode("the cat").ids
     finally:
         mlflow.set_tracking_uri(before)
 
