@@ -107,6 +107,9 @@ def _empty_model(config: EstimatorConfig, factory: Any) -> pretrained.StoredMode
     try:
         return pretrained.empty_model(factory, config.initial_weights, config.storage_options)
     except StoredWeightsError as exc:
+        if isinstance(config.model, str):
+            raise ConfigurationError(f"model={config.model!r} is not a torch.nn.Module or a zero-argument factory, "
+                                     f"so it must be a Hugging Face checkpoint directory: {exc}") from None
         raise ConfigurationError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - the user's factory: say how to fix it
         raise ConfigurationError(

@@ -56,9 +56,11 @@ def export(module: torch.nn.Module, recipe: Any, tokenizer: Any, store: Store) -
         write_safetensors(store, directory, module.state_dict())
         return Export(form, pretrained.skeleton(recipe))
     with tempfile.TemporaryDirectory() as local:
-        module.save_pretrained(local, safe_serialization=True)
         if form == TRANSFORMERS:
+            module.save_pretrained(local, safe_serialization=True, max_shard_size="5GB")  # an index above 5 GB
             _save_tokenizer(tokenizer, local)
+        else:
+            module.save_pretrained(local, safe_serialization=True)
         _upload(store, local, directory)
     if form == TRANSFORMERS:
         return Export(form, None)
@@ -115,9 +117,9 @@ def imported(export_form: str, recipe: Any, store: Store) -> tuple:
     read now or None), from a saved ``model/`` directory of ``export_form``."""
     url = store.url_of(store.path(MODEL_DIR))
     if export_form == TRANSFORMERS:
-        return url, FittedWeights(url, store.storage_options), None
+        return url, FittedWeights(url, store.storage_options, executors_read=False), None
     if export_form == SAFETENSORS:
-        return recipe, FittedWeights(url, store.storage_options), None
+        return recipe, FittedWeights(url, store.storage_options, executors_read=False), None
     return recipe, None, _peft_model(recipe, store, url)
 
 

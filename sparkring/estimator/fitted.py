@@ -25,6 +25,9 @@ class FittedWeights:
 
     url: str
     storage_options: Dict[str, Any] = field(default_factory=dict)
+    # the executors read them where they lie (a fit's Store, which its ranks wrote); a saved model's
+    # place may be reachable with the driver's own credentials only: it ships from the driver
+    executors_read: bool = True
 
     def load(self, recipe: Any, device: torch.device, seed: int = 0) -> torch.nn.Module:
         """The fitted module on ``device``: ``recipe`` (the model Param: a factory, a checkpoint

@@ -120,7 +120,8 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         """What transform() ships: the recipe and the weights' place (each executor reads the Store
         once), or the module itself where it was changed on the driver since it was read."""
         loaded = self._loaded.module
-        if self.weights is not None and (loaded is None or weights_version(loaded) == self._loaded.version):
+        if self.weights is not None and self.weights.executors_read and (
+                loaded is None or weights_version(loaded) == self._loaded.version):
             return stored_fit(self.getOrDefault(self.model), self.weights)
         return self.getModel()
 

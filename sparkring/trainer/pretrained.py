@@ -65,6 +65,7 @@ class StoredModel:
 
     @property
     def empty(self) -> bool:
+        """Whether the module's parameters are still without values (on the meta device)."""
         return any(p.is_meta for p in self.module.parameters())
 
     def tensors(self, source: WeightsSource) -> StoredTensors:
@@ -213,6 +214,7 @@ class HuggingFaceDirectory:
         return f"HuggingFaceDirectory({self.path!r})"
 
     def architecture(self) -> Any:
+        """The transformers class the directory's config.json names (its first architecture)."""
         import transformers
 
         config = read_config(Location(self.path, self.storage_options))
@@ -225,6 +227,7 @@ class HuggingFaceDirectory:
         return found[0]
 
     def __call__(self) -> torch.nn.Module:
+        """The model: empty and noted where sparkring builds it, else read whole onto the CPU."""
         if getattr(_local, "calls", None) is not None:
             _local.options = self.storage_options or _local.options
             return _note(empty_pretrained(self.architecture(), self.path, {}), self.path)

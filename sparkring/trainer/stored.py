@@ -70,9 +70,11 @@ class Location:
 
     @property
     def is_local(self) -> bool:
+        """Whether the location is on this machine's filesystem (a path or file://)."""
         return "://" not in self.path or self.path.startswith("file://")
 
     def child(self, name: str) -> "Location":
+        """The entry ``name`` of this directory."""
         return Location(_join(self.path, name), self.storage_options)
 
     def _filesystem(self) -> Tuple[Any, str]:
@@ -96,6 +98,7 @@ class Location:
         return sorted(posixpath.basename(i.path) for i in fs.get_file_info(pafs.FileSelector(path)))
 
     def read(self, start: int = 0, length: Optional[int] = None) -> bytes:
+        """``length`` bytes from ``start`` (to the end where None)."""
         fs, path = self._filesystem()
         with fs.open_input_file(path) as f:
             f.seek(start)

@@ -158,7 +158,8 @@ CASES = [
     Case("fit-early-stopping-metric", lambda c: _fit(c, earlyStopping={"patience": 1, "monitor": "val_auc"}),
          ConfigurationError, r"earlyStopping monitors 'val_auc'"),
     Case("fit-model-not-module", lambda c: _fit(c, model="not a module"), ConfigurationError,
-         r"model must be a torch.nn.Module or a zero-argument factory returning one, got str"),
+         r"model='not a module' is not a torch.nn.Module or a zero-argument factory, so it must be a Hugging Face "
+         r"checkpoint directory: not a module is not a Hugging Face checkpoint directory \(it does not exist\)"),
     Case("fit-model-not-picklable", lambda c: _fit(c, model=WithLock()), ConfigurationError,
          r"model cannot be pickled .*: model.guard \(a lock\) fails"),
     Case("fit-run-id-escapes", lambda c: _fit(c, runId="../escape"), ConfigurationError,
