@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -55,12 +55,13 @@ def export(module: torch.nn.Module, recipe: Any, tokenizer: Any, store: Store) -
     if form == SAFETENSORS:
         write_safetensors(store, directory, module.state_dict())
         return Export(form, pretrained.skeleton(recipe))
+    save_pretrained = cast(Any, module).save_pretrained  # a transformers or peft model's own writer
     with tempfile.TemporaryDirectory() as local:
         if form == TRANSFORMERS:
-            module.save_pretrained(local, safe_serialization=True, max_shard_size="5GB")  # an index above 5 GB
+            save_pretrained(local, safe_serialization=True, max_shard_size="5GB")  # an index above 5 GB
             _save_tokenizer(tokenizer, local)
         else:
-            module.save_pretrained(local, safe_serialization=True)
+            save_pretrained(local, safe_serialization=True)
         _upload(store, local, directory)
     if form == TRANSFORMERS:
         return Export(form, None)

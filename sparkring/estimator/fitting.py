@@ -146,6 +146,8 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
     model = SparkRingModel()
     model._set_config(config)
     model._set(runId=context.run_id, store=decided.store, optimizer=None)
+    if result.weights is None:  # only a paused fit returns none, and launch_fit raises for it
+        raise RuntimeError(f"rank 0 of run {context.run_id} returned no weights")
     model.weights = FittedWeights(decided.store.url_of(result.weights), decided.store.storage_options)
     model.history = result.history
     model.featureSpec = ds.spec

@@ -8,7 +8,7 @@ holding it), in module order from the seed: at most one module is ever whole in 
 seed gives the values ``torch.manual_seed(seed); factory()`` gives, at any numProc."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Set
+from typing import AbstractSet, Callable, Optional
 
 import torch
 
@@ -39,7 +39,7 @@ def reset_or_init_fn(init_fn: Optional[Callable[[torch.nn.Module], None]]) -> Ho
     return how
 
 
-def initialize_modules(model: torch.nn.Module, seed: int, how: How, skip: Set[str] = frozenset()) -> None:
+def initialize_modules(model: torch.nn.Module, seed: int, how: How, skip: AbstractSet[str] = frozenset()) -> None:
     """Give every module its initial values (``how`` says how), one module at a time at full size,
     then keep this rank's slice of each sharded parameter; a module whose tensors are all named in
     ``skip`` (filled from storage afterwards) is left as it is.

@@ -112,8 +112,8 @@ def _patched() -> Iterator[None]:
         yield
         return
     originals = (PreTrainedModel.__dict__["from_pretrained"], _BaseAutoModelClass.__dict__["from_pretrained"])
-    PreTrainedModel.from_pretrained = classmethod(_empty_from_pretrained)  # type: ignore[method-assign]
-    _BaseAutoModelClass.from_pretrained = classmethod(_empty_auto_from_pretrained)  # type: ignore[method-assign]
+    PreTrainedModel.from_pretrained = classmethod(_empty_from_pretrained)  # type: ignore[method-assign, assignment]
+    _BaseAutoModelClass.from_pretrained = classmethod(_empty_auto_from_pretrained)  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -389,8 +389,14 @@ def _copy_in(tensor: torch.Tensor, tensors: StoredTensors, key: str) -> None:
 def retie(module: torch.nn.Module) -> None:
     """Tie what a Hugging Face model ties again (materializing an empty model unties shared parameters)."""
     for part in module.modules():
-        if hasattr(part, "tie_weights") and hasattr(part, "config"):
-            part.tie_weights()
+        tie = getattr(part, "tie_weights", None)
+        if callable(tie) and hasattr(part, "config"):
+            tie()
+
+
+def _zero(part: torch.nn.Module) -> None:
+    for parameter in part.parameters(recurse=False):
+        torch.nn.init.zeros_(parameter)
 
 
 def initializer(module: torch.nn.Module, init_fn: Optional[Callable[[torch.nn.Module], None]]
@@ -398,7 +404,7 @@ def initializer(module: torch.nn.Module, init_fn: Optional[Callable[[torch.nn.Mo
     """How each module of ``module`` gets its initial values: ``init_fn``, its ``reset_parameters()``,
     or the Hugging Face model holding it (``_init_weights``, as from_pretrained initializes what a
     checkpoint lacks, rotary tables included); None where there is no way."""
-    owners = {}
+    owners: Dict[int, Any] = {}
     for part in module.modules():  # outermost first: an inner model's own rule wins
         if hasattr(part, "_init_weights") and hasattr(part, "config"):
             for inner in part.modules():
@@ -408,9 +414,10 @@ def initializer(module: torch.nn.Module, init_fn: Optional[Callable[[torch.nn.Mo
         if init_fn is not None:
             return lambda: init_fn(part)
         if ".lora_B." in f".{name}." or ".lora_embedding_B" in f".{name}":
-            return lambda: [torch.nn.init.zeros_(p) for p in part.parameters(recurse=False)]  # peft: no change at first
-        if hasattr(part, "reset_parameters"):
-            return part.reset_parameters
+            return lambda: _zero(part)  # peft: an adapter changes nothing at first
+        reset = getattr(part, "reset_parameters", None)
+        if callable(reset):
+            return reset
         owner = owners.get(id(part))
         return (lambda: owner._init_weights(part)) if owner is not None else None
 
