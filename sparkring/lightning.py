@@ -15,6 +15,8 @@ import logging
 import os
 from typing import Dict
 
+from typing_extensions import override
+
 from .collective import environment
 
 try:  # the pytorch-lightning package, or the unified lightning package
@@ -58,14 +60,17 @@ class SparkRingEnvironment(ClusterEnvironment):
     """
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         return True
 
     @property
+    @override
     def main_address(self) -> str:
         return os.environ["MASTER_ADDR"]
 
     @property
+    @override
     def main_port(self) -> int:
         return _number("MASTER_PORT")
 
@@ -74,26 +79,33 @@ class SparkRingEnvironment(ClusterEnvironment):
         """True in a rank the sparkring runner started."""
         return environment.RANK in os.environ and "MASTER_PORT" in os.environ
 
+    @override
     def world_size(self) -> int:
         return _number("WORLD_SIZE")
 
+    @override
     def set_world_size(self, size: int) -> None:
         if size != self.world_size():
             log.debug("Lightning computed world size %d; sparkring runs %d ranks", size, self.world_size())
 
+    @override
     def global_rank(self) -> int:
         return _number("RANK")
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         if rank != self.global_rank():
             log.debug("Lightning computed global rank %d; sparkring's rank is %d", rank, self.global_rank())
 
+    @override
     def local_rank(self) -> int:
         return _number("LOCAL_RANK")
 
+    @override
     def node_rank(self) -> int:
         return _number("GROUP_RANK")
 
+    @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         layout = trainer_layout()
         if (num_devices, num_nodes) != (layout["devices"], layout["num_nodes"]):

@@ -17,6 +17,7 @@ import cloudpickle
 import mlflow
 import pandas as pd
 import torch
+from typing_extensions import override
 
 from .estimator import SparkRingModel, exporting
 from .estimator.tracking import pip_requirements
@@ -33,6 +34,7 @@ class SparkRingPyfunc(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined] 
     >>> pyfunc.predict(pandas_df)  # prediction (probability, rawPrediction) columns  # doctest: +SKIP
     """
 
+    @override
     def load_context(self, context) -> None:
         with open(context.artifacts["predictor"], "rb") as f:
             self.predictor, net_bytes = cloudpickle.loads(f.read())
@@ -40,6 +42,7 @@ class SparkRingPyfunc(mlflow.pyfunc.PythonModel):  # type: ignore[name-defined] 
         self.net.eval()
         self.spark_model_dir = context.artifacts.get("spark_model")
 
+    @override
     def predict(self, context, model_input: pd.DataFrame, params: Optional[dict] = None) -> pd.DataFrame:
         return self.predictor.predict_pandas(self.net, torch.device("cpu"), model_input)
 

@@ -37,6 +37,7 @@ class StartMethod:
 
     @property
     def forks(self) -> bool:
+        """Whether ranks start by forking this process."""
         return self.method == "fork"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Tuple
 
 import torch
+from typing_extensions import override
 
 
 class Compressor:
@@ -11,10 +12,12 @@ class Compressor:
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> Tuple[torch.Tensor, Any]:
+        """Compress ``tensor`` for the exchange: the tensor sent and what decompress() needs to undo it."""
         raise NotImplementedError
 
     @staticmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """The tensor compress() was given, from the one exchanged and ``ctx``."""
         raise NotImplementedError
 
 
@@ -26,10 +29,12 @@ class NoneCompressor(Compressor):
     """
 
     @staticmethod
+    @override
     def compress(tensor):
         return tensor, None
 
     @staticmethod
+    @override
     def decompress(tensor, ctx):
         return tensor
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from typing_extensions import override
 
 from ..errors import HorovodInternalError, HostsUpdatedInterrupt
 from . import basics, environment, mpi_ops
@@ -87,6 +88,7 @@ class StopRequest:
         return fsspec.core.url_to_fs(self.url, **self.storage_options)
 
     def make(self, what: StopAsk) -> None:
+        """Ask the fit's ranks to stop (``what``: to pause or to leave) by writing the file they poll."""
         fs, path = self._fs()
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
         with fs.open(path, "wb") as f:
@@ -102,6 +104,7 @@ class StopRequest:
             return StopAsk.NOTHING
 
     def clear(self) -> None:
+        """Withdraw the request (where there is none, nothing happens)."""
         fs, path = self._fs()
         try:
             fs.rm(path)
@@ -206,6 +209,7 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """The ring was formed anew: reset(), then the callbacks given to register_reset_callbacks()."""
         self.reset()
         for callback in self._reset_callbacks:
             callback()
@@ -244,12 +248,15 @@ class State:
         return resumed
 
     def save(self) -> None:
+        """Keep a copy in memory to go back to when a rank fails (commit() calls it)."""
         raise NotImplementedError
 
     def restore(self) -> None:
+        """Go back to the copy save() kept."""
         raise NotImplementedError
 
     def sync(self) -> None:
+        """Make every rank's state rank 0's (after the ring was formed anew)."""
         raise NotImplementedError
 
     def reset(self) -> None:
@@ -278,12 +285,15 @@ class ObjectState(State):
         self._set_attrs()
         super().__init__()
 
+    @override
     def save(self) -> None:
         self._saved_state = {attr: getattr(self, attr) for attr in self._saved_state}
 
+    @override
     def restore(self) -> None:
         self._set_attrs()
 
+    @override
     def sync(self) -> None:
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state)
@@ -321,6 +331,7 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: nothing processed yet, the order drawn again."""
         self.epoch = epoch
         self.processed_num = 0
         self.reset()
@@ -330,14 +341,17 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.processed_num += batch_size * self.num_replicas
 
     def state_dict(self) -> Dict[str, int]:
+        """The epoch and how many samples of it were processed (what load_state_dict() resumes from)."""
         return {"epoch": self.epoch, "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict: Dict[str, int]) -> None:
+        """Resume from a state_dict(): the same epoch, past the samples already processed."""
         self.epoch = state_dict["epoch"]
         self.processed_num = state_dict["processed_num"]
         self.reset()
 
     def reset(self) -> None:
+        """Split the samples not yet processed over the ranks now in the ring."""
         self.num_replicas, self.rank = basics.size(), basics.rank()
         indices = list(range(len(self.dataset)))
         if self.shuffle:
@@ -421,16 +435,19 @@ class TorchState(ObjectState):
             object.__setattr__(self, name, handler.value)
         super().__init__(bcast_object=broadcast_object, **plain)
 
+    @override
     def save(self) -> None:
         for handler in self._handlers.values():
             handler.save()
         super().save()
 
+    @override
     def restore(self) -> None:
         for handler in self._handlers.values():
             handler.restore()
         super().restore()
 
+    @override
     def sync(self) -> None:
         for handler in self._handlers.values():
             handler.sync()

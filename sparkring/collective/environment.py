@@ -86,10 +86,12 @@ class RankEnv:
 
     @property
     def collective_timeout(self) -> float:
+        """Seconds a collective may wait for the other ranks (the fit's timeout, else the default)."""
         return self.timeout if self.timeout is not None else DEFAULT_TIMEOUT_S
 
     @property
     def rendezvous_timeout(self) -> float:
+        """Seconds the ranks may take to meet (the start timeout, else the collective timeout)."""
         return self.start_timeout if self.start_timeout is not None else self.collective_timeout
 
     def to_env(self) -> Dict[str, str]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from typing_extensions import override
 
 from . import _runtime
 
@@ -31,9 +32,11 @@ class SharedMemoryAllGather(AllGather):
 
     served = 0  # calls the shared-memory ring served, in this process
 
+    @override
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    @override
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> Optional[dist.Work]:
         ring = _ring_for(input_tensor, group)
@@ -49,9 +52,11 @@ class SharedMemoryReduceScatter(ReduceScatter):
 
     served = 0
 
+    @override
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
+    @override
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op=dist.ReduceOp.SUM, async_op: bool = False) -> Optional[dist.Work]:
         ring = _ring_for(input_tensor, group)

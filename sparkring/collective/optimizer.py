@@ -271,6 +271,7 @@ class DistributedOptimizerMixin:
             self._sr_should_sync = True
 
     def step(self, closure=None):
+        """Wait for the gradients' allreduces, then step the wrapped optimizer (as horovod.torch's does)."""
         if self._sr_should_sync:
             if self._sr_synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -282,6 +283,7 @@ class DistributedOptimizerMixin:
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True):
+        """Zero the gradients; refused while their allreduces are in flight (step() or synchronize() first)."""
         if any(b.handle is not None for b in self._sr_buckets):
             raise RuntimeError(
                 "DistributedOptimizer.zero_grad() was called while gradient allreduces are "

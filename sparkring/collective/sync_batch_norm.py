@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
 
 from . import basics
 from .mpi_ops import Sum, allreduce
@@ -24,6 +25,7 @@ class SyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"SyncBatchNorm expects at least 2-D input (N, C, ...), got {input.dim()}-D")
 
+    @override
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self.training or not basics.is_initialized() or basics.size() == 1:

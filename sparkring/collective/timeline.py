@@ -37,14 +37,17 @@ class Timeline:
         self.user_code_began = 0.0   # run(): when the user's function started
 
     def start(self, rank: int) -> None:
+        """Record spans from now on, as rank ``rank``."""
         self.on, self.rank = True, rank
         self._spans = []
 
     def stop(self) -> None:
+        """Stop recording."""
         self.on = False
 
     @staticmethod
     def now() -> float:
+        """Microseconds since the epoch: the timeline's clock."""
         return time.time() * 1e6
 
     def add(self, name: str, begin_us: float, end_us: float, tid: int = COMPUTE, **args: Any) -> None:
@@ -55,6 +58,7 @@ class Timeline:
 
     @contextlib.contextmanager
     def span(self, name: str, tid: int = COMPUTE, **args: Any) -> Iterator[None]:
+        """A span ``name`` on the timeline's row ``tid`` around the with-block (nothing while off)."""
         if not self.on:
             yield
             return

@@ -114,13 +114,16 @@ class Dataset:
 
     @property
     def columns(self) -> List[str]:
+        """The materialized columns' names."""
         return [c.name for c in self.spec.columns]
 
     @property
     def shapes(self) -> Dict[str, List[int]]:
+        """Each column's shape per row, by name."""
         return self.spec.shapes
 
     def num_rows(self, split: str = "train") -> int:
+        """How many rows the split ``split`` holds ('train' or 'val')."""
         return sum(f["rows"] for f in self.metadata["splits"].get(split, []))
 
     def num_batches(self, batch_size: int, size: int, split: str = "train", drop_last: bool = True,
@@ -143,6 +146,7 @@ class Dataset:
         return ColumnValues(minimum=seen["min"], non_integral=None if counted is None else int(counted))
 
     def exists(self) -> bool:
+        """Whether the data is materialized in the store (its metadata is written last)."""
         return self.store.exists(f"{self.data_dir}/{METADATA_FILE}")
 
     def delete(self) -> None:

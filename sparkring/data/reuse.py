@@ -11,7 +11,8 @@ class Prepared(Protocol):
 
     data_dir: str
 
-    def exists(self) -> bool: ...
+    def exists(self) -> bool:
+        """Whether the prepared data is still there to reuse."""
 
 
 _cache: Dict[Hashable, Prepared] = {}

@@ -54,6 +54,7 @@ class ColumnSpec:
 
     @property
     def integral(self) -> bool:
+        """Whether the column holds integers (ids, class labels)."""
         return self.kind != BYTES and np.dtype(self.dtype).kind in "iu"
 
     def spark_column(self):
@@ -72,6 +73,7 @@ class ColumnSpec:
         return col.alias(self.name)
 
     def width(self) -> int:
+        """How many values one row of the column holds."""
         return int(np.prod(self.shape)) if self.shape else 1
 
     @property
@@ -200,6 +202,7 @@ class FeatureSpec:
         return spec
 
     def column(self, name: str) -> ColumnSpec:
+        """The column named ``name``."""
         for c in self.columns:
             if c.name == name:
                 return c
@@ -207,6 +210,7 @@ class FeatureSpec:
 
     @property
     def shapes(self) -> Dict[str, List[int]]:
+        """Each column's shape per row, by name."""
         return {c.name: list(c.shape) for c in self.columns}
 
     def measured(self, shapes: Mapping[str, Sequence[int]]) -> "FeatureSpec":
@@ -229,6 +233,7 @@ class FeatureSpec:
         return total
 
     def check_shapes(self, static_only: bool) -> None:
+        """Refuse inputShapes that do not hold their columns' values (``static_only``: what is known unread)."""
         for inp in self.inputs:
             if inp.shape is None:
                 continue
@@ -248,10 +253,12 @@ class FeatureSpec:
 
     # -- metadata ----------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
+        """The spec as plain values (what JSON holds)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "FeatureSpec":
+        """The spec to_dict() wrote."""
         columns = tuple(ColumnSpec(**{**c, "shape": tuple(c["shape"])}) for c in data["columns"])
         inputs = tuple(InputSpec(name=i["name"], columns=tuple(i["columns"]), integral=i["integral"],
                                  shape=None if i["shape"] is None else tuple(i["shape"])) for i in data["inputs"])

@@ -56,6 +56,7 @@ class SplitLayout:
 
     @classmethod
     def of(cls, rows: int, units: int, columns: Dict[str, Tuple[str, Tuple[int, ...]]]) -> "SplitLayout":
+        """Where each column of ``rows`` rows lives in one buffer that ``units`` writers fill."""
         at = _aligned(8 * units)
         offsets = {}
         for name, (dtype, shape) in columns.items():
@@ -98,6 +99,7 @@ class SplitMemory:
         self._claims = threading.Lock()
 
     def holds(self, key: Key) -> bool:
+        """Whether the piece ``key`` is filled completely."""
         return self.filled(key) >= self.rows[key]
 
     def filled(self, key: Key) -> int:
@@ -117,6 +119,7 @@ class SplitMemory:
         self._progress[i] = max(int(self._progress[i]), at + n)
 
     def view(self, key: Key, lo: int, hi: int) -> Piece:
+        """Rows ``lo`` to ``hi`` of the piece ``key``: views of the shared arrays, not copies."""
         start = self.offsets[key] + lo
         return Piece({c: a[start:start + hi - lo] for c, a in self.arrays.items()}, hi - lo, start)
 
@@ -200,6 +203,7 @@ class SharedBuffer:
         self.mm, self.fd, self.layout = mm, fd, layout
 
     def arrays(self) -> Dict[str, np.ndarray]:
+        """Each column's array over the buffer (views, not copies)."""
         out = {}
         for name, (dtype, shape) in self.layout.columns.items():
             count = self.layout.rows * int(np.prod(shape, dtype=np.int64))
@@ -208,6 +212,7 @@ class SharedBuffer:
         return out
 
     def progress(self) -> np.ndarray:
+        """How many rows each writer has written (the buffer's head)."""
         return np.frombuffer(self.mm, dtype=np.int64, count=self.layout.units)
 
     def lock(self, index: int) -> bool:
@@ -219,6 +224,7 @@ class SharedBuffer:
             return False
 
     def unlock(self, index: int) -> None:
+        """Release writer ``index``'s lock."""
         fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, index)
 
 

@@ -104,6 +104,7 @@ class Store:
 
     @property
     def is_temporary(self) -> bool:
+        """Whether sparkring made the store's directory (and removes it)."""
         return self._temporary
 
     @property
@@ -115,10 +116,12 @@ class Store:
 
     @property
     def is_local(self) -> bool:
+        """Whether the store is on this machine's file system."""
         return isinstance(self.fs, pafs.LocalFileSystem)
 
     @property
     def fs(self) -> pafs.FileSystem:
+        """The pyarrow file system the store's URL names (resolved once)."""
         if self._fs is None:
             if "://" in self.url:
                 try:
@@ -135,6 +138,7 @@ class Store:
 
     @property
     def root(self) -> str:
+        """The store's root: its path within fs."""
         self.fs  # noqa: B018 - resolves the root
         assert self._root is not None
         return self._root
@@ -144,13 +148,16 @@ class Store:
         return posixpath.join(self.root, *parts)
 
     def run_path(self, run_id: str, *parts: str) -> str:
+        """A path in the directory of the run ``run_id``."""
         check_run_id(run_id)
         return self.path("runs", run_id, *parts)
 
     def data_path(self, run_id: str, *parts: str) -> str:
+        """A path where run ``run_id``'s materialized data lives."""
         return self.run_path(run_id, "data", *parts)
 
     def checkpoint_path(self, run_id: str, *parts: str) -> str:
+        """A path where run ``run_id``'s checkpoints live."""
         return self.run_path(run_id, "checkpoints", *parts)
 
     def checkpoint_url(self, run_id: str, *parts: str) -> str:
@@ -159,9 +166,11 @@ class Store:
         return posixpath.join(self.url, "runs", run_id, "checkpoints", *parts)
 
     def logs_path(self, run_id: str, *parts: str) -> str:
+        """A path where run ``run_id``'s logs live."""
         return self.run_path(run_id, "logs", *parts)
 
     def model_path(self, run_id: str, *parts: str) -> str:
+        """A path where run ``run_id``'s fitted weights live."""
         return self.run_path(run_id, "model", *parts)
 
     def url_of(self, path: str) -> str:
@@ -180,16 +189,20 @@ class Store:
 
     # -- file operations --------------------------------------------------------------
     def exists(self, path: str) -> bool:
+        """Whether ``path`` exists."""
         return self.fs.get_file_info(path).type != pafs.FileType.NotFound
 
     def makedirs(self, path: str) -> None:
+        """Make the directory ``path`` and its parents."""
         self.fs.create_dir(path, recursive=True)
 
     def listdir(self, path: str) -> List[str]:
+        """The names in the directory ``path``, sorted (none where it does not exist)."""
         info = self.fs.get_file_info(pafs.FileSelector(path, allow_not_found=True))
         return sorted(posixpath.basename(i.path) for i in info)
 
     def read_bytes(self, path: str) -> bytes:
+        """The whole file ``path``."""
         with self.fs.open_input_stream(path) as f:
             return f.read()
 
@@ -218,6 +231,7 @@ class Store:
         self.fs.move(tmp, path)
 
     def delete(self, path: str) -> None:
+        """Remove ``path``: a file, or a directory with all it holds."""
         info = self.fs.get_file_info(path)
         if info.type == pafs.FileType.Directory:
             self.fs.delete_dir(path)

@@ -55,6 +55,7 @@ class Encoder:
 
     @property
     def tokenizer(self) -> Any:
+        """The tokenizer, loaded on first use (a name or directory through AutoTokenizer)."""
         if self._loaded is None:
             if isinstance(self.source, str):
                 from transformers import AutoTokenizer
@@ -65,12 +66,14 @@ class Encoder:
         return self._loaded
 
     def encode(self, texts: List[str]) -> List[List[int]]:
+        """Each text's token ids."""
         tok = self.tokenizer
         if hasattr(tok, "encode_batch"):  # tokenizers.Tokenizer
             return [e.ids for e in tok.encode_batch(texts)]
         return list(tok(texts, add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: List[int]) -> str:
+        """The text of the token ids ``ids``."""
         tok = self.tokenizer
         if hasattr(tok, "encode_batch"):  # tokenizers.Tokenizer: its decoder, else the tokens with spaces
             return tok.decode(ids) if tok.decoder is not None else " ".join(tok.id_to_token(i) for i in ids)
@@ -94,6 +97,7 @@ class Encoder:
         return int(found)
 
     def vocab_size(self) -> int:
+        """How many token ids the tokenizer knows."""
         tok = self.tokenizer
         return int(tok.get_vocab_size() if hasattr(tok, "get_vocab_size") else len(tok))
 

@@ -48,6 +48,7 @@ class Codec:
 
     @property
     def fixed(self) -> bool:
+        """Whether every dimension of the shape is known."""
         return all(d is not None for d in self.shape)
 
     def decode_one(self, value, column: str) -> np.ndarray:

@@ -98,6 +98,7 @@ class Progress:
         self.lines: List[str] = []
 
     def __call__(self, rank: int, event: TrainingEvent) -> None:
+        """Show rank 0's event: the bar's progress, or an epoch line."""
         if rank != 0:
             return
         with self.lock:
@@ -143,6 +144,7 @@ class Progress:
             self.bar = None
 
     def close(self) -> None:
+        """Close the bar (the fit ended)."""
         with self.lock:
             self._close_bar()
 

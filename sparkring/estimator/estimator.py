@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from pyspark import keyword_only
 from pyspark.ml import Estimator
 from pyspark.ml.util import MLReadable, MLWritable
+from typing_extensions import override
 
 from . import tracking
 from .fitting import FitContext, GridPoint, fit
@@ -63,10 +64,12 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return _GridFits(self, paramMaps, dataset, parent_run=parent, keep_data=config.keep_data)
 
     # -- persistence ------------------------------------------------------------------
+    @override
     def write(self):
         return SparkRingWriter(self)
 
     @classmethod
+    @override
     def read(cls):
         return SparkRingReader(cls)
 

@@ -28,10 +28,12 @@ class OutputField:
 
     @property
     def arrow_type(self) -> pa.DataType:
+        """The output column's Arrow type (a list of doubles, or a double)."""
         return pa.list_(pa.float64()) if self.is_list else pa.float64()
 
     @property
     def spark_type(self) -> str:
+        """The output column's type as Spark SQL spells it."""
         return "array<double>" if self.is_list else "double"
 
 
@@ -57,12 +59,15 @@ class Predictor:
 
     @property
     def input_columns(self) -> List[str]:
+        """The columns the model reads, in the fitted spec's order."""
         return [c.name for c in self.spec.columns]
 
     def struct_type(self) -> pa.DataType:
+        """The Arrow struct of every output column."""
         return pa.struct([(f.name, f.arrow_type) for f in self.fields])
 
     def spark_schema(self) -> str:
+        """The output columns as a Spark DDL schema."""
         return ", ".join(f"{f.name} {f.spark_type}" for f in self.fields)
 
     def model_args(self, arrays: Sequence[pa.Array]) -> Tuple[tuple, dict]:
@@ -97,6 +102,7 @@ class Predictor:
         return columns
 
     def to_arrow(self, columns: List[np.ndarray], n: int) -> pa.Array:
+        """The model's outputs ``columns`` for ``n`` rows as one Arrow struct array."""
         out = []
         for values, f in zip(columns, self.fields):
             if not f.is_list:

@@ -11,6 +11,7 @@ import pyarrow as pa
 import torch
 from pyspark.ml import Model
 from pyspark.ml.util import MLReadable, MLWritable
+from typing_extensions import override
 
 from ..data import DataError, FeatureSpec, petastorm_codecs
 from ..data.text import Encoder
@@ -130,6 +131,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
             self.weights, self._loaded = None, _Loaded()
         return super()._set(**kwargs)
 
+    @override
     def copy(self, extra=None):
         weights, loaded = self.weights, self._loaded
         that = super().copy(extra)
@@ -347,6 +349,7 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
         return SparkRingWriter(saved, extra=extra, files=files)
 
     @classmethod
+    @override
     def read(cls):
         return SparkRingReader(cls)
 

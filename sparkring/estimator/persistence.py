@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import cloudpickle
 from pyspark.ml.util import DefaultParamsReader, DefaultParamsWriter, MLReader, MLWriter
+from typing_extensions import override
 
 from ..data import Store
 from ..runner import spark_major, to_bytes
@@ -37,6 +38,7 @@ class SparkRingWriter(MLWriter):
         if store.exists(store.root):
             store.delete(store.root)
 
+    @override
     def saveImpl(self, path: str) -> None:
         inst, store = self.instance, Store(path)
         if store.exists(store.path(METADATA_DIR)):
@@ -82,6 +84,7 @@ class SparkRingReader(MLReader):
         super().__init__()
         self.cls = cls
 
+    @override
     def load(self, path: str):
         store = Store(path)
         metadata = _read_metadata(store)

@@ -25,6 +25,7 @@ class FitPhases:
 
     @property
     def total(self) -> float:
+        """Seconds of the whole fit: the phases summed."""
         return round(self.plan + self.launch + self.first_step + self.epochs + self.result, 6)
 
     def line(self) -> str:
@@ -46,9 +47,11 @@ class PhaseClock:
         self.marks: Dict[str, float] = {"start": time.perf_counter()}
 
     def launching(self) -> None:
+        """Mark the launch's start (the first call counts)."""
         self.marks.setdefault("launch", time.perf_counter())
 
     def __call__(self, rank: int, event: TrainingEvent) -> None:
+        """Mark when rank 0 began, stepped first and ended an epoch."""
         if rank != 0:
             return
         name: Optional[str] = {FitBegan: "began", StepDone: "first_step", EpochDone: "last_epoch"}.get(type(event))
@@ -58,6 +61,7 @@ class PhaseClock:
             self.marks.setdefault(name, time.perf_counter())
 
     def phases(self) -> FitPhases:
+        """The phases' seconds, up to now for those not ended."""
         end = time.perf_counter()
         at = self.marks
         launch = at.get("launch", end)

@@ -110,6 +110,7 @@ class WithLora:
         self.model, self.config = model, config
 
     def __call__(self) -> torch.nn.Module:
+        """The base model with the LoRA adapters attached (peft's get_peft_model)."""
         import copy
 
         from peft import get_peft_model
@@ -155,9 +156,11 @@ class TokenFigures:
     language_model: bool = True
 
     def rate(self, samples_per_second: float) -> float:
+        """Tokens per second at ``samples_per_second``."""
         return samples_per_second * self.per_row
 
     def mfu(self, tokens_per_second: float) -> Optional[float]:
+        """Model FLOPs utilization at ``tokens_per_second`` (6 N tokens/s over the peak); None without a peak."""
         return 6 * self.params * tokens_per_second / self.peak_flops if self.peak_flops else None
 
 

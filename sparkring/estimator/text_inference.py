@@ -40,6 +40,7 @@ class TextInference:
 
     @property
     def spark_type(self) -> str:
+        """The output column's Spark SQL type for this mode."""
         return {"generate": "string", "embed": "array<double>", "score": "struct<loss:double,perplexity:double>",
                 "predict": "double"}[self.mode]
 
@@ -141,6 +142,7 @@ class TextPredictor:
     batch_size: int
 
     def predict_pandas(self, model: torch.nn.Module, device: torch.device, frame: pd.DataFrame) -> pd.DataFrame:
+        """The prediction column for the texts of ``frame``."""
         texts = frame[self.column] if self.column in frame.columns else frame.iloc[:, 0]
         values = self.recipe.run(model, self.encoder, device, list(texts), self.batch_size)
         return pd.DataFrame({self.prediction: values}, index=frame.index)

@@ -138,6 +138,7 @@ class FitTracker:
         return tracker
 
     def log_params(self, params: Dict[str, Any]) -> None:
+        """Log ``params`` to the run, all but those it holds already (MLflow refuses a changed value)."""
         from mlflow.entities import Param
 
         existing = self.client.get_run(self.run_id).data.params
@@ -149,6 +150,7 @@ class FitTracker:
         self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in values.items() if k not in existing])
 
     def __call__(self, rank: int, event: TrainingEvent) -> None:
+        """Log rank 0's epoch figures."""
         if rank != 0 or not isinstance(event, EpochDone):
             return
         try:
@@ -158,6 +160,7 @@ class FitTracker:
                         event.logs.get("epoch"), exc)
 
     def log_epoch(self, logs: Dict[str, Any]) -> None:
+        """Log one epoch's figures as metrics at the epoch's step."""
         from mlflow.entities import Metric
 
         epoch = int(logs["epoch"])
@@ -183,6 +186,7 @@ class FitTracker:
         self._end("FINISHED")
 
     def fail(self) -> None:
+        """End the run as FAILED."""
         self._end("FAILED")
 
     def _end(self, status: str) -> None:

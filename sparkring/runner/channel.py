@@ -146,12 +146,14 @@ class DriverChannel:
                 self._handler(ConnectionClosed(), conn)
 
     def broadcast(self, frame: Frame, where: Callable[["Connection"], bool] = lambda c: True) -> None:
+        """Send ``frame`` to every connection ``where`` accepts."""
         with self._lock:
             targets = [c for c in self._conns if where(c)]
         for conn in targets:
             conn.send(frame)
 
     def close(self) -> None:
+        """Stop accepting and close every connection."""
         self._closed = True
         try:
             # close() alone does not wake a thread blocked in accept() on Linux: shutdown does
@@ -185,6 +187,7 @@ class Connection:
         self._send_lock = threading.Lock()
 
     def send(self, frame: Frame) -> bool:
+        """Send ``frame``; False where the connection is gone."""
         try:
             with self._send_lock:
                 data = encode_frame(self.secret, frame_context(self._nonce, self._side, self._sent), frame)
@@ -201,6 +204,7 @@ class Connection:
         return msg
 
     def close(self) -> None:
+        """Close the socket (shut down both ways first)."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -251,10 +251,12 @@ class Rendezvous:
     address: Optional[str] = None      # where it is reached, said by a task of an ordinary stage (no task infos)
 
     def to_json(self) -> str:
+        """The rendezvous as JSON (what a rank reads)."""
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, text: str) -> "Rendezvous":
+        """The rendezvous to_json() wrote."""
         return cls(**json.loads(text))
 
 
@@ -310,17 +312,21 @@ class OutputRecord:
 
     @classmethod
     def message(cls, rank: int, frame: Frame) -> "OutputRecord":
+        """A record carrying rank ``rank``'s frame."""
         return cls(rank, MESSAGE, 0, 1, dumps(frame))
 
     @classmethod
     def result_chunks(cls, rank: int, result: bytes, chunk: int) -> List["OutputRecord"]:
+        """Rank ``rank``'s pickled result as records of at most ``chunk`` bytes each."""
         total = max(1, -(-len(result) // chunk))
         return [cls(rank, RESULT, i, total, result[i * chunk:(i + 1) * chunk]) for i in range(total)]
 
     def frame(self) -> Frame:
+        """The frame a message record carries."""
         return loads(self.data)
 
     def to_row(self) -> Dict[str, Any]:
+        """The record as a Spark row's values, by column."""
         return {name: getattr(self, name) for name, _ in _RECORD_COLUMNS}
 
     @classmethod

@@ -41,10 +41,12 @@ class CheckpointName:
 
     @property
     def name(self) -> str:
+        """The directory's name: epoch-NNNNN, -step-NNNNNNN within an epoch, and the kind's suffix."""
         return f"epoch-{self.epoch:05d}" + (f"-step-{self.step:07d}" if self.step is not None else "") + self.kind
 
     @classmethod
     def parse(cls, name: str) -> Optional["CheckpointName"]:
+        """The checkpoint a directory name stands for; None for other names."""
         found = _NAME.match(name)
         if found is None:
             return None

@@ -73,6 +73,7 @@ class Sharding:
 
     @property
     def sharded(self) -> bool:
+        """Whether the parameters are sharded (every strategy but ddp)."""
         return self.strategy != "ddp"
 
 
@@ -116,10 +117,12 @@ class ModelParallel:
 
     @property
     def stages(self) -> int:
+        """How many pipeline stages the model is cut into."""
         return self.pipeline_parallel * self.stages_per_rank
 
     @property
     def microbatch_count(self) -> int:
+        """How many microbatches a batch is split into (as many as pipeline ranks unless set)."""
         return self.microbatches or self.pipeline_parallel
 
 

@@ -18,6 +18,7 @@ class Callbacks:
         self.callbacks = list(callbacks or [])
 
     def call(self, hook: str, *args):
+        """Call ``hook`` on every callback that has it."""
         for cb in self.callbacks:
             fn = getattr(cb, hook, None)
             if fn is not None:
@@ -41,6 +42,7 @@ class Tensorboard:
         self.writer = SummaryWriter(log_dir=log_dir)
 
     def epoch(self, epoch: int, logs: Dict[str, Any]) -> None:
+        """Write an epoch's numeric figures."""
         if self.writer is not None:
             for k, v in logs.items():
                 if isinstance(v, (int, float)) and k != "epoch":
@@ -48,6 +50,7 @@ class Tensorboard:
             self.writer.flush()
 
     def close(self):
+        """Close the writer."""
         if self.writer is not None:
             self.writer.close()
 
@@ -67,6 +70,7 @@ class EarlyStopper:
         self.waited = 0
 
     def stop(self, logs: Dict[str, Any]) -> bool:
+        """Whether the early-stopping rule ends the fit after an epoch with these ``logs``."""
         es = self.rule
         if es is None:
             return False

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from typing_extensions import override
 
 import sparkring.collective as sr
 
 from .figures import Totals, figures_tensor
 from .schedule import Schedule
-from .step import add_note
+from .step import Step, add_note
 
 # A LightningModule, not imported (Lightning stays optional): its hooks are looked up by name
 LightningModule = Any
@@ -100,6 +101,7 @@ class LoggedValues:
         self.sums: Dict[str, Tuple[float, float]] = {}
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        """What LightningModule.log records: the value (a tensor's mean) under ``name``."""
         if isinstance(value, torch.Tensor):
             value = value.detach().float().mean().item()
         elif not isinstance(value, (int, float)):
@@ -109,6 +111,7 @@ class LoggedValues:
         self.sums[name] = (total + float(value) * weight, count + weight)
 
     def log_dict(self, values: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """log() each of ``values``."""
         for name, value in values.items():
             self.log(name, value, **kwargs)
 
@@ -125,7 +128,7 @@ class LoggedValues:
         return means
 
 
-class LightningStep:
+class LightningStep(Step):
     """The estimator's step for a LightningModule: trainer.step's Step protocol (the loss of a
     batch, the figures to average, the hooks around epochs), through its own steps and hooks.
 
@@ -148,9 +151,11 @@ class LightningStep:
     def _current(self, module: LightningModule) -> LoggedValues:
         return self.logged["train" if module.training else "val"]
 
+    @override
     def width(self) -> int:
         return 2
 
+    @override
     def __call__(self, module, batch: Dict[str, Any], where: str):
         args, kwargs = self.spec.model_args(batch)
         inputs = [a.to(self.device, non_blocking=True) for a in args]
@@ -177,32 +182,40 @@ class LightningStep:
             loss = loss if isinstance(loss, torch.Tensor) else torch.zeros((), device=self.device)
         return loss, [loss.new_zeros((n,))], ys, [loss]
 
+    @override
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    @override
     def figures(self, total, heads, ys, head_losses) -> torch.Tensor:
         n = heads[0].shape[0]
         with torch.no_grad():
             return figures_tensor(total.detach().to(self.device, torch.float64).reshape(()) * n,
                                   torch.tensor(float(n), dtype=torch.float64, device=self.device), [])
 
+    @override
     def optimizer(self, module: LightningModule, given: Any) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
         return optimizers(module)  # configure_optimizers decides (the optimizer Param is not used)
 
+    @override
     def fit_began(self, module: LightningModule) -> None:
         self.attach(module)
         module.on_fit_start()
 
+    @override
     def train_epoch_began(self, module: LightningModule) -> None:
         module.on_train_epoch_start()
 
+    @override
     def train_epoch_ended(self, module: LightningModule) -> Dict[str, float]:
         module.on_train_epoch_end()
         return self.logged["train"].epoch_means()
 
+    @override
     def validation_began(self, module: LightningModule) -> None:
         module.on_validation_epoch_start()
 
+    @override
     def validation_ended(self, module: LightningModule, totals: Totals) -> Dict[str, float]:
         module.on_validation_epoch_end()
         logged = self.logged["val"].epoch_means()
@@ -210,6 +223,7 @@ class LightningStep:
             return logged  # validation_step logs its figures itself (self.log)
         return {"val_loss": totals.loss, **logged}
 
+    @override
     def fit_ended(self, module: LightningModule) -> None:
         module.on_fit_end()
 

@@ -144,6 +144,7 @@ class Trainer:
         self.board = Tensorboard(cfg) if self.rank == 0 else None
 
     def begin(self) -> None:
+        """Start the fit: rank 0 reports it and calls the callbacks' on_train_begin."""
         if self.rank == 0:
             report(to_payload(FitBegan(epochs=self.cfg.epochs, start_epoch=self.start_epoch, steps=self.steps)))
             self.callbacks.call("on_train_begin", self.model)
@@ -391,6 +392,7 @@ class Trainer:
             else None
 
     def finish(self) -> Optional[RankResult]:
+        """End the fit: the state gathered, rank 0's result (its weights written); None elsewhere."""
         self.step.fit_ended(self.model)
         state = self.placement.gather(self.model)  # every rank takes part
         if self.rank != 0:

@@ -24,6 +24,7 @@ class StepClock:
         self.spent = dict.fromkeys(self.PARTS, 0.0)
 
     def lap(self, part: str) -> None:
+        """Count the time since the last mark to ``part``."""
         now = time.monotonic()
         self.spent[part] += now - self.mark
         self.mark = now
@@ -34,6 +35,7 @@ class StepClock:
         self.spent["comm"] += seconds
 
     def timed(self, batches: Iterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
+        """``batches``, the time spent waiting for each counted as data time."""
         self.mark = time.monotonic()
         waited = recorder.now() if recorder.on else 0.0
         for batch in batches:

@@ -14,12 +14,13 @@ import collections
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from typing_extensions import override
 
 from . import losses
 from .activation import named_blocks
 from .config import ModelParallel
 from .figures import Totals
-from .step import Outcome, PlainStep
+from .step import Outcome, PlainStep, Step
 
 SEQUENTIAL_HINT = ("pipelineSplit names top-level children of an nn.Sequential model (its indices, e.g. '4'), or "
                    "any module of another model (e.g. 'layers.2')")
@@ -108,7 +109,7 @@ def schedule_for(stages: List[Any], parallel: ModelParallel, loss_fn: Callable) 
     return single(stages[0], n_microbatches=n, loss_fn=loss_fn)
 
 
-class PipelineStep:
+class PipelineStep(Step):
     """A batch through this rank's stages: the first stage feeds the inputs, the last computes each
     microbatch's loss (and runs backward as the schedule goes), and every stage of the pipeline gets
     the last stage's figures (one broadcast a step), so a non-finite loss stops them at the same step.
@@ -125,9 +126,11 @@ class PipelineStep:
         self.figures_now: Optional[torch.Tensor] = None
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The first head's loss of a microbatch's output (what the schedule backpropagates)."""
         cfg = self.plain.cfg
         return losses.compute_loss(cfg.losses[0], out, losses.prepare_label(y, out, cfg.losses[0], True), None)
 
+    @override
     def __call__(self, model: Any, batch: Dict[str, Any], where: str, /) -> Outcome:
         cfg = self.plain.cfg
         args, _ = cfg.spec.model_args(batch)
@@ -157,9 +160,11 @@ class PipelineStep:
             dist.broadcast_object_list(shapes, src=self.last_rank, group=self.group)
             self.output_shapes = shapes[0]
 
+    @override
     def width(self) -> int:
         return self.plain.width()
 
+    @override
     def figures(self, total: torch.Tensor, heads: List[torch.Tensor], ys: List[torch.Tensor],
                 head_losses: List[torch.Tensor]) -> torch.Tensor:
         assert self.figures_now is not None, "call the step first"
@@ -168,24 +173,31 @@ class PipelineStep:
     def backward(self, loss: torch.Tensor, /) -> None:
         """Nothing: the schedule ran each microbatch's backward as it went."""
 
+    @override
     def optimizer(self, model: torch.nn.Module, given: Any, /) -> Any:
         return self.plain.optimizer(model, given)
 
+    @override
     def fit_began(self, model: torch.nn.Module, /) -> None:
         self.plain.fit_began(model)
 
+    @override
     def train_epoch_began(self, model: torch.nn.Module, /) -> None:
         self.plain.train_epoch_began(model)
 
+    @override
     def train_epoch_ended(self, model: torch.nn.Module, /) -> Dict[str, float]:
         return self.plain.train_epoch_ended(model)
 
+    @override
     def validation_began(self, model: torch.nn.Module, /) -> None:
         self.plain.validation_began(model)
 
+    @override
     def validation_ended(self, model: torch.nn.Module, totals: Totals, /) -> Dict[str, float]:
         return self.plain.validation_ended(model, totals)
 
+    @override
     def fit_ended(self, model: torch.nn.Module, /) -> None:
         self.plain.fit_ended(model)
 

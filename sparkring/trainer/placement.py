@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
+from typing_extensions import override
 
 import sparkring.collective as sr
 
@@ -197,6 +198,7 @@ class Replicated(Placement):
         super().__init__(config)
         self.checkpointer: Optional[fsdp.Checkpointer] = None
 
+    @override
     def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         module = whole_model(model, device, seed, self.sharding.init_fn)
         checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
@@ -204,6 +206,7 @@ class Replicated(Placement):
             self.checkpointer = fsdp.Checkpointer(self.store, self.run_id)
         return module
 
+    @override
     def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         return sr.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=getattr(sr.Compression, self.config.compression),
@@ -239,6 +242,7 @@ class Replicated(Placement):
                             found.name, self.run_id, exc)
         return None
 
+    @override
     def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if scaler is not None:
@@ -252,6 +256,7 @@ class Replicated(Placement):
             opt.step()
         return 0
 
+    @override
     def blocked_seconds(self, opt: Any) -> float:
         return opt.exchange_seconds
 
@@ -269,10 +274,12 @@ class Replicated(Placement):
         self.store.write_bytes(self.store.checkpoint_path(self.run_id, name), buf.getvalue())
         checkpoints.prune(self.store, self.run_id, FILE)
 
+    @override
     def finish(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.finish()
 
+    @override
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         if sr.rank() != 0:
             return None
@@ -288,18 +295,22 @@ class Sharded(Placement):
         super().__init__(config)
         self.checkpointer: Optional[fsdp.Checkpointer] = None
 
+    @override
     def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         module = _sharded(model, self.sharding, device, seed)
         # an asynchronous checkpointer makes a process group of its own: every rank, after the mesh's
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return module
 
+    @override
     def distribute(self, opt: torch.optim.Optimizer, model: torch.nn.Module) -> Any:
         return opt  # FSDP2 reduce-scatters the gradients itself
 
+    @override
     def resume(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Optional[TrainerState]:
         return _typed(fsdp.load_latest(self.store, self.run_id, model, opt))
 
+    @override
     def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if skip_non_finite and not gradients.finite_everywhere(model):
@@ -308,15 +319,18 @@ class Sharded(Placement):
         opt.step()
         return 0
 
+    @override
     def save(self, model: torch.nn.Module, opt: Any, state: TrainerState) -> None:
         assert self.checkpointer is not None, "build() first"
         self.checkpointer.save(state.epoch, model, opt, state.to_dict(), step=state.step)
 
+    @override
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         self.finish()
         state = fsdp.full_state_dict(model)
         return state if sr.rank() == 0 else None
 
+    @override
     def finish(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.finish()
@@ -334,6 +348,7 @@ class TensorParallel(Sharded):
         self.parallel = config.parallel
         self.mesh: Any = None
 
+    @override
     def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         self.mesh = sr.device_mesh(tp=self.parallel.tensor_parallel)
         tp_mesh = self.mesh["tp"]
@@ -349,15 +364,18 @@ class TensorParallel(Sharded):
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return module
 
+    @override
     def update(self, opt: Any, model: torch.nn.Module, *, skip_non_finite: bool,
                scaler: Optional[torch.amp.GradScaler]) -> int:
         if not self.sharding.sharded:
             gradients.average_over(model, self.mesh["dp"])
         return super().update(opt, model, skip_non_finite=skip_non_finite, scaler=scaler)
 
+    @override
     def data_rank(self) -> int:
         return self.mesh["dp"].get_local_rank()
 
+    @override
     def data_size(self) -> int:
         return self.mesh["dp"].size()
 
@@ -373,6 +391,7 @@ class Pipelined(TensorParallel):
         self.stages: List[Any] = []
         self.indices: List[int] = []
 
+    @override
     def build(self, model: Union[ModelOrFactory, StoredModel], device: torch.device, seed: int) -> torch.nn.Module:
         from torch.distributed.pipelining import PipelineStage
 
@@ -400,6 +419,7 @@ class Pipelined(TensorParallel):
         self.checkpointer = fsdp.Checkpointer(self.store, self.run_id, self.sharding.async_checkpoint)
         return view
 
+    @override
     def step(self, cfg: TrainConfig, device: torch.device, rank: int) -> Step:
         import torch.distributed as dist
 
@@ -410,6 +430,7 @@ class Pipelined(TensorParallel):
         step.schedule = pipeline.schedule_for(self.stages, self.parallel, step.loss)
         return step
 
+    @override
     def norm_group(self) -> Any:
         return self.mesh["pp"].get_group()
 
@@ -422,6 +443,7 @@ class Pipelined(TensorParallel):
                 stage.submod.forward = torch.compile(stage.submod.forward, **options)
         return model
 
+    @override
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         self.finish()
         owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0

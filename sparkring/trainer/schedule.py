@@ -22,6 +22,7 @@ class Schedule:
     monitor: Optional[str] = None
 
     def step(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        """Step the scheduler (a plateau rule reads its monitored figure from ``logs``)."""
         if self.monitor is not None or _is_plateau(self.scheduler):
             monitor = self.monitor or "val_loss"
             if logs is None or monitor not in logs:

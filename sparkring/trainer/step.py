@@ -6,6 +6,7 @@ import contextlib
 from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
+from typing_extensions import override
 
 from . import losses
 from .config import OptimizerOrFactory, TrainConfig
@@ -63,7 +64,7 @@ def add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-class PlainStep:
+class PlainStep(Step):
     """One batch through a plain module: forward()'s arguments from the spec, one output per
     head, each head's label and loss, the weighted total, and the figures to average.
 
@@ -82,9 +83,11 @@ class PlainStep:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
 
+    @override
     def width(self) -> int:
         return 2 + len(self.cfg.log_names())
 
+    @override
     def __call__(self, model: Any, batch: Dict[str, Any], where: str) -> Outcome:
         cfg, device = self.cfg, self.device
         labels = cfg.spec.labels
@@ -145,25 +148,32 @@ class PlainStep:
             values += [fn(head.detach(), y) for fn in self.cfg.metrics.values()]
         return values
 
+    @override
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    @override
     def optimizer(self, model: torch.nn.Module,
                   given: OptimizerOrFactory) -> Tuple[torch.optim.Optimizer, List[Schedule]]:
         return build_optimizer(given, model), []
 
+    @override
     def fit_began(self, model: torch.nn.Module) -> None:
         pass
 
+    @override
     def train_epoch_began(self, model: torch.nn.Module) -> None:
         pass
 
+    @override
     def train_epoch_ended(self, model: torch.nn.Module) -> Dict[str, float]:
         return {}
 
+    @override
     def validation_began(self, model: torch.nn.Module) -> None:
         pass
 
+    @override
     def validation_ended(self, model: torch.nn.Module, totals: Totals) -> Dict[str, float]:
         if totals.rows == 0:
             return {}
@@ -171,6 +181,7 @@ class PlainStep:
         logs.update({f"val_{name}": value for name, value in totals.means(self.cfg.log_names()).items()})
         return logs
 
+    @override
     def fit_ended(self, model: torch.nn.Module) -> None:
         pass
 

@@ -41,6 +41,7 @@ class EpochGate:
         return fsspec.core.url_to_fs(self.url, **self.storage_options)
 
     def on_epoch_end(self, epoch: int, logs: Dict[str, Any], model: Any = None) -> None:
+        """Report the epoch's metric to the trial; stop the fit where Optuna prunes it."""
         value = logs.get(self.metric)
         if value is None:
             raise ValueError(f"the Tuner's metric {self.metric!r} is not among the epoch's figures {sorted(logs)}: "

@@ -113,6 +113,7 @@ class Judge:
             epoch += 1
 
     def stop(self) -> None:
+        """Stop the judging thread and wait for it."""
         self.done.set()
         self.thread.join()
 
@@ -146,6 +147,7 @@ class TrialRuns:
         self.parent: Optional[str] = None
 
     def param_maps(self, count: int) -> Sequence:
+        """The ParamMaps of ``count`` trials, each drawn as fitMultiple asks for it."""
         return _ParamMaps(self, count)
 
     def begin(self, trial: Any) -> None:

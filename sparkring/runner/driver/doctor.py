@@ -68,6 +68,7 @@ class DoctorReport:
 
     @property
     def ok(self) -> bool:
+        """Whether nothing fatal was found."""
         return not any(p.fatal for p in self.problems)
 
     def __str__(self) -> str:

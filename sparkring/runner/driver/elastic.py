@@ -153,6 +153,7 @@ class ElasticPolicy:
         log.info("%s", message)
 
     def after_results(self, results: List[Any], asked: StopAsk, counts: Relaunches) -> Union[Done, Relaunch]:
+        """What follows the ranks' results: done, or a relaunch where they paused to change size."""
         if not self.is_paused(results):
             return Done(results)
         if asked == StopAsk.LEAVE:

@@ -171,6 +171,7 @@ class RunLedger:
             return {rank: where.get(rank, "") for rank in sorted(when) if when[rank] - first <= SAME_LOSS_S}
 
     def executor_of(self, rank: int, attempt: int) -> Optional[str]:
+        """The executor rank ``rank`` ran on in attempt ``attempt`` (None where unknown)."""
         with self.lock:
             return self.executors.get(attempt, {}).get(rank) or None
 

@@ -34,6 +34,7 @@ class ScriptMain:
                                      "Python file that exists on the driver") from exc
 
     def __call__(self) -> int:
+        """Run the script as __main__ with its arguments; its exit status."""
         sys.argv = [self.path] + self.argv
         sys.path.insert(0, os.path.dirname(self.path))
         try:

@@ -327,6 +327,7 @@ class JobTag:
                 pass
 
     def cancel(self) -> None:
+        """Cancel the Spark jobs of this tag (quietly where Spark cannot)."""
         try:
             if self.tags:
                 self.spark.interruptTag(self.name)

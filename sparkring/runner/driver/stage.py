@@ -33,6 +33,7 @@ class StageOutcome:
     cancelled: bool = False  # the job was cancelled (cancelAllJobs, a tag, the UI)
 
     def messages(self) -> List[OutputRecord]:
+        """The ranks' message records, by rank."""
         return sorted((r for r in self.records if r.kind == MESSAGE), key=lambda r: r.rank)
 
     def results(self, num_proc: int) -> List[Any]:
@@ -99,13 +100,16 @@ class Stage:
                 return
 
     def start(self) -> None:
+        """Start the stage's Spark job on its own thread."""
         self.started = time.monotonic()
         self.thread.start()
 
     def running(self) -> bool:
+        """Whether the job still runs (waits up to 0.1 s for it to end)."""
         self.thread.join(0.1)
         return self.thread.is_alive()
 
     def cancel(self) -> None:
+        """Cancel the job and wait up to 30 s for its thread."""
         self.tag.cancel()
         self.thread.join(30)

@@ -34,6 +34,7 @@ class Watch:
         self.watches_start = launch_plan.stream and not launch_plan.facts.connect
 
     def failure(self) -> Optional[BaseException]:
+        """The error the stage fails with now (ranks late to start, lost, failed); None while well."""
         state, num_proc, now = self.state, self.plan.num_proc, time.monotonic()
         if not self.plan.gang:  # an ordinary stage's tasks have no allGather to fall back on
             state.expire_joins(JOIN_WINDOW_S)

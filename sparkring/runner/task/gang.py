@@ -42,6 +42,7 @@ class TaskRanks:
         self._failed: Optional[BaseException] = None
 
     def view(self, local: int) -> "RankContext":
+        """The task's context as its local rank ``local`` sees it."""
         return RankContext(self, local)
 
     def meet(self, round_: int, local: int, message: Any, together: Callable[[List[Any]], Any]) -> Any:
@@ -69,6 +70,7 @@ class TaskRanks:
             return self._answers[round_]
 
     def fail(self, exc: BaseException) -> None:
+        """Wake every waiting rank of this task with ``exc``."""
         with self._cond:
             self._failed = self._failed or exc
             self._cond.notify_all()
@@ -111,25 +113,32 @@ class GangContext:
                                "this launch (an elastic run launches again with the ranks there are)")
 
     def partitionId(self) -> int:  # noqa: N802 - BarrierTaskContext's names
+        """This task's partition (as BarrierTaskContext's)."""
         return self._ctx.partitionId()
 
     def taskAttemptId(self) -> int:  # noqa: N802
+        """This task's attempt id."""
         return self._ctx.taskAttemptId()
 
     def stageId(self) -> int:  # noqa: N802
+        """The stage's id."""
         return self._ctx.stageId()
 
     def resources(self) -> Dict[str, Any]:
+        """The task's resources (its GPUs)."""
         return self._ctx.resources()
 
     def getTaskInfos(self) -> List[Any]:  # noqa: N802
+        """Refused: an ordinary stage's tasks learn each other's places from the driver."""
         raise RuntimeError("an ordinary stage's tasks learn each other's places from the driver's rendezvous")
 
     def allGather(self, message: str = "") -> List[str]:  # noqa: N802
+        """Refused: without a barrier stage, the ranks meet only through the driver."""
         raise RuntimeError("the ranks could not all reach the driver, and without a barrier stage (dynamic "
                            "allocation) they have no other place to meet: let the executors reach the driver")
 
     def barrier(self) -> None:
+        """Meet the other tasks (an allGather)."""
         self.allGather()
 
 
@@ -143,15 +152,19 @@ class RankContext:
         self._rounds = 0
 
     def partitionId(self) -> int:  # noqa: N802 - BarrierTaskContext's name
+        """This rank's index among all: the task's partition times its ranks, plus the local rank."""
         return self._ranks.ctx.partitionId() * self._ranks.per_task + self._local
 
     def getTaskInfos(self) -> List[Any]:  # noqa: N802
+        """The tasks' infos, one per rank (a task's repeated for each of its ranks)."""
         return [info for info in self._ranks.ctx.getTaskInfos() for _ in range(self._ranks.per_task)]
 
     def taskAttemptId(self) -> int:  # noqa: N802
+        """This task's attempt id."""
         return self._ranks.ctx.taskAttemptId()
 
     def stageId(self) -> int:  # noqa: N802
+        """The stage's id."""
         return self._ranks.ctx.stageId()
 
     def resources(self) -> Dict[str, Any]:
@@ -178,6 +191,7 @@ class RankContext:
         return self._meet(message, together)
 
     def barrier(self) -> None:
+        """Meet every rank: the task's own first, then the other tasks."""
         self._meet(None, lambda _: self._ranks.ctx.barrier())
 
     def _meet(self, message: Any, together: Callable[[List[Any]], Any]) -> Any:

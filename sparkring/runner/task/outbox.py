@@ -24,6 +24,7 @@ class Outbox:
         self.lock = threading.Lock()
 
     def send(self, frame: Frame) -> None:
+        """Send ``frame`` live where connected, else keep it for the task's result; errors also stop the others."""
         if self.live is not None:
             self.live.send(frame)
         if isinstance(frame, Error) and self.control is not None:
@@ -36,6 +37,7 @@ class Outbox:
                 self.records.append(frame)
 
     def drain(self) -> List[Frame]:
+        """What was kept: the last log lines, then the records."""
         with self.lock:
             return list(self.logs) + self.records
 
@@ -51,6 +53,7 @@ class Relay:
         self.server = channel.DriverChannel(host, secret, self.handle)
 
     def handle(self, frame: Frame, conn: channel.Connection) -> None:
+        """Pass a rank's frame on (its Hello names the connection's rank)."""
         if isinstance(frame, Hello):
             conn.info["rank"] = frame.rank
         elif isinstance(frame, Error):

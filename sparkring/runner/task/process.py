@@ -125,6 +125,7 @@ class ForkedWorker:
         self.returncode: Optional[int] = None
 
     def poll(self) -> Optional[int]:
+        """The exit code; None while it runs (as Popen's)."""
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -136,6 +137,7 @@ class ForkedWorker:
         return self.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait for the exit, at most ``timeout`` seconds (TimeoutExpired after); the exit code."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             code = self.poll()

@@ -50,22 +50,28 @@ class RankProcess:
 
     @property
     def pid(self) -> int:
+        """The rank process's pid."""
         return self.proc.pid
 
     @property
     def returncode(self) -> Optional[int]:
+        """Its exit code; None while it runs."""
         return self.proc.poll()
 
     def running(self) -> bool:
+        """Whether it still runs."""
         return self.proc.poll() is None
 
     def failed(self) -> bool:
+        """Whether it exited with an error."""
         return self.proc.poll() not in (None, 0)
 
     def dump_stacks(self) -> str:
+        """Its threads' stacks (faulthandler's dump)."""
         return dump_stacks(self.proc, self.workdir.path)
 
     def kill(self) -> None:
+        """Kill it and its children."""
         kill_tree(self.proc)
 
     def output_done(self, timeout: float = 5.0) -> None:
@@ -100,6 +106,7 @@ class RankProcess:
             return float("inf")
 
     def result(self) -> bytes:
+        """Its pickled return value."""
         with open(self.workdir.result, "rb") as f:
             return f.read()
 

@@ -41,38 +41,46 @@ class WorkDir:
         return workdir
 
     @property
-    def owner(self) -> str:  # "<pid> <start time>" of the process that created it (and removes it)
+    def owner(self) -> str:
+        """'<pid> <start time>' of the process that made the directory (and removes it)."""
         return self._file("owner")
 
     def _file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
     @property
-    def payload(self) -> str:  # the pickled (fn, args, kwargs)
+    def payload(self) -> str:
+        """The pickled (fn, args, kwargs)."""
         return self._file("payload.pkl")
 
     @property
-    def result(self) -> str:  # the pickled return value, written last (renamed into place)
+    def result(self) -> str:
+        """The pickled return value, written last (renamed into place)."""
         return self._file("result.pkl")
 
     @property
-    def error(self) -> str:  # the traceback of a failed rank
+    def error(self) -> str:
+        """The traceback of a failed rank."""
         return self._file("error.txt")
 
     @property
-    def raised(self) -> str:  # what a failed rank's code raised, as JSON: its type_name() and message
+    def raised(self) -> str:
+        """What a failed rank's code raised, as JSON: its type_name() and message."""
         return self._file("raised.json")
 
     @property
-    def events(self) -> str:  # reports of a rank that cannot reach the driver (protocol lines)
+    def events(self) -> str:
+        """The reports of a rank that cannot reach the driver (protocol lines)."""
         return self._file("events.jsonl")
 
     @property
-    def stacks(self) -> str:  # faulthandler's dump on SIGUSR1
+    def stacks(self) -> str:
+        """faulthandler's dump on SIGUSR1."""
         return self._file("stacks.txt")
 
     @property
-    def pid(self) -> str:  # the worker's own pid (under mpiexec it is not the launched one's)
+    def pid(self) -> str:
+        """The worker's own pid (under mpiexec, not the launched process's)."""
         return self._file("pid")
 
 
