@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
 def _doctor(args) -> int:
     from sparkring.runner.driver.doctor import doctor
 
-    spark, owned = _session(args.master, args.num_proc, args.remote)
+    spark, owned = _session(args.master, args.num_proc, args.remote, this_interpreter=False)
     try:
         report = doctor(spark, num_tasks=args.num_proc, timeout=args.timeout, store=args.store)
         print(report)
@@ -64,7 +64,10 @@ def _doctor(args) -> int:
             spark.stop()
 
 
-def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[str] = None):
+def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[str] = None, *,
+             this_interpreter: bool = True):
+    """The active session, else a new one (``this_interpreter``: its executors run this Python unless
+    PYSPARK_PYTHON says otherwise; the doctor looks at what a user's own session would run)."""
     from pyspark.sql import SparkSession
 
     remote = remote or os.environ.get("SPARK_REMOTE")
@@ -79,7 +82,8 @@ def _session(master: Optional[str], num_proc: Optional[int], remote: Optional[st
 
     if SparkContext._active_spark_context is not None:  # spark-submit gave us a context
         return SparkSession(SparkContext._active_spark_context), False
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    if this_interpreter:
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName("sparkring run")
     if master or "spark.master" not in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
         builder = builder.master(master or f"local[{num_proc or '*'}]")

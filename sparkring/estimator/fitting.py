@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional
 
 from ..data import Dataset, prepare
 from ..data.text import Encoder, mean_tokens, tokenize
+from ..runner import check_executor_interpreter
 from ..trainer.events import TrainingEvent, from_payload
 from . import checks, text, tracking
 from .config import EstimatorConfig
@@ -69,6 +70,7 @@ def _fit_rows(context: FitContext, dataset) -> SparkRingModel:
     """Check, prepare the rows in the Store, fit on them; the prepared copy is deleted unless kept."""
     config, clock = context.config, PhaseClock()
     decided = checks.decide(config, dataset)
+    check_executor_interpreter(context.spark, config.start_timeout)  # before the data is written
     # one run directory holds this fit's prepared data and its checkpoints
     context.run_id = config.run_id or uuid.uuid4().hex[:12]
     ds = prepare(dataset, decided.store, spec=decided.spec, validation=config.validation, seed=config.seed,
@@ -90,6 +92,7 @@ def _fit_text(context: FitContext, dataset) -> SparkRingModel:
     layout = text.text_layout(config, dataset, shape)
     if config.store is not None:  # before tokenizing: no Spark job for a Store out of reach
         checks.fit_store(config).check_writable()
+    check_executor_interpreter(context.spark, config.start_timeout)  # the executors tokenize with sparkring
     tokenized, counts = tokenize(dataset, Encoder(config.tokenizer), layout)
     figures = text.TokenFigures(mean_tokens(counts), sum(p.numel() for p in shape.parameters()),
                                 config.peak_flops, config.task != text.CLASSIFY)

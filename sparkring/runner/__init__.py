@@ -8,12 +8,13 @@ from ..collective.elastic import Relaunches
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
 from .channel import report
 from .driver.elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
+from .driver.interpreter import check_executor_interpreter
 from .driver.launch import launch, run
 from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan, plan_for
 from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
 
 __all__ = ["run", "launch", "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
-           "report", "check_picklable", "to_bytes", "spark_major",
+           "check_executor_interpreter", "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts", "ElasticLaunch", "ElasticPolicy", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -164,3 +164,14 @@ def barrier_probe(driver_host: str, driver_port: int, store: Optional[Tuple[str,
         yield pa.RecordBatch.from_pydict({"facts": [json.dumps(facts)]})
 
     return run
+
+
+def interpreter_probe(names: Tuple[str, ...]):
+    """The UDF of the launch's first look at an executor: the interpreter that runs it and the
+    versions of ``names`` it imports, as JSON (plain Python: it needs neither pyarrow nor sparkring)."""
+
+    def facts(_: Any) -> str:
+        versions = {name: installed_version(name) for name in names}
+        return json.dumps({"executable": sys.executable, "versions": versions})
+
+    return facts

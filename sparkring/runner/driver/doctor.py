@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from ...data.store import Store
 from .. import _probe
 from ..versions import package_versions, skew
+from .interpreter import executor_interpreter
 from .resources import default_ranks_per_task
 from .session import JobTag, session_facts, settled_slots
 
@@ -172,6 +173,12 @@ def doctor(spark=None, num_tasks: Optional[int] = None, timeout: float = 120.0,
         slots = settled_slots(spark) or slots  # one task per executor slot: wait for them all to register
     wanted = num_tasks or slots or 1
     driver = package_versions()
+    interpreter = executor_interpreter(spark, timeout)
+    wrong = interpreter.problem() if interpreter is not None else None
+    if wrong is not None:  # the barrier probe would fail on it, less clearly
+        return DoctorReport(master=facts.master, driver_versions=driver, slots_wanted=wanted, executors=[],
+                            problems=[Problem("executors", wrong.what, wrong.fix, True)],
+                            gpus_per_task=facts.task_gpus)
     listener = _Listener(facts.driver_host)
     problems: List[Problem] = []
     try:

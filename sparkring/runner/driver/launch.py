@@ -22,6 +22,7 @@ from ..protocol import Abort, TaskSpec
 from ..versions import package_versions
 from .elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .horovod_launch import parse_hosts, ranks_from_hosts, translate_run_keywords
+from .interpreter import check_executor_interpreter
 from .ledger import RunLedger
 from .outcome import raise_for_outcome
 from .plan import RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
@@ -35,11 +36,14 @@ log = logging.getLogger(__name__)
 
 def active_spark():
     """The caller's session: the active one (classic or Connect), else a new one from the
-    builder (which honours SPARK_REMOTE)."""
+    builder (which honours SPARK_REMOTE); one sparkring starts in local mode runs its executors
+    on this interpreter unless PYSPARK_PYTHON says otherwise."""
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession()
     if spark is None:
+        if not os.environ.get("SPARK_REMOTE") and "--master" not in os.environ.get("PYSPARK_SUBMIT_ARGS", ""):
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # local[*]: this machine, this Python
         spark = SparkSession.builder.getOrCreate()
     return spark
 
@@ -250,6 +254,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     """
     num_proc = launch_plan.num_proc
     facts = launch_plan.facts
+    check_executor_interpreter(spark, start_timeout)  # once per application: a missing sparkring in one line
     shm_env = {} if launch_plan.shared_memory else {environment.SHM: "0"}
     if facts.local and not facts.connect:  # the barrier tasks run in this driver's JVM
         release_barrier_timer_at_exit(spark)
