@@ -26,6 +26,7 @@ from ..trainer.lightning import is_lightning_module
 from ..trainer.stored import StoredWeightsError
 from . import tracking
 from .config import EstimatorConfig
+from .input_layer import check_input_layer
 from .params import OBJECT_PARAMS, param_values
 
 
@@ -39,6 +40,13 @@ class FitDecisions:
     store: Store
     spec: FeatureSpec
     lightning: bool  # the model is a LightningModule (decided once, from the model's shape)
+    shape: Optional[torch.nn.Module] = None  # the model as model_shape() built it (meta where a factory's)
+
+    def check_input_layer(self, spec: FeatureSpec) -> None:
+        """The model's input layer against the prepared data's measured widths (a Vector column's
+        width is known only once prepare has read it)."""
+        if self.shape is not None and not self.lightning:
+            check_input_layer(self.shape, spec)
 
 
 def fit_store(config: EstimatorConfig) -> Store:
@@ -62,6 +70,8 @@ def decide(config: EstimatorConfig, df) -> FitDecisions:
     shape = model_shape(config)
     lightning, metrics = check_training(config, shape)
     spec = check_columns(config, df)
+    if not lightning:
+        check_input_layer(shape, spec)
     validation = config.validation
     es = early_stopping(config, validation is not None, metrics, lightning)
     launch_plan = plan_launch(config, df.sparkSession, config.num_proc)
@@ -76,7 +86,7 @@ def decide(config: EstimatorConfig, df) -> FitDecisions:
                                  "a temporary local directory; pass store=Store('hdfs://...' or 's3://...')")
     store.check_writable()
     return FitDecisions(metrics=metrics, early_stopping=es, plan=launch_plan, store=store, spec=spec,
-                        lightning=lightning)
+                        lightning=lightning, shape=shape)
 
 
 def model_shape(config: EstimatorConfig) -> torch.nn.Module:

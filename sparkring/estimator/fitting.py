@@ -79,6 +79,7 @@ def _fit_rows(context: FitContext, dataset) -> SparkRingModel:
     context.prepared = ds
     try:
         checks.check_labels(config, ds)
+        decided.check_input_layer(ds.spec)
         return _fit_tracked(context, dataset, ds, decided=decided, clock=clock)
     finally:
         if not (config.keep_data or context.hold_data):

@@ -179,6 +179,10 @@ CASES = [
     Case("fit-labels-out-of-range", lambda c: _fit(c, df=H.classification_df(c.spark, n=96).selectExpr(
         "id", "features", "IF(id % 5 = 0, 7.0, label) AS label")), RankFailedError,
          r"label value 7 is out of range for a model with 3 outputs", before_any_job=False),
+    Case("fit-first-layer-too-narrow", lambda c: _fit(c, model=torch.nn.Sequential(
+        torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))), DataError,
+        r"first layer '0' is Linear\(in_features=32, out_features=16\) but the feature column\(s\) 'features' "
+        r"\(8 values per row\) give it 8 values: build it as Linear\(8, 16\)", before_any_job=False),
     Case("fit-forward-raises", lambda c: _fit(c, model=H.ForwardFails()), RankFailedError,
          r"(?s)rank \d failed.*RuntimeError: forward fails on purpose.*sparkring: on rank \d, epoch 0, "
          r"training batch 0", before_any_job=False),
