@@ -161,14 +161,27 @@ def _time_split(logs, tokens: Optional[TokenFigures] = None) -> str:
 
     >>> _time_split({"time_data": 0, "time_compute": 1, "time_comm": 0, "time_other": 0, "samples_per_second": 50},
     ...             TokenFigures(8.0, params=10, peak_flops=1e5))
-    '  400 tokens/s (MFU 24.0%), 50 samples/s (data 0.0s, compute 1.0s, comm 0.0s, other 0.0s)'
+    '  400 tokens/s (MFU 24.0%), 50 samples/s (compute 1.0s)'
     """
     if "time_compute" not in logs:
         return ""
-    parts = ", ".join(f"{part} {logs[f'time_{part}']:.1f}s" for part in ("data", "compute", "comm", "other"))
+    spent = [(part, _duration(logs[f"time_{part}"])) for part in ("data", "compute", "comm", "other")]
+    parts = ", ".join(f"{part} {shown}" for part, shown in spent if shown)
     shown = ""
     if tokens is not None:
         rate = tokens.rate(logs["samples_per_second"])
         mfu = tokens.mfu(rate)
         shown = f"{rate:,.0f} tokens/s" + (f" (MFU {mfu:.1%})" if mfu is not None else "") + ", "
-    return f"  {shown}{logs['samples_per_second']:,.0f} samples/s ({parts})"
+    return f"  {shown}{logs['samples_per_second']:,.0f} samples/s" + (f" ({parts})" if parts else "")
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as an epoch line shows them: tenths of a second, milliseconds below 0.1 s, nothing
+    below half a millisecond (a part that took no time is left out).
+
+    >>> [_duration(s) for s in (3.14, 0.042, 0.0001)]
+    ['3.1s', '42ms', '']
+    """
+    if seconds >= 0.1:
+        return f"{seconds:.1f}s"
+    return f"{seconds * 1000:.0f}ms" if seconds >= 0.0005 else ""
