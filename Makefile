@@ -10,6 +10,10 @@ PY_COMPAT := $(VENV_COMPAT)/bin/python
 STAMP_COMPAT := $(VENV_COMPAT)/.installed
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+# A wheel index searched besides PyPI, for torch's CPU build on a machine without a GPU:
+# make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu (PyPI's torch for Linux is the CUDA build)
+TORCH_INDEX ?=
+PIP_INDEX := $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX),)
 
 .PHONY: test test-compat lint demo bench java clean gpu-check pack docs
 
@@ -18,7 +22,9 @@ BENCH_ARGS ?=
 $(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test,mpi,text,tune,s3]' 'moto[server]'
+	@echo "installing sparkring's environment into $(VENV) (once; several minutes, pip's progress follows)"
+	$(PY) -m pip install --no-compile $(PIP_INDEX) -c constraints.txt -e '.[test,mpi,text,tune,s3]' \
+	  'moto[server]'
 	@# pip compiles what it installs on one core; compileall on every core (a few files it cannot compile,
 	@# written for newer Pythons, it skips as pip does)
 	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
@@ -28,7 +34,8 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 $(STAMP_COMPAT): pyproject.toml constraints-compat.txt Makefile
 	$(PYTHON) -m venv $(VENV_COMPAT)
 	$(PY_COMPAT) -m pip install -q --upgrade pip
-	$(PY_COMPAT) -m pip install -q -c constraints-compat.txt -e '.[test,mpi,petastorm]' opencv-python-headless
+	$(PY_COMPAT) -m pip install -q $(PIP_INDEX) -c constraints-compat.txt -e '.[test,mpi,petastorm]' \
+	  opencv-python-headless
 	$(PY_COMPAT) -m compileall -q sparkring tests examples benchmarks conftest.py >/dev/null
 	touch $(STAMP_COMPAT)
 

@@ -113,7 +113,7 @@ layouts = {"tensorParallel=2": dict(tensorParallel=2),
 for name, layout in layouts.items():
     est = SparkRingEstimator(model=decoder, optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3),
                              loss="cross_entropy", metrics=["accuracy"], batchSize=64, epochs=EPOCHS, numProc=2,
-                             seed=0, store=store, verbose=0, activationCheckpointing="selective", **layout)
+                             seed=0, store=store, verbose=1, activationCheckpointing="selective", **layout)
     model = est.fit(train)
     predicted = model.transform(test)
     accuracy = predicted.filter("prediction = label").count() / predicted.count()
