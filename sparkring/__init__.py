@@ -8,6 +8,7 @@ from .errors import (
     ConfigurationError,
     DataError,
     HorovodInternalError,
+    HostLostError,
     HostsUpdatedInterrupt,
     MismatchError,
     NonFiniteLossError,
@@ -23,7 +24,7 @@ from .errors import (
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "doctor", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
            "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError",
-           "StageLostError", "HostsUpdatedInterrupt", "NonFiniteLossError"]
+           "StageLostError", "HostLostError", "HostsUpdatedInterrupt", "NonFiniteLossError"]
 __version__ = "0.1.0"
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should

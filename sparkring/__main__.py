@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--use-gpu", action="store_true", default=None, help="schedule one GPU per rank")
     r.add_argument("--timeout", type=float, default=None, help="seconds before a rank is killed")
     r.add_argument("--start-timeout", type=float, default=120.0)
+    r.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="seconds a running rank's host may stay silent before the run names it lost (0: never)")
     r.add_argument("-v", "--verbose", type=int, default=1, help="0: quiet, 1: rank 0 output, 2: every rank")
     r.add_argument("--min-np", type=int, default=None,
                    help="elastic: go on with at least this many ranks when some are lost (hvd.elastic in the script)")
@@ -122,6 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
         return _doctor(args)
+    from sparkring.errors import StageLostError
     from sparkring.runner import ConfigurationError, RankFailedError, RankTimeoutError, launch, plan
     from sparkring.runner.driver.horovod_launch import ranks_from_hosts
     from sparkring.runner.driver.launch import launch_elastic
@@ -130,7 +133,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from sparkring.runner.driver.session import session_facts
 
     try:  # mistakes in the command line fail before a Spark session starts
-        check_timeouts(args.timeout, args.start_timeout, CLI_NAMES)
+        heartbeat = args.heartbeat_timeout or None
+        check_timeouts(args.timeout, args.start_timeout, CLI_NAMES, heartbeat)
         script_path, script_args = _without_interpreter(args.script, args.script_args)
         script = ScriptMain(script_path, script_args)
         host_list = _host_list(args)
@@ -149,15 +153,18 @@ def main(argv: Optional[List[str]] = None) -> int:
                            ranks_per_task=args.ranks_per_task, min_proc=args.min_np)
         if args.min_np is None:
             launch(spark, launch_plan, script, start_timeout=args.start_timeout, timeout=args.timeout,
-                   verbose=args.verbose)
+                   verbose=args.verbose, heartbeat_timeout=heartbeat, names=CLI_NAMES)
         else:
             launch_elastic(spark, launch_plan, script, min_proc=args.min_np, max_restarts=args.max_restarts,
                            elastic_dir=args.elastic_dir, start_timeout=args.start_timeout, timeout=args.timeout,
-                           verbose=args.verbose, names=CLI_NAMES)
+                           verbose=args.verbose, names=CLI_NAMES, heartbeat_timeout=heartbeat)
         return 0
     except RankFailedError as e:
         print(f"sparkring: {e}", file=sys.stderr)
         return e.exit_code if isinstance(e.exit_code, int) and e.exit_code > 0 else 1
+    except StageLostError as e:  # a lost executor or host: the run may succeed when started again
+        print(f"sparkring: {e}", file=sys.stderr)
+        return 1
     except (RankTimeoutError, ConfigurationError, FileNotFoundError) as e:
         print(f"sparkring: {e}", file=sys.stderr)
         return 2

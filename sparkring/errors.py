@@ -94,6 +94,20 @@ class StageLostError(SparkRingError):
         super().__init__(message)
 
 
+class HostLostError(StageLostError):
+    """Ranks fell silent past ``heartbeatTimeout`` while their tasks ran: their host no longer
+    reaches the driver (a link down, every packet dropped, the machine hung) or their executor
+    froze. ``lost`` maps the silent ranks to their executors' addresses, ``hosts`` to their hosts.
+
+    >>> HostLostError("rank 1 on host b fell silent", lost={1: "b:4711"}, hosts={1: "b"}).hosts
+    {1: 'b'}
+    """
+
+    def __init__(self, message: str, lost: Optional[Dict[int, str]] = None, hosts: Optional[Dict[int, str]] = None):
+        self.hosts = dict(hosts or {})
+        super().__init__(message, lost=lost)
+
+
 class TrainingError(RankFailedError):
     """Training went wrong on a rank (a non-finite loss): the reason names the epoch, step and
     rank; the last good checkpoint is kept, so fitting again with the same runId resumes.

@@ -328,7 +328,7 @@ def check_training(config: EstimatorConfig, model: torch.nn.Module) -> Tuple[boo
         if opt is None or not (isinstance(opt, torch.optim.Optimizer) or callable(opt)):
             raise ConfigurationError("optimizer must be a torch.optim.Optimizer over model.parameters() or a "
                                      "factory, e.g. optimizer=lambda params: torch.optim.Adam(params, lr=1e-3)")
-    check_timeouts(config.timeout, None, ESTIMATOR_NAMES)
+    check_timeouts(config.timeout, None, ESTIMATOR_NAMES, config.heartbeat_timeout)
     clip = config.gradient_clip_norm
     if clip is not None and not clip > 0:
         raise ConfigurationError(f"gradientClipNorm={clip}: give a positive norm (e.g. 1.0), or leave it unset")

@@ -120,6 +120,7 @@ class EstimatorConfig:
     timeout: Optional[float] = None
     timeline: Optional[str] = None
     start_timeout: float = 120.0
+    heartbeat_timeout: Optional[float] = 30.0
     min_proc: Optional[int] = None
     checkpoint_every: Optional[int] = None
     max_restarts: int = 3

@@ -12,7 +12,15 @@ import torch
 from ..collective import environment
 from ..collective.elastic import Relaunches
 from ..errors import NonFiniteLossError, RankFailedError, TrainingError
-from ..runner import ConfigurationError, ElasticLaunch, ElasticPolicy, LaunchPlan, launch, relaunch_until_done
+from ..runner import (
+    ESTIMATOR_NAMES,
+    ConfigurationError,
+    ElasticLaunch,
+    ElasticPolicy,
+    LaunchPlan,
+    launch,
+    relaunch_until_done,
+)
 from ..trainer import RankResult, TrainConfig, pretrained, train_rank
 from ..trainer.checkpoints import resume_point
 from ..trainer.elastic import stop_request
@@ -143,7 +151,8 @@ def launch_fit(spark, config: EstimatorConfig, cfg: TrainConfig, *, decided: Fit
             val_steps=steps_per_epoch(config, cfg.dataset, cfg.parallel.data_size(now.num_proc))[1])
         return launch(spark, now, train_rank, args=(run_cfg,), timeout=config.timeout,
                       start_timeout=config.start_timeout, verbose=2 if verbose >= 2 else (1 if verbose else 0),
-                      on_event=on_event, env=trace_env)
+                      on_event=on_event, env=trace_env, heartbeat_timeout=config.heartbeat_timeout,
+                      names=ESTIMATOR_NAMES)
 
     try:
         if cfg.elastic is None:

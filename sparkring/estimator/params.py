@@ -257,6 +257,11 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "to this path on the driver; open it in Perfetto or chrome://tracing", to_optional_string),
     ParamSpec("startTimeout", "float", 120.0, "seconds the ranks have to start (and an elastic fit that lost ranks "
               "waits for minProc slots; with at least minProc it goes on at once)", TypeConverters.toFloat),
+    ParamSpec("heartbeatTimeout", "float | None", 30.0, "seconds a running rank's task may send the driver nothing "
+              "(each beats every few seconds from its own process, so a busy rank still beats) before its host counts "
+              "as lost: the fit fails with HostLostError naming the ranks and the host, or an elastic fit goes on "
+              "without them, whatever timeout says; None leaves a silent host to Spark's own heartbeat",
+              to_optional_float),
     ParamSpec("minProc", "int | None", None, "elastic fit: when ranks are lost, go on with as few as this many "
               "(default: numProc, no shrinking); batches stay batchSize x numProc rows, so the result does not "
               "depend on how many ranks trained", to_optional_int, minimum=1),

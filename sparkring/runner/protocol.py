@@ -77,6 +77,17 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Beat:
+    """Task to driver, every few seconds while its rank runs: the task's host still reaches the
+    driver. The task's own process sends it, never the rank's, so a rank busy in a long step or
+    validation still beats; only an unreachable host or a frozen executor falls silent."""
+
+    TAG: ClassVar[str] = "beat"
+    rank: int
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Stacks:
     """Where a rank's threads were when the run was stopped for a timeout."""
 
@@ -155,9 +166,9 @@ class Gathered:
     records: Optional[List["Rendezvous"]]
 
 
-Frame = Union[Arrived, Hello, Detached, Started, Log, Event, Stacks, Done, Error, Abort, Cause, Join, Gathered,
-              ConnectionClosed]
-_WIRE: Dict[str, Type[Any]] = {cls.TAG: cls for cls in (Arrived, Hello, Detached, Started, Log, Event, Stacks,
+Frame = Union[Arrived, Hello, Detached, Started, Log, Event, Beat, Stacks, Done, Error, Abort, Cause, Join,
+              Gathered, ConnectionClosed]
+_WIRE: Dict[str, Type[Any]] = {cls.TAG: cls for cls in (Arrived, Hello, Detached, Started, Log, Event, Beat, Stacks,
                                                          Done, Error, Abort, Cause, Join, Gathered)}
 
 
@@ -285,6 +296,17 @@ class TaskSpec:
     driver_versions: Dict[str, str] = field(default_factory=dict)  # compared with every executor's
     ranks_per_task: int = 1         # ranks each task starts: task t runs ranks t*k .. t*k+k-1
     gang: bool = False              # an ordinary stage (dynamic allocation): the tasks meet only at the driver
+    heartbeat_timeout: Optional[float] = None  # the driver's limit on a task's silence: each beats well within it
+
+
+def beat_interval(heartbeat_timeout: float) -> float:
+    """How often a task beats for a given heartbeat timeout: six beats to a timeout, between
+    0.2 s and 5 s (a few lost or late beats never add up to a lost host).
+
+    >>> beat_interval(30.0), beat_interval(0.5)
+    (5.0, 0.2)
+    """
+    return min(5.0, max(0.2, heartbeat_timeout / 6))
 
 
 RESULT, MESSAGE = "result", "message"  # OutputRecord.kind

@@ -356,3 +356,24 @@ def bf16_compressed_training():
         out.append(model.weight.detach().clone())
     sr.allreduce(torch.ones(8), name="final.loss")  # Horovod's phases of a named collective on the timeline
     return out
+
+
+def busy_without_a_word(seconds):
+    """Hold the rank's interpreter (a pure-Python loop, the GIL never free) for ``seconds``, printing nothing."""
+    deadline, spins = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        spins += 1
+    sr.barrier()
+    return spins > 0
+
+
+def tell_my_task_then_wait_in_allreduce(path, rank_to_tell):
+    """Rank ``rank_to_tell`` writes its task's pid to ``path``; every rank then waits in collectives."""
+    if sr.rank() == rank_to_tell:
+        with open(path + ".tmp", "w") as f:
+            f.write(os.environ["SPARKRING_PARENT_PID"])
+        os.replace(path + ".tmp", path)
+    for _ in range(600):
+        sr.allreduce(torch.ones(1))
+        time.sleep(0.1)
+    return "should not get here"

@@ -2,6 +2,7 @@
 import importlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from leftovers import ctrl_c_when_ranks_run, wait_no_workers
 from paths import HELPERS, ROOT
 from waiting import wait_until
 
-from sparkring import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError, run
+from sparkring import ConfigurationError, HostLostError, RankFailedError, RankTimeoutError, SparkRingError, run
 from sparkring.runner import channel, plan
 from sparkring.runner.protocol import ConnectionClosed, Log
 
@@ -462,3 +463,36 @@ def test_executors_whose_versions_differ_from_the_driver_fail_before_any_rank_st
     assert wait_no_workers() == []
     monkeypatch.undo()
     assert len(run(rank_fns.whoami, num_proc=2)) == 2  # same versions: runs
+
+
+def test_a_rank_busy_holding_its_interpreter_is_not_taken_for_a_lost_host(spark):
+    # the beats come from the task's process, not the rank's: a busy rank still beats
+    assert run(rank_fns.busy_without_a_word, args=(6.0,), num_proc=2, heartbeat_timeout=1.5) == [True, True]
+
+
+def test_a_task_that_falls_silent_ends_the_run_within_the_heartbeat_timeout_naming_its_rank_and_host(spark, tmp_path):
+    # a frozen task process stands in for a host cut off the network (tests/integration/test_hosts.py cuts real links)
+    marker = str(tmp_path / "task-pid")
+    frozen = []
+
+    def freeze_rank_ones_task():
+        wait_until(lambda: os.path.exists(marker), timeout=60, every=0.05)
+        frozen.append(int(open(marker).read()))
+        os.kill(frozen[0], signal.SIGSTOP)
+        frozen.append(time.monotonic())
+
+    freezer = threading.Thread(target=freeze_rank_ones_task, daemon=True)
+    freezer.start()
+    try:
+        with pytest.raises(HostLostError, match=r"rank 1 on host \S+: no word from its task for "
+                                                r"heartbeat_timeout=3s") as info:
+            run(rank_fns.tell_my_task_then_wait_in_allreduce, args=(marker, 1), num_proc=2, timeout=300,
+                heartbeat_timeout=3)
+        silent_for = time.monotonic() - frozen[1]
+    finally:
+        freezer.join(60)
+        if frozen:
+            os.kill(frozen[0], signal.SIGCONT)
+    assert 3 <= silent_for < 3 + 10  # the timeout, plus the last beat's interval and the watch's rounds
+    assert list(info.value.lost) == [1] and list(info.value.hosts) == [1]
+    assert wait_no_workers(timeout=60) == []

@@ -25,7 +25,7 @@ from .horovod_launch import parse_hosts, ranks_from_hosts, translate_run_keyword
 from .interpreter import check_executor_interpreter
 from .ledger import RunLedger
 from .outcome import raise_for_outcome
-from .plan import RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
+from .plan import DEFAULT_HEARTBEAT_TIMEOUT, RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
 from .script import ScriptMain
 from .session import JobTag, release_barrier_timer_at_exit, session_facts, wait_for_slots
 from .stage import Stage
@@ -54,31 +54,29 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
         spark=None, shared_memory: bool = True, min_proc: Optional[int] = None, max_restarts: int = 3,
         elastic_dir: Optional[str] = None, ranks_per_task: Optional[int] = None, resource_profile: Any = "auto",
-        **horovod_names: Any) -> List[Any]:
+        heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, **horovod_names: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
 
-    ``fn`` may also be the path of a Python script, run as ``__main__`` with ``args`` as
-    its command line (the Horovod ``horovodrun`` habit); each rank then returns 0.
-    ``stream=False`` (or executors that cannot reach this process) turns live output off:
-    logs, events and errors then arrive when the stage ends. ``shared_memory=False`` sends
-    CPU allreduces between ranks of one host through gloo instead of /dev/shm. Tensors in
-    ``fn``, ``args`` and ``kwargs`` travel as CPU tensors (a model on the driver's GPU too):
-    move them to the rank's device inside ``fn``.
+    ``fn`` may also be a Python script's path, run as ``__main__`` with ``args`` as its command
+    line (each rank then returns 0). ``stream=False`` (or executors that cannot reach this
+    process) turns live output off: logs, events and errors arrive when the stage ends.
+    ``shared_memory=False`` sends CPU allreduces within a host through gloo, not /dev/shm.
+    Tensors travel as CPU tensors: move them to the rank's device inside ``fn``.
 
-    ``min_proc`` makes the run elastic (Horovod's elastic API inside ``fn``, see
-    ``sparkring.collective.elastic``): when ranks are lost it launches again, at most
-    ``max_restarts`` times, with the slots the cluster offers within ``start_timeout`` (at least
-    ``min_proc``), and with ``num_proc`` again when the slots come back; each launch resumes from
-    the last ``state.commit()``, which rank 0 persists under ``elastic_dir`` (a directory every
-    executor reaches; a temporary one on this machine by default, where every task runs here).
-    The results are those of the last launch's ranks.
+    ``min_proc`` makes the run elastic (``sparkring.collective.elastic`` inside ``fn``): when ranks
+    are lost it launches again, at most ``max_restarts`` times, with the slots the cluster offers
+    within ``start_timeout`` (at least ``min_proc``), and with ``num_proc`` when they come back,
+    resuming from the last ``state.commit()`` rank 0 persists under ``elastic_dir`` (a directory
+    every executor reaches; a temporary one where every task runs here).
 
     ``ranks_per_task`` ranks run in each Spark task (by default one per GPU of a task that holds
-    several, else one); ``num_proc`` counts ranks. ``resource_profile`` gives the training stage
-    its own task resources: "auto" asks for ``ranks_per_task`` GPUs per task through a Spark
-    ResourceProfile where spark.task.resource.gpu.amount is less (stage-level scheduling,
-    Spark 4 on standalone, YARN or Kubernetes), "off" never does, or pass a ResourceProfile.
+    several); ``num_proc`` counts ranks. ``resource_profile``: "auto" asks for ``ranks_per_task``
+    GPUs per task through a stage-level ResourceProfile where spark.task.resource.gpu.amount is
+    less (Spark 4 on standalone, YARN or Kubernetes), "off" never does, or pass a ResourceProfile.
+
+    ``heartbeat_timeout``: a host silent that long (its tasks beat from their own processes, so a
+    busy rank still beats) ends the run with ``HostLostError``; an elastic run goes on without it.
 
     Horovod's ``horovod.run()`` keywords are accepted too, so its examples' ``--num-proc`` paths run
     as written: ``np`` (num_proc), ``min_np`` (min_proc), ``max_np`` (the elastic target, num_proc;
@@ -91,7 +89,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     >>> run(fn, num_proc=2)  # doctest: +SKIP
     [0.5, 0.5]
     """
-    check_timeouts(timeout, start_timeout, RUN_NAMES)
+    check_timeouts(timeout, start_timeout, RUN_NAMES, heartbeat_timeout)
     fn, args, kwargs = _runnable(fn, args, kwargs)
     spark = spark or active_spark()
     if horovod_names:
@@ -104,10 +102,10 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     env = _with_trace(env)
     if min_proc is None:
         return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout, env=env,
-                      verbose=verbose, on_event=on_event)
+                      verbose=verbose, on_event=on_event, heartbeat_timeout=heartbeat_timeout)
     return launch_elastic(spark, launch_plan, fn, args, kwargs, min_proc=min_proc, max_restarts=max_restarts,
                           elastic_dir=elastic_dir, start_timeout=start_timeout, timeout=timeout, env=env,
-                          verbose=verbose, on_event=on_event)
+                          verbose=verbose, on_event=on_event, heartbeat_timeout=heartbeat_timeout)
 
 
 def _runnable(fn: Union[Callable[..., Any], str], args: Sequence[Any],
@@ -167,7 +165,8 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
                    kwargs: Optional[Dict[str, Any]] = None, *, min_proc: int, max_restarts: int = 3,
                    elastic_dir: Optional[str] = None, start_timeout: float = 120, timeout: Optional[float] = None,
                    env: Optional[Dict[str, str]] = None, verbose: int = 1,
-                   on_event: Optional[Callable[[int, Any], None]] = None, names: ParamNames = RUN_NAMES) -> List[Any]:
+                   on_event: Optional[Callable[[int, Any], None]] = None, names: ParamNames = RUN_NAMES,
+                   heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT) -> List[Any]:
     """Launch as :func:`launch` does, again (from the last commit) when ranks are lost or the
     slots come back: run()'s elastic mode (``min_proc``) and the CLI's ``--min-np``.
 
@@ -182,7 +181,8 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
                         start_timeout_name=names.start_timeout, min_size_name=names.min_proc,
                         ranks_per_task=launch_plan.ranks_per_task)
     policy = _RunPolicy(how, lambda now: launch(spark, now, fn, args, kwargs, start_timeout=start_timeout,
-                                                timeout=timeout, env=rank_env, verbose=verbose, on_event=on_event),
+                                                timeout=timeout, env=rank_env, verbose=verbose, on_event=on_event,
+                                                heartbeat_timeout=heartbeat_timeout, names=names),
                         lambda size: dataclasses.replace(plan_for(spark, LaunchRequest(
                             num_proc=size, use_gpu=launch_plan.use_gpu,
                             backend="auto" if launch_plan.backend_from_auto else launch_plan.backend,
@@ -246,9 +246,11 @@ class _TimelineCollector:
 def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequence[Any] = (),
            kwargs: Optional[Dict[str, Any]] = None, start_timeout: float = 120, timeout: Optional[float] = None,
            env: Optional[Dict[str, str]] = None, verbose: int = 1,
-           on_event: Optional[Callable[[int, Any], None]] = None) -> List[Any]:
+           on_event: Optional[Callable[[int, Any], None]] = None,
+           heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, names: ParamNames = RUN_NAMES) -> List[Any]:
     """Launch ``fn`` on the ranks of a plan made by :func:`plan` (what ``run()`` does after
-    planning; the estimator plans before its data jobs and launches here).
+    planning; the estimator plans before its data jobs and launches here). ``names`` spells the
+    caller's settings in its messages.
 
     >>> results = launch(spark, plan(spark, num_proc=2), fn)  # doctest: +SKIP
     """
@@ -276,14 +278,16 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
                     start_timeout=float(start_timeout), timeout=timeout, attempts=launch_plan.attempts,
                     stream=launch_plan.stream, env={**(env or {}), **shm_env}, task_cpus=launch_plan.task_cpus,
                     backend_from_auto=launch_plan.backend_from_auto, driver_versions=package_versions(),
-                    ranks_per_task=launch_plan.ranks_per_task, gang=launch_plan.gang)
+                    ranks_per_task=launch_plan.ranks_per_task, gang=launch_plan.gang,
+                    heartbeat_timeout=heartbeat_timeout)
     tag = JobTag(spark, f"sparkring-{uuid.uuid4().hex[:12]}", f"sparkring.run: {num_proc} ranks")
     stage = Stage(spark, spec, launch_plan, tag, start_timeout)
     log.info("launching %d ranks (a payload of %d bytes; driver channel %s:%d)", num_proc, len(payload),
              *channel.address)
     stage.start()
     try:
-        _watch(stage, channel, Watch(state, launch_plan, start_timeout, timeout, stage.started))
+        _watch(stage, channel, Watch(state, launch_plan, start_timeout, timeout, stage.started,
+                                     heartbeat_timeout=heartbeat_timeout, names=names))
         raise_for_outcome(state, stage.outcome, num_proc, start_timeout, timeout)
     except KeyboardInterrupt:
         # Ctrl-C: classic PySpark's own SIGINT handler cancels every job of the context, a

@@ -59,6 +59,8 @@ class RunLedger:
         self.detached = False
         self.joins: Dict[int, Dict[int, Tuple[Join, Any]]] = {}  # stage -> rank -> (join, its connection)
         self.join_started: Dict[int, float] = {}
+        self.heard: Dict[int, Dict[int, float]] = {}  # attempt -> rank -> when its task's last frame came
+        self.hosts: Dict[int, Dict[int, str]] = {}  # attempt -> rank -> the host its task said it is on
 
     def handle(self, msg: Frame, conn=None) -> None:
         """One frame from a rank: live from the channel (``conn``), or replayed from the
@@ -66,6 +68,20 @@ class RunLedger:
         handler = self._handlers.get(type(msg))
         if handler is not None:
             handler(self, msg, conn)
+        if conn is not None and conn.info.get("task"):  # any frame says the task's host reaches us
+            with self.lock:
+                self.heard.setdefault(int(conn.info["attempt"]), {})[int(conn.info["rank"])] = time.monotonic()
+
+    def silent_ranks(self, limit: float) -> Dict[int, str]:
+        """The latest attempt's running ranks whose tasks sent nothing for ``limit`` seconds, with
+        the hosts they are on: their hosts no longer reach the driver (or their executors froze)."""
+        now = time.monotonic()
+        with self.lock:
+            attempt = self.attempt
+            finished = self.done.get(attempt, set()) | set(self.gone.get(attempt, {}))
+            heard, hosts = self.heard.get(attempt, {}), self.hosts.get(attempt, {})
+            return {rank: hosts.get(rank, "") for rank, when in sorted(heard.items())
+                    if rank not in finished and now - when > limit}
 
     def _arrived(self, msg: Arrived, conn) -> None:
         with self.lock:
@@ -154,6 +170,7 @@ class RunLedger:
                     self.attempt_started = time.monotonic()
                 self.attempt = max(self.attempt, msg.attempt)
             self.hello.setdefault(msg.attempt, set()).add(msg.rank)
+            self.hosts.setdefault(msg.attempt, {})[msg.rank] = msg.host
             if msg.executor:
                 self.executors.setdefault(msg.attempt, {})[msg.rank] = msg.executor
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Dict, List, Optional
 
-from ...errors import RankFailedError, RankTimeoutError, SparkRingError, StageLostError
+from ...errors import HostLostError, RankFailedError, RankTimeoutError, SparkRingError, StageLostError
 from .. import protocol
 from ..protocol import Error
 from .ledger import RunLedger
@@ -84,6 +84,22 @@ def stage_lost(state: RunLedger, what: str) -> StageLostError:
     lost = state.lost_ranks()
     gone = ", ".join(f"rank {rank}" + (f" (executor {where})" if where else "") for rank, where in lost.items())
     return StageLostError(f"{what}" + (f"; tasks that went away: {gone}" if gone else ""), lost=lost)
+
+
+def host_lost(state: RunLedger, silent: Dict[int, str], heartbeat_timeout: float,
+              name: str = "heartbeat_timeout") -> HostLostError:
+    """Ranks whose tasks fell silent: the error names them, their hosts and their executors."""
+    attempt = state.attempt
+    by_host: Dict[str, List[int]] = {}
+    for rank, host in silent.items():
+        by_host.setdefault(host or "an unknown host", []).append(rank)
+    where = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on host {host}"
+                      for host, ranks in by_host.items())
+    lost = {rank: state.executor_of(rank, attempt) or "" for rank in silent}
+    return HostLostError(
+        f"{where}: no word from {'their tasks' if len(silent) > 1 else 'its task'} for {name}="
+        f"{heartbeat_timeout:g}s, so the host no longer reaches the driver (a link down, packets dropped, "
+        "the machine hung) or its executor froze; the other ranks were stopped", lost=lost, hosts=dict(silent))
 
 
 def timeout_error(state: RunLedger, num_proc: int, timeout: Optional[float], wait: bool = True) -> RankTimeoutError:

@@ -32,23 +32,35 @@ class ParamNames:
     elastic_dir: str = "elastic_dir"
     ranks_per_task: str = "ranks_per_task"
     resource_profile: str = "resource_profile"
+    heartbeat_timeout: str = "heartbeat_timeout"
 
 
 RUN_NAMES = ParamNames()
 ESTIMATOR_NAMES = ParamNames(num_proc="numProc", use_gpu="useGpu", backend="backend", min_proc="minProc",
-                             ranks_per_task="ranksPerTask", resource_profile="resourceProfile")
+                             ranks_per_task="ranksPerTask", resource_profile="resourceProfile",
+                             heartbeat_timeout="heartbeatTimeout")
 DISTRIBUTOR_NAMES = ParamNames(num_proc="num_processes", use_gpu="use_gpu", backend="backend")
 CLI_NAMES = ParamNames(num_proc="-np", use_gpu="--use-gpu", backend="--backend", timeout="--timeout",
                        start_timeout="--start-timeout", min_proc="--min-np", elastic_dir="--elastic-dir",
-                       ranks_per_task="--ranks-per-task")
+                       ranks_per_task="--ranks-per-task", heartbeat_timeout="--heartbeat-timeout")
+# Seconds a running rank's task may go without a word to the driver before its host counts as lost.
+DEFAULT_HEARTBEAT_TIMEOUT = 30.0
 
 
-def check_timeouts(timeout: Optional[float], start_timeout: Optional[float], names: ParamNames) -> None:
-    """Both limits are seconds > 0 (``timeout=None``: no limit on the ranks' run time)."""
-    for name, value in ((names.timeout, timeout), (names.start_timeout, start_timeout)):
+def check_timeouts(timeout: Optional[float], start_timeout: Optional[float], names: ParamNames,
+                   heartbeat_timeout: Optional[float] = None) -> None:
+    """The limits are seconds > 0 (``timeout=None``: no limit on the ranks' run time;
+    ``heartbeat_timeout=None``: a silent host is left to Spark's own heartbeat).
+
+    >>> check_timeouts(None, 120, RUN_NAMES, heartbeat_timeout=0)
+    Traceback (most recent call last):
+    sparkring.errors.ConfigurationError: heartbeat_timeout=0: it must be a positive number of seconds or None (no limit)
+    """
+    for name, value in ((names.timeout, timeout), (names.start_timeout, start_timeout),
+                        (names.heartbeat_timeout, heartbeat_timeout)):
         if value is not None and not value > 0:
             raise ConfigurationError(f"{name}={value:g}: it must be a positive number of seconds"
-                                     + (" or None (no limit)" if name == names.timeout else ""))
+                                     + (" or None (no limit)" if name != names.start_timeout else ""))
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from typing import Optional
 from ...errors import RankTimeoutError
 from .. import protocol
 from .ledger import RunLedger
-from .outcome import no_attempt_left, not_restarted, rank_failed, timeout_error
-from .plan import LaunchPlan
+from .outcome import host_lost, no_attempt_left, not_restarted, rank_failed, timeout_error
+from .plan import RUN_NAMES, LaunchPlan, ParamNames
 
 log = logging.getLogger(__name__)
 JOIN_WINDOW_S = 10.0
@@ -24,9 +24,10 @@ class Watch:
     timeout, a failed attempt Spark does not restart, every attempt failed."""
 
     def __init__(self, state: RunLedger, launch_plan: LaunchPlan, start_timeout: float, timeout: Optional[float],
-                 started: float):
+                 started: float, *, heartbeat_timeout: Optional[float] = None, names: ParamNames = RUN_NAMES):
         self.state, self.plan, self.start_timeout, self.timeout = state, launch_plan, start_timeout, timeout
         self.started = started
+        self.heartbeat_timeout, self.names = heartbeat_timeout, names
         self.warned = False
         # Without a live channel expected from the start (a Connect client may be out of the
         # executors' reach), a missing hello is no sign of missing slots: the tasks' own
@@ -68,9 +69,21 @@ class Watch:
         if (failure is None and failed_at is not None and self.plan.attempts == 1 and self.watches_start
                 and not state.detached and now - failed_at > LOST_GRACE_S):
             failure = no_attempt_left(state, attempt)
+        if failure is None and failed_at is None:
+            failure = self.silent_host()
         if failure is None and self.plan.attempts > 1 and failed_attempts >= self.plan.attempts:
             err = state.first_error()
             assert err is not None  # every attempt failed
             failure = (timeout_error(state, num_proc, self.timeout) if err.kind == protocol.TIMEOUT
                        else rank_failed(err, state))
         return failure
+
+    def silent_host(self) -> Optional[BaseException]:
+        """Running ranks whose tasks sent nothing (not even a beat) for the heartbeat timeout:
+        their host is cut off. Only where every task reaches the driver live."""
+        if self.heartbeat_timeout is None or not self.watches_start or self.state.detached:
+            return None
+        silent = self.state.silent_ranks(self.heartbeat_timeout)
+        if not silent:
+            return None
+        return host_lost(self.state, silent, self.heartbeat_timeout, self.names.heartbeat_timeout)

@@ -30,6 +30,7 @@ from ..gpus import (
 )
 from ..protocol import (
     Abort,
+    Beat,
     Cause,
     Done,
     Error,
@@ -166,6 +167,26 @@ def _ring_checks(spec: TaskSpec, joined: Joined, outbox: Outbox) -> Optional[Rin
     return gpus
 
 
+class _Heartbeat:
+    """From the task's Hello until its end: a Beat to the driver every beat interval, from a
+    thread of this task's process (a rank busy holding its own interpreter still beats)."""
+
+    def __init__(self, spec: TaskSpec, joined: Joined):
+        self.ended = threading.Event()
+        if joined.driver is not None and spec.heartbeat_timeout is not None:
+            interval = protocol.beat_interval(spec.heartbeat_timeout)
+            threading.Thread(target=self._beat, args=(joined.driver, Beat(rank=joined.rank, attempt=joined.attempt),
+                                                      interval), name="sparkring-beat", daemon=True).start()
+
+    def _beat(self, conn: channel.Connection, frame: Beat, interval: float) -> None:
+        while not self.ended.wait(interval) and conn.send(frame):
+            pass
+
+    def stop(self) -> None:
+        """No more beats (the task ends)."""
+        self.ended.set()
+
+
 class _Supervisor:
     """Follows a running rank: relays its output, obeys Abort and Cause frames from the driver
     or the relay, and kills it past the run's timeout."""
@@ -266,6 +287,16 @@ def _run_rank(ctx: TaskContext, spec: TaskSpec) -> Iterator[OutputRecord]:
     rank, attempt = joined.rank, joined.attempt
     outbox = Outbox(joined.driver, joined.control)
     outbox.send(Hello(rank=rank, attempt=attempt, host=joined.hosts[rank], executor=joined.executors[rank]))
+    heartbeat = _Heartbeat(spec, joined)
+    try:
+        yield from _start_and_follow(ctx, spec, joined, outbox)
+    finally:
+        heartbeat.stop()
+
+
+def _start_and_follow(ctx: TaskContext, spec: TaskSpec, joined: Joined, outbox: Outbox) -> Iterator[OutputRecord]:
+    """The rank's worker from start to end, then its records (the task has said Hello)."""
+    rank, attempt = joined.rank, joined.attempt
     gpus = _ring_checks(spec, joined, outbox)
     workdir = WorkDir.create(rank)
     env = _rank_env(spec, gpus, joined, workdir)
