@@ -701,6 +701,7 @@ SECTIONS = {
     "model_parallel": bench_model_parallel,
     "elastic": _lazy("bench_elastic", "bench_elastic"),
     "autoscaling": lambda spark, rows, reps, tmp: _lazy("bench_elastic", "bench_autoscaling")(rows, tmp),
+    "hosts": _lazy("bench_hosts", "bench_hosts"),  # simulated hosts: needs root
     "text": _lazy("bench_text", "bench_text"),
     "tune": _lazy("bench_tune", "bench_tune"),
     "transform": bench_transform,
@@ -710,7 +711,7 @@ FEWER_REPS = {"training", "sharding", "model_parallel", "elastic", "text", "tune
 # the order of BENCHMARKS.md's table
 TABLE_ORDER = ("launch", "distributor", "connect", "allreduce", "shm", "mpi", "optimizer", "data", "compat",
                "versions", "inputs", "training", "store", "speed", "sharding", "model_parallel", "elastic",
-               "autoscaling", "text", "tune", "transform")
+               "autoscaling", "hosts", "text", "tune", "transform")
 
 
 def main():

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from ...collective import elastic, environment, timeline
 from ...collective.elastic import Relaunches
-from ...errors import ConfigurationError, RankTimeoutError
+from ...errors import ConfigurationError, HostLostError, RankTimeoutError
 from .. import pickling
 from ..channel import DriverChannel
 from ..protocol import Abort, TaskSpec
@@ -27,7 +27,7 @@ from .ledger import RunLedger
 from .outcome import raise_for_outcome
 from .plan import DEFAULT_HEARTBEAT_TIMEOUT, RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
 from .script import ScriptMain
-from .session import JobTag, release_barrier_timer_at_exit, session_facts, wait_for_slots
+from .session import JobTag, give_up_executors_on, release_barrier_timer_at_exit, session_facts, wait_for_slots
 from .stage import Stage
 from .watch import Watch
 
@@ -319,6 +319,9 @@ def _watch(stage: Stage, channel: DriverChannel, watch: Watch) -> None:
         if failure is not None:
             channel.broadcast(Abort(reason=str(failure)))
             stage.cancel()
+            if isinstance(failure, HostLostError):  # no later launch may wait for its slots
+                give_up_executors_on(stage.spark, sorted({where.rsplit(":", 1)[0] for where in failure.lost.values()
+                                                          if where}))
             raise failure
 
 

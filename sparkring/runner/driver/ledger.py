@@ -74,14 +74,17 @@ class RunLedger:
 
     def silent_ranks(self, limit: float) -> Dict[int, str]:
         """The latest attempt's running ranks whose tasks sent nothing for ``limit`` seconds, with
-        the hosts they are on: their hosts no longer reach the driver (or their executors froze)."""
+        the hosts they are on: their hosts no longer reach the driver (or their executors froze).
+        The ranks of such a host silent for half of ``limit`` count too (they beat a little later)."""
         now = time.monotonic()
         with self.lock:
             attempt = self.attempt
             finished = self.done.get(attempt, set()) | set(self.gone.get(attempt, {}))
-            heard, hosts = self.heard.get(attempt, {}), self.hosts.get(attempt, {})
-            return {rank: hosts.get(rank, "") for rank, when in sorted(heard.items())
-                    if rank not in finished and now - when > limit}
+            hosts = self.hosts.get(attempt, {})
+            quiet = {rank: now - when for rank, when in self.heard.get(attempt, {}).items() if rank not in finished}
+        lost_hosts = {hosts.get(rank, "") for rank, silence in quiet.items() if silence > limit}
+        return {rank: hosts.get(rank, "") for rank, silence in sorted(quiet.items())
+                if hosts.get(rank, "") in lost_hosts and silence > limit / 2}
 
     def _arrived(self, msg: Arrived, conn) -> None:
         with self.lock:

@@ -179,6 +179,28 @@ def decommissioning_executors(spark) -> Optional[List[str]]:
         return None
 
 
+def give_up_executors_on(spark, hosts: List[str]) -> List[str]:
+    """Tell the scheduler that the executors on ``hosts`` (addresses, as the executors report
+    them) are gone, so no task goes there while Spark's own heartbeat would still count them for
+    minutes: each is killed through the cluster manager, which cannot reach it but stops
+    offering its slots at once. The ids given up; none on a Connect session.
+
+    >>> give_up_executors_on(spark, ["198.18.0.12"])  # doctest: +SKIP
+    ['1']
+    """
+    try:
+        jsc = spark.sparkContext._jsc.sc()
+        summaries = jsc.statusStore().executorList(True)
+        doomed = [e.id() for e in (summaries.apply(i) for i in range(summaries.size()))
+                  if e.id() != "driver" and e.hostPort().rsplit(":", 1)[0] in hosts]
+    except Exception:  # noqa: BLE001 - Spark's internal API (a Connect session has none)
+        return []
+    for executor in doomed:
+        log.info("giving up executor %s: its host stopped answering", executor)
+        jsc.killExecutor(executor)
+    return doomed
+
+
 def _scheduler_slots(spark) -> Optional[int]:
     """Slots of a classic cluster session: the scheduler's count once executors registered,
     else the default parallelism."""

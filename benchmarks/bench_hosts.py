@@ -1,0 +1,95 @@
+"""Across hosts: simulated hosts on this machine (tests/helpers/sim_hosts.py: network namespaces,
+links shaped by tc's token bucket, a standalone worker on each, the driver on a head of its own).
+Allreduce bus bandwidth against the link rate, the bytes a host's link carries per allreduce with
+the hierarchical path (shared memory inside a host, the hosts' leaders across) against the flat
+ring of ranks, and the seconds from a host cut off the network to the caller's error. Needs root."""
+from __future__ import annotations
+
+import os
+import time
+
+from common import Row
+from sim_hosts import Link, SimulatedHosts, why_not
+
+MB = 2**20
+
+
+def _bus_bandwidth(result, ranks):
+    """Allreduce bus bandwidth per size (bytes/s): 2 (n-1)/n of the tensor through each rank's link."""
+    return {float(mb): 2 * (ranks - 1) / ranks * float(mb) * MB / r["seconds"] for mb, r in result.items()}
+
+
+def _ring_section(rows, tmp, count, rate, sizes, reps):
+    hosts = SimulatedHosts(count, Link(rate)).start()
+    try:
+        cluster = hosts.spark_cluster(os.path.join(tmp, f"hosts-{count}-{rate}"), dict(os.environ), cores=1)
+        seen = cluster.drive("bandwidth", {"sizes_mb": sizes, "repeats": reps, "ranks": count, "cores_per_host": 1,
+                                           "hosts": count})
+    finally:
+        hosts.stop()
+    link = Link(rate).bytes_per_second
+    for mb, bus in _bus_bandwidth(seen, count).items():
+        goal = ">= 0.9x" if mb == 64 else "(reference)"
+        rows.append(Row("across hosts", f"allreduce bus bandwidth, {count} hosts x 1 rank, {rate}/s links, "
+                        f"{mb:g} MB float32 (gloo ring across hosts)", f"{bus / 1e6:,.0f} MB/s",
+                        f"link {link / 1e6:,.0f} MB/s", bus / link, goal, goal_value=0.9 if mb == 64 else None))
+
+
+def _hierarchy_section(rows, tmp, reps):
+    hosts = SimulatedHosts(2, Link("1gbit")).start()
+    try:
+        cluster = hosts.spark_cluster(os.path.join(tmp, "hosts-2x2"), dict(os.environ), cores=2)
+        args = {"sizes_mb": [64], "repeats": reps, "ranks": 4, "cores_per_host": 2, "hosts": 2}
+        ours = cluster.drive("bandwidth", {**args, "shared_memory": True})["64"]
+        flat = cluster.drive("bandwidth", {**args, "shared_memory": False})["64"]
+    finally:
+        hosts.stop()
+    # a ring of the 2 hosts moves the tensor once each way over each host's link: 2 x 64 MB
+    ring_of_hosts = 2 * 64 * MB
+    rows.append(Row("across hosts", "bytes a host's link carries per 64 MB allreduce, 2 hosts x 2 ranks, "
+                    "hierarchical (shared memory in a host, leaders across) vs what a ring of hosts sends "
+                    "(2 x 64 MB)", f"{ours['link_bytes'] / MB:,.0f} MB", f"ring of hosts {ring_of_hosts / MB:,.0f} MB",
+                    ours["link_bytes"] / ring_of_hosts, "<= 1.05x", higher_is_better=False, goal_value=1.05))
+    rows.append(Row("across hosts", "the same, flat gloo ring of the 4 ranks (shared_memory=False) vs hierarchical",
+                    f"{flat['link_bytes'] / MB:,.0f} MB", f"hierarchical {ours['link_bytes'] / MB:,.0f} MB",
+                    flat["link_bytes"] / ours["link_bytes"], "(reference)", higher_is_better=False))
+    rows.append(Row("across hosts", "64 MB allreduce time, 2 hosts x 2 ranks at 1gbit/s: hierarchical vs flat",
+                    f"{ours['seconds']:.2f} s", f"flat {flat['seconds']:.2f} s", flat["seconds"] / ours["seconds"],
+                    "(reference)"))
+
+
+def _cut_section(rows, tmp):
+    hosts = SimulatedHosts(2, Link("1gbit")).start()
+    cut_at = []
+
+    def cut_when_running(line):
+        if "allreducing" in line and not cut_at:
+            time.sleep(2.0)
+            hosts.cut(1)
+            cut_at.append(time.time())
+
+    try:
+        cluster = hosts.spark_cluster(os.path.join(tmp, "hosts-cut"), dict(os.environ), cores=1)
+        seen = cluster.drive("cut", {"ranks": 2, "flag": os.path.join(tmp, "never"), "heartbeat_timeout": 30.0,
+                                     "cores_per_host": 1}, on_line=cut_when_running)
+    finally:
+        hosts.stop()
+    assert seen["error"] == "HostLostError", seen
+    waited = seen["at"] - cut_at[0]
+    rows.append(Row("across hosts", "seconds from a host's link cut mid-allreduce to HostLostError at the caller of "
+                    "run() (heartbeatTimeout 30 s default, no timeout set)", f"{waited:.1f} s", "goal 45 s",
+                    waited / 45.0, "<= 1.0x", higher_is_better=False, goal_value=1.0))
+
+
+def bench_hosts(spark, rows, reps, tmp):
+    """The "across hosts" rows (skipped, saying why, where hosts cannot be simulated)."""
+    reason = why_not()
+    if reason is not None:
+        print(f"across hosts: skipped ({reason})")
+        return
+    sizes = [1, 16, 64, 256]
+    _ring_section(rows, tmp, 2, "1gbit", sizes, reps)
+    _ring_section(rows, tmp, 4, "1gbit", [64], reps)
+    _ring_section(rows, tmp, 2, "10gbit", [64, 256], reps)
+    _hierarchy_section(rows, tmp, reps)
+    _cut_section(rows, tmp)

@@ -1,0 +1,86 @@
+"""A driver on the simulated hosts' head (tests/helpers/sim_hosts.py): makes a session on the
+cluster, runs one scenario and prints ``RESULT <json>``. Scenarios: ``layout`` (where 4 ranks
+land and their allreduce, hierarchical and flat), ``bandwidth`` (allreduce seconds per size),
+``cut`` (allreduces until a host is lost: the error and when it came), ``fit`` (a small
+classifier's fitted weights)."""
+import json
+import os
+import sys
+import time
+
+HELPERS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HELPERS)
+
+import host_fns  # noqa: E402
+from sim_hosts import HEAD_ADDRESS  # noqa: E402
+
+
+def session(master, cores_per_host, hosts):
+    from pyspark.sql import SparkSession
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    if master.startswith("local"):  # the same fit on one host, for comparison
+        return (SparkSession.builder.master(master).config("spark.driver.host", HEAD_ADDRESS)
+                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    root = os.path.dirname(os.path.dirname(HELPERS))
+    return (SparkSession.builder.master(master).appName("simulated-hosts")
+            .config("spark.driver.host", HEAD_ADDRESS).config("spark.driver.bindAddress", HEAD_ADDRESS)
+            .config("spark.executor.memory", "1g").config("spark.executor.cores", str(cores_per_host))
+            .config("spark.cores.max", str(cores_per_host * hosts)).config("spark.ui.enabled", "false")
+            .config("spark.executorEnv.PYTHONPATH", os.pathsep.join([HELPERS, root]))
+            .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+
+
+def layout(spark, args):
+    from sparkring import run
+
+    return {"hierarchical": run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0),
+            "flat": run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0,
+                        shared_memory=False)}
+
+
+def bandwidth(spark, args):
+    from sparkring import run
+
+    return run(host_fns.allreduce_seconds, args=(args["sizes_mb"], args["repeats"]), num_proc=args["ranks"],
+               verbose=0, shared_memory=args.get("shared_memory", True))[0]
+
+
+def cut(spark, args):
+    from sparkring import run
+
+    started = time.time()
+    try:
+        run(host_fns.allreduce_until_stopped, args=(args["flag"],), num_proc=args["ranks"], verbose=1,
+            heartbeat_timeout=args["heartbeat_timeout"], timeout=args.get("timeout"))
+    except Exception as exc:  # noqa: BLE001 - the scenario reports what reached the caller
+        return {"error": type(exc).__name__, "message": str(exc), "at": time.time(), "started": started,
+                "hosts": getattr(exc, "hosts", None)}
+    return {"error": None, "at": time.time(), "started": started}
+
+
+def fit(spark, args):
+    import est_helpers
+    import torch
+
+    from sparkring import SparkRingEstimator, Store
+
+    # a shuffle reads its blocks in no fixed order: rows sorted within partitions, as every session gets them
+    df = est_helpers.classification_df(spark, n=256, partitions=4).sortWithinPartitions("id")
+    fitted = SparkRingEstimator(model=est_helpers.mlp(dropout=0.0), optimizer=est_helpers.adam,
+                                loss="cross_entropy", featuresCol="features", labelCol="label", batchSize=16,
+                                epochs=2, numProc=args["ranks"], store=Store(args["store"]), verbose=0,
+                                seed=0).fit(df)
+    weights = fitted.getModel().state_dict()
+    return {"weights": {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()}}
+
+
+if __name__ == "__main__":
+    master, scenario, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    spark = session(master, args.get("cores_per_host", 2), args.get("hosts", 2))
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        result = {"layout": layout, "bandwidth": bandwidth, "cut": cut, "fit": fit}[scenario](spark, args)
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        spark.stop()
