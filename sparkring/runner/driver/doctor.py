@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from ...data.store import Store
 from .. import _probe
 from ..versions import package_versions, skew
-from .interpreter import executor_interpreter
+from .interpreter import executor_interpreter, probe_thread
 from .resources import default_ranks_per_task
 from .session import JobTag, session_facts, settled_slots
 
@@ -123,8 +123,6 @@ class _Listener:
 def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float,
                 store: Optional[Tuple[str, Dict[str, Any]]] = None) -> List[_probe.TaskFacts]:
     """The barrier stage, with the probe pickled by value; cancelled after ``timeout`` s."""
-    from pyspark import cloudpickle as spark_cloudpickle
-
     rows: Dict[str, Any] = {}
     tag = JobTag(spark, f"sparkring-doctor-{uuid.uuid4().hex[:8]}", f"sparkring doctor: {num_tasks} tasks")
 
@@ -137,17 +135,11 @@ def _run_probes(spark, num_tasks: int, host: str, port: int, timeout: float,
         except Exception as exc:  # noqa: BLE001 - reported as the verdict
             rows["error"] = exc
 
-    spark_cloudpickle.register_pickle_by_value(_probe)
-    try:
-        thread = threading.Thread(target=stage, name="sparkring-doctor-stage", daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if thread.is_alive():
-            tag.cancel()
-            thread.join(30)
-            raise TimeoutError(f"the barrier stage of {num_tasks} task(s) did not finish within {timeout:g} s")
-    finally:
-        spark_cloudpickle.unregister_pickle_by_value(_probe)
+    thread = probe_thread(stage, "sparkring-doctor-stage", timeout)
+    if thread.is_alive():
+        tag.cancel()
+        thread.join(30)
+        raise TimeoutError(f"the barrier stage of {num_tasks} task(s) did not finish within {timeout:g} s")
     if "error" in rows:
         raise rows["error"]
     return [_probe.TaskFacts.from_json(text) for text in rows["facts"]]

@@ -11,7 +11,7 @@ import sys
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 from ...errors import ConfigurationError
 from .. import _probe
@@ -83,15 +83,7 @@ def executor_interpreter(spark, timeout: float) -> Optional[ExecutorInterpreter]
         except Exception as exc:  # noqa: BLE001 - Spark's own failure is the finding
             found["error"] = exc
 
-    from pyspark import cloudpickle as spark_cloudpickle
-
-    spark_cloudpickle.register_pickle_by_value(_probe)
-    try:
-        thread = threading.Thread(target=look, name="sparkring-executor-python", daemon=True)
-        thread.start()
-        thread.join(timeout)
-    finally:
-        spark_cloudpickle.unregister_pickle_by_value(_probe)
+    thread = probe_thread(look, "sparkring-executor-python", timeout)
     if thread.is_alive():
         tag.cancel()
         log.info("the executors' Python was not looked at: its task did not finish within %g s", timeout)
@@ -134,3 +126,23 @@ def check_executor_interpreter(spark, timeout: float) -> None:
     problem = found.problem() if found is not None else None
     if problem is not None:
         raise ConfigurationError(str(problem))
+
+
+def probe_thread(job: Callable[[], None], name: str, timeout: float) -> threading.Thread:
+    """Run ``job`` (a Spark job of ``_probe``'s functions) on a daemon thread, ``_probe`` pickled
+    by value (the executors may lack sparkring), waiting up to ``timeout``: the thread, still
+    alive where the job ran past it.
+
+    >>> probe_thread(lambda: None, "sparkring-probe", 5.0).is_alive()
+    False
+    """
+    from pyspark import cloudpickle as spark_cloudpickle
+
+    spark_cloudpickle.register_pickle_by_value(_probe)
+    try:
+        thread = threading.Thread(target=job, name=name, daemon=True)
+        thread.start()
+        thread.join(timeout)
+    finally:
+        spark_cloudpickle.unregister_pickle_by_value(_probe)
+    return thread
