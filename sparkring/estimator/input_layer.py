@@ -49,8 +49,7 @@ def first_layer(model: torch.nn.Module, inputs: List[torch.Tensor]) -> Optional[
     def reached(module: torch.nn.Module, args: tuple) -> None:
         raise _Reached(FirstLayer(names.get(id(module), type(module).__name__), module, args[0]))
 
-    hooks = [m.register_forward_pre_hook(reached) for m in model.modules()
-             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    hooks = [m.register_forward_pre_hook(reached) for m in model.modules() if _torch_own_forward(m)]
     state = {k: torch.empty_like(v, device="meta") for k, v in [*model.named_parameters(), *model.named_buffers()]}
     try:
         functional_call(model, state, tuple(inputs))
@@ -62,6 +61,13 @@ def first_layer(model: torch.nn.Module, inputs: List[torch.Tensor]) -> Optional[
         for hook in hooks:
             hook.remove()
     return None
+
+
+def _torch_own_forward(module: torch.nn.Module) -> bool:
+    """A Linear or Embedding whose forward is torch's: a subclass with its own forward may cast or
+    reshape what it is given (``ids.long()``), so only what it passes on is judged."""
+    return any(isinstance(module, kind) and type(module).forward is kind.forward
+               for kind in (torch.nn.Linear, torch.nn.Embedding))
 
 
 def check_input_layer(model: torch.nn.Module, spec: FeatureSpec) -> None:

@@ -71,6 +71,19 @@ def test_an_embedding_given_float_features_is_refused_and_given_ids_is_not():
     check_input_layer(net, _spec(3, integral=True))
 
 
+class CastingEmbedding(torch.nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids.long())
+
+
+def test_a_layer_with_its_own_forward_is_judged_by_what_it_passes_on():
+    fits = torch.nn.Sequential(CastingEmbedding(100, 4), torch.nn.Flatten(), torch.nn.Linear(12, 1))
+    check_input_layer(fits, _spec(3))  # the floats are cast by the layer itself: no refusal
+    too_narrow = torch.nn.Sequential(CastingEmbedding(100, 4), torch.nn.Flatten(), torch.nn.Linear(8, 1))
+    with pytest.raises(DataError, match=r"first layer '2' is Linear\(in_features=8.* give it 12 values"):
+        check_input_layer(too_narrow, _spec(3))
+
+
 def test_a_forward_that_needs_real_values_is_left_to_the_ranks_and_the_weights_are_untouched():
     model = NeedsValues()
     before = model.fc.weight.detach().clone()

@@ -409,7 +409,8 @@ def test_a_lost_executor_that_never_comes_back_ends_the_run_with_the_missing_slo
                           text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"after \d+s: attempt 1 of the barrier stage failed \(.*\) and Spark did not start the 2 ranks "
+    # attempt 2 where a replacement executor lived long enough for Spark to start the stage again
+    assert re.search(r"after \d+s: attempt [12] of the barrier stage failed \(.*\) and Spark did not start the 2 ranks "
                      r"again within start_timeout=12s: the cluster lacks 2 free task slots", line), proc.stdout
     assert int(line.split()[1].rstrip("s:")) < 90
     assert wait_no_workers(30) == []
