@@ -24,7 +24,7 @@ from .errors import (
 __all__ = ["SparkRingEstimator", "SparkRingModel", "Store", "run", "doctor", "TorchDistributor", "SparkRingError",
            "ConfigurationError", "DataError", "StoreError", "RankFailedError", "RankTimeoutError",
            "NotInitializedError", "HorovodInternalError", "MismatchError", "ChannelError", "TrainingError",
-           "StageLostError", "HostLostError", "HostsUpdatedInterrupt", "NonFiniteLossError"]
+           "StageLostError", "HostLostError", "HostsUpdatedInterrupt", "NonFiniteLossError", "spark"]
 __version__ = "0.1.0"
 
 # Imported on first use: a rank's worker process imports sparkring.collective and should
@@ -36,6 +36,7 @@ _LAZY = {
     "run": "sparkring.runner",
     "doctor": "sparkring.runner.driver.doctor",
     "TorchDistributor": "sparkring.runner.driver.distributor",
+    "spark": "sparkring.spark",  # Horovod's horovod.spark, for `import sparkring as horovod`
 }
 
 

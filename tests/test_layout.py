@@ -97,7 +97,10 @@ def test_no_module_takes_part_in_an_import_circle_deferred_imports_included():
     ("sparkring.data", "sparkring.trainer"), ("sparkring.collective", "sparkring.trainer"),
     ("sparkring.trainer", "sparkring.runner.driver"), ("sparkring.estimator", "sparkring.tune"),
     ("sparkring.trainer", "sparkring.tune"), ("sparkring.runner", "sparkring.tune"),
-    ("sparkring.data", "sparkring.tune"),
+    ("sparkring.data", "sparkring.tune"), ("sparkring.estimator", "sparkring.spark"),
+    ("sparkring.trainer", "sparkring.spark"), ("sparkring.runner", "sparkring.spark"),
+    ("sparkring.collective", "sparkring.spark"), ("sparkring.data", "sparkring.spark"),
+    ("sparkring.tune", "sparkring.spark"), ("sparkring.spark.torch.losses", "sparkring.estimator"),
     ("sparkring.errors", "sparkring.runner"), ("sparkring.process_start", "sparkring.collective"),
 ])
 def test_a_layer_never_imports_one_above_it(lower, upper):

@@ -2,14 +2,12 @@
 commit, restore, sync and reset callbacks, ``ElasticSampler``, the ``run`` decorator, and the
 ``StopRequest`` file through which a driver asks its ranks to stop.
 
-Written here rather than taken from Horovod because Horovod's keeps each worker process alive
-across a change of workers and forms a new ring in place, which a Spark barrier stage cannot: its
-tasks start and end together. A change of ranks ends the launch instead, and the driver
-(``sparkring.run(..., min_proc=...)``) launches again with the ranks there are. So ``commit()``
-also persists the committed state (rank 0 writes it to the run's elastic directory,
-``SPARKRING_ELASTIC_DIR``), and the decorator of the next launch loads it, calls the reset
-callbacks and syncs every rank from it: what Horovod's decorator does after a reset, as the
-user's code sees it."""
+Written here, not taken from Horovod: Horovod keeps each worker alive across a change of workers
+and forms a new ring in place, which a Spark barrier stage (its tasks start and end together)
+cannot. A change of ranks ends the launch; the driver (``run(..., min_proc=...)``) launches again
+with the ranks there are. So ``commit()`` also persists the state (rank 0 writes it to
+``SPARKRING_ELASTIC_DIR``), and the next launch's decorator loads it, calls the reset callbacks
+and syncs every rank from it, as Horovod's does after a reset."""
 from __future__ import annotations
 
 import copy
@@ -201,8 +199,12 @@ class State:
 
     @property
     def commits(self) -> int:
-        """Commits so far, over every launch of the run."""
-        return self._commits
+        """Commits so far, over every launch; one you assign (Horovod's ``state.commits += 1``) is yours."""
+        return self.__dict__.get("_assigned_commits", self._commits)
+
+    @commits.setter
+    def commits(self, value: int) -> None:
+        self.__dict__["_assigned_commits"] = value
 
     def register_reset_callbacks(self, callbacks: List[Callable[[], None]]) -> None:
         """Callbacks run after a reset: here, when a launch resumes from an earlier one's commit."""
@@ -489,7 +491,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(state, *args, **kwargs)
         except HostsUpdatedInterrupt:
-            raise StopAtCommit(state.commits) from None
+            raise StopAtCommit(state._commits) from None
     return wrapper
 
 

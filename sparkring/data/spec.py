@@ -297,14 +297,19 @@ class FeatureSpec:
         return tuple(values), {}
 
     def example_args(self, rows: int = 2) -> Optional[Tuple[tuple, Dict[str, Any]]]:
-        """Zero-valued arguments of ``rows`` rows, or None where a transformFn decides the shapes."""
+        """Zero-valued arguments of ``rows`` rows, or None where a transformFn decides the shapes (a
+        vector column not measured yet takes its width from its input's inputShapes)."""
         batch: Dict[str, Any] = {}
         for inp in self.inputs:
             for name in inp.columns:
                 col = self.column(name)
-                if not col.decided:
+                if col.decided:
+                    shape = tuple(col.shape)
+                elif not self.transform and inp.shape is not None and len(inp.columns) == 1:
+                    shape = (int(np.prod(inp.shape)),)
+                else:
                     return None
-                batch[name] = np.zeros((rows,) + tuple(col.shape), dtype=np.dtype(col.dtype))
+                batch[name] = np.zeros((rows,) + shape, dtype=np.dtype(col.dtype))
         return self.model_args(batch)
 
 

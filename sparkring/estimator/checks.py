@@ -397,9 +397,9 @@ def check_columns(config: EstimatorConfig, df) -> FeatureSpec:
     if weight is not None:
         if weight not in fields or not isinstance(fields[weight], T.NumericType):
             raise ConfigurationError(f"sampleWeightCol {weight!r} must be a numeric column of the DataFrame")
-        if not all(isinstance(loss, str) for loss in loss_list):
-            raise ConfigurationError("sampleWeightCol needs a named loss (a callable loss returns a scalar, "
-                                     "so rows cannot be weighted)")
+        if not all(isinstance(loss, str) or losses.takes_sample_weight(loss) for loss in loss_list):
+            raise ConfigurationError("sampleWeightCol needs a named loss, or a callable loss that takes the rows' "
+                                     "weights itself: loss(output, label, sample_weight=None)")
     try:
         spec = FeatureSpec.build(df.schema, inputs=config.model_inputs,
                                  features=config.feature_columns, labels=labels, weight=weight,

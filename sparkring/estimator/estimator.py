@@ -3,7 +3,7 @@ pipeline parallel); each fit runs as the steps of fitting.py."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 from pyspark import keyword_only
 from pyspark.ml import Estimator
@@ -30,6 +30,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
     """
 
     _input_kwargs: Dict[str, Any]  # set by pyspark's keyword_only
+    fitted_type: Type[SparkRingModel] = SparkRingModel  # the class fit() returns (a subclass may return its own)
 
     @keyword_only
     def __init__(self, **params: Any) -> None:
@@ -48,7 +49,7 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return self._set(**self._input_kwargs)
 
     def _fit(self, dataset):
-        return fit(FitContext(config=self.config(), spark=dataset.sparkSession), dataset)
+        return fit(FitContext(config=self.config(), spark=dataset.sparkSession, model_type=self.fitted_type), dataset)
 
     def fitMultiple(self, dataset, paramMaps):
         """Fit one model per param map; data is prepared once and shared by every fit
@@ -106,7 +107,7 @@ class _GridFits:
         try:
             config = self._estimator.copy(self._param_maps[index]).config()
             context = FitContext(config=config, spark=self._dataset.sparkSession, hold_data=True,
-                                 grid_point=grid_point)
+                                 grid_point=grid_point, model_type=self._estimator.fitted_type)
             with self._lock:
                 self._contexts.append(context)
             return index, fit(context, self._dataset)

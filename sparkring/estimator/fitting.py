@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Type
 
 from ..data import Dataset, prepare
 from ..data.text import Encoder, mean_tokens, tokenize
@@ -52,6 +52,7 @@ class FitContext:
     token_figures: Optional[text.TokenFigures] = None  # a text fit: its epoch lines' token figures
     prepared: Optional[Dataset] = None           # set once the data is prepared (fitMultiple collects it)
     run_id: str = ""                             # the run's folder in the Store (set when the fit starts)
+    model_type: Type[SparkRingModel] = SparkRingModel  # what a fit returns (sparkring.spark's TorchModel)
 
 
 def fit(context: FitContext, dataset) -> SparkRingModel:
@@ -147,7 +148,7 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
         result = launch_fit(context.spark, config, cfg, decided=decided, on_event=on_event, say=progress.note)
     finally:
         progress.close()
-    model = SparkRingModel()
+    model = context.model_type()
     model._set_config(config)
     model._set(runId=context.run_id, store=decided.store, optimizer=None)
     if result.weights is None:  # only a paused fit returns none, and launch_fit raises for it

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 def steps_per_epoch(config: EstimatorConfig, ds, num_proc: int) -> Tuple[int, int]:
     """Training and validation steps of each rank's epoch, decided here for every rank: the
     Params where set, else what the data gives each of ``num_proc`` ranks (training steps in
-    whole multiples of backwardPassesPerStep; validation: the longest rank's share).
+    whole multiples of backwardPassesPerStep, or all of them where an epoch holds fewer; validation:
+    the longest rank's share).
 
     >>> steps_per_epoch(est.config(), ds, num_proc=2)  # doctest: +SKIP
     (15, 4)
@@ -46,10 +47,11 @@ def steps_per_epoch(config: EstimatorConfig, ds, num_proc: int) -> Tuple[int, in
         raise ConfigurationError(f"{ds.num_rows('train')} training rows give no full batch of batchSize={bs} "
                                  f"on each of numProc={num_proc} ranks: lower batchSize or numProc")
     train = config.train_steps_per_epoch or ds.num_batches(bs, num_proc)
-    train -= train % passes
-    if train == 0:
-        raise ConfigurationError(f"an epoch of {ds.num_batches(bs, num_proc)} step(s) per rank holds no whole "
-                                 f"backwardPassesPerStep={passes}: lower backwardPassesPerStep or batchSize")
+    if train >= passes:
+        train -= train % passes
+    else:  # Horovod's rule: the batches there are add up, and the epoch ends with their update
+        log.info("an epoch of %d step(s) per rank is shorter than backwardPassesPerStep=%d: each epoch makes one "
+                 "update, from all its batches", train, passes)
     val = 0
     if ds.num_rows("val") > 0:
         val = config.validation_steps_per_epoch or max(
@@ -70,6 +72,7 @@ def train_config(config: EstimatorConfig, decided: FitDecisions, ds, run_id: str
     train_steps, val_steps = steps_per_epoch(config, ds, parallel.data_size(num_proc))
     as_is = {spec.field: getattr(config, spec.attr) for spec in PARAMS if spec.field is not None}
     as_is["model"], as_is["initial_weights"] = _model_for_ranks(config, decided.store, run_id)
+    as_is["backward_passes_per_step"] = min(config.backward_passes_per_step, train_steps)
     return TrainConfig(
         **as_is, losses=config.losses, metrics=decided.metrics, dataset=ds, store=decided.store, run_id=run_id,
         spec=ds.spec, loss_weights=config.loss_weights or [1.0] * len(labels),

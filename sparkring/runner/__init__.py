@@ -10,11 +10,12 @@ from .channel import report
 from .driver.elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .driver.interpreter import check_executor_interpreter
 from .driver.launch import launch, run
+from .driver.ledger import RankOutput
 from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan, plan_for
 from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
 
-__all__ = ["run", "launch", "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
+__all__ = ["run", "launch", "RankOutput", "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
            "check_executor_interpreter", "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts", "ElasticLaunch", "ElasticPolicy", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

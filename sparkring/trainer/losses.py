@@ -1,6 +1,7 @@
 """Named losses and how each one wants its labels and turns outputs into predictions."""
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
@@ -96,6 +97,19 @@ def prepare_label(y: torch.Tensor, out: torch.Tensor, loss, check: bool) -> torc
     return y
 
 
+def takes_sample_weight(loss) -> bool:
+    """Whether a callable loss takes the rows' weights itself: ``loss(output, label, sample_weight=w)``
+    (it then decides how they count; a named loss takes their weighted mean).
+
+    >>> takes_sample_weight(lambda out, y, sample_weight=None: (out - y).abs().mean())
+    True
+    """
+    try:
+        return "sample_weight" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+
+
 def check_classes(y: torch.Tensor, out: torch.Tensor, loss) -> None:
     """Class indices ``y`` in 0..C-1 for a model with C outputs, else a ValueError with the fix."""
     if label_kind(loss) != "class" or not y.numel():
@@ -134,8 +148,11 @@ def compute_loss(loss, out: torch.Tensor, y: torch.Tensor, weight: Optional[torc
         weight = weight.to(values.dtype).reshape(-1)
         return (values * weight).sum() / weight.sum().clamp_min(1e-12)
     if weight is not None:
-        raise ValueError("sampleWeightCol needs a named loss (per-sample values to weight)")
-    result = loss(out, y)
+        if not takes_sample_weight(loss):
+            raise ValueError("sampleWeightCol needs a named loss or a callable taking sample_weight=")
+        result = loss(out, y, sample_weight=weight)
+    else:
+        result = loss(out, y)
     if not isinstance(result, torch.Tensor) or result.dim() != 0:
         raise ValueError("a loss callable must return a scalar tensor (reduce with .mean())")
     return result

@@ -23,7 +23,7 @@ from ..versions import package_versions
 from .elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .horovod_launch import parse_hosts, ranks_from_hosts, translate_run_keywords
 from .interpreter import check_executor_interpreter
-from .ledger import RunLedger
+from .ledger import RankOutput, RunLedger
 from .outcome import raise_for_outcome
 from .plan import DEFAULT_HEARTBEAT_TIMEOUT, RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
 from .script import ScriptMain
@@ -54,7 +54,8 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
         spark=None, shared_memory: bool = True, min_proc: Optional[int] = None, max_restarts: int = 3,
         elastic_dir: Optional[str] = None, ranks_per_task: Optional[int] = None, resource_profile: Any = "auto",
-        heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, **horovod_names: Any) -> List[Any]:
+        heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, output: RankOutput = RankOutput(),
+        **horovod_names: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
 
@@ -77,6 +78,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
 
     ``heartbeat_timeout``: a host silent that long (its tasks beat from their own processes, so a
     busy rank still beats) ends the run with ``HostLostError``; an elastic run goes on without it.
+    ``output`` says where the ranks' printed lines go (streams of your own, a time on each line).
 
     Horovod's ``horovod.run()`` keywords are accepted too, so its examples' ``--num-proc`` paths run
     as written: ``np`` (num_proc), ``min_np`` (min_proc), ``max_np`` (the elastic target, num_proc;
@@ -102,10 +104,10 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
     env = _with_trace(env)
     if min_proc is None:
         return launch(spark, launch_plan, fn, args, kwargs, start_timeout=start_timeout, timeout=timeout, env=env,
-                      verbose=verbose, on_event=on_event, heartbeat_timeout=heartbeat_timeout)
+                      verbose=verbose, on_event=on_event, heartbeat_timeout=heartbeat_timeout, output=output)
     return launch_elastic(spark, launch_plan, fn, args, kwargs, min_proc=min_proc, max_restarts=max_restarts,
                           elastic_dir=elastic_dir, start_timeout=start_timeout, timeout=timeout, env=env,
-                          verbose=verbose, on_event=on_event, heartbeat_timeout=heartbeat_timeout)
+                          verbose=verbose, on_event=on_event, heartbeat_timeout=heartbeat_timeout, output=output)
 
 
 def _runnable(fn: Union[Callable[..., Any], str], args: Sequence[Any],
@@ -166,7 +168,8 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
                    elastic_dir: Optional[str] = None, start_timeout: float = 120, timeout: Optional[float] = None,
                    env: Optional[Dict[str, str]] = None, verbose: int = 1,
                    on_event: Optional[Callable[[int, Any], None]] = None, names: ParamNames = RUN_NAMES,
-                   heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT) -> List[Any]:
+                   heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT,
+                   output: RankOutput = RankOutput()) -> List[Any]:
     """Launch as :func:`launch` does, again (from the last commit) when ranks are lost or the
     slots come back: run()'s elastic mode (``min_proc``) and the CLI's ``--min-np``.
 
@@ -182,7 +185,7 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
                         ranks_per_task=launch_plan.ranks_per_task)
     policy = _RunPolicy(how, lambda now: launch(spark, now, fn, args, kwargs, start_timeout=start_timeout,
                                                 timeout=timeout, env=rank_env, verbose=verbose, on_event=on_event,
-                                                heartbeat_timeout=heartbeat_timeout, names=names),
+                                                heartbeat_timeout=heartbeat_timeout, names=names, output=output),
                         lambda size: dataclasses.replace(plan_for(spark, LaunchRequest(
                             num_proc=size, use_gpu=launch_plan.use_gpu,
                             backend="auto" if launch_plan.backend_from_auto else launch_plan.backend,
@@ -247,7 +250,8 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
            kwargs: Optional[Dict[str, Any]] = None, start_timeout: float = 120, timeout: Optional[float] = None,
            env: Optional[Dict[str, str]] = None, verbose: int = 1,
            on_event: Optional[Callable[[int, Any], None]] = None,
-           heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, names: ParamNames = RUN_NAMES) -> List[Any]:
+           heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, names: ParamNames = RUN_NAMES,
+           output: RankOutput = RankOutput()) -> List[Any]:
     """Launch ``fn`` on the ranks of a plan made by :func:`plan` (what ``run()`` does after
     planning; the estimator plans before its data jobs and launches here). ``names`` spells the
     caller's settings in its messages.
@@ -269,7 +273,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
     trace_path = (env or {}).get(environment.TIMELINE)
     trace = _TimelineCollector(trace_path, on_event) if trace_path else None
     secret = os.urandom(32)
-    state = RunLedger(num_proc, verbose, trace.on_event if trace is not None else on_event)
+    state = RunLedger(num_proc, verbose, trace.on_event if trace is not None else on_event, output)
     channel = DriverChannel(launch_plan.driver_host, secret, state.handle)
     state.channel = channel
     spec = TaskSpec(payload=payload, driver_host=launch_plan.driver_host, driver_port=channel.address[1],

@@ -6,7 +6,8 @@ import logging
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, TextIO, Tuple
 
 from .. import protocol
 from ..channel import DriverChannel
@@ -31,16 +32,31 @@ log = logging.getLogger(__name__)
 SAME_LOSS_S = 0.25  # tasks that go away this close together went with one loss (an executor, a host)
 
 
+@dataclass(frozen=True)
+class RankOutput:
+    """Where the ranks' printed lines go on the driver (``None``: this process's own stream), and
+    whether each line opens with the time it arrived (Horovod's ``stdout=``, ``stderr=``,
+    ``prefix_output_with_timestamp=``).
+
+    >>> RankOutput(out=io.StringIO(), timestamps=True)  # doctest: +SKIP
+    """
+
+    out: Optional[TextIO] = None
+    err: Optional[TextIO] = None
+    timestamps: bool = False
+
+
 class RunLedger:
     """What the driver learns over the channel while the barrier stage runs: one handler per
     frame type (``handle`` dispatches on the type alone)."""
 
-    def __init__(self, num_proc: int, verbose: int, on_event, out=None, err=None):
+    def __init__(self, num_proc: int, verbose: int, on_event, output: RankOutput = RankOutput()):
         self.num_proc = num_proc
         self.verbose = verbose
         self.on_event = on_event
-        self.out = out or sys.stdout
-        self.err = err or sys.stderr
+        self.out = output.out or sys.stdout
+        self.err = output.err or sys.stderr
+        self.timestamps = output.timestamps
         self.lock = threading.Lock()
         self.attempt = 0
         self.attempt_started = time.monotonic()
@@ -216,6 +232,8 @@ class RunLedger:
             return
         target = self.err if stream == "stderr" else self.out
         text = f"[{rank}] {line}" if self.verbose >= 2 else line
+        if self.timestamps:
+            text = f"{time.strftime('%a %b %d %H:%M:%S %Y')} {text}"
         with self.lock:
             print(text, file=target, flush=True)
 
