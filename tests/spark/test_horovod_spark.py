@@ -1,0 +1,198 @@
+"""sparkring.spark as horovod.spark: each failure class Horovod's own Spark tests found, as a test
+of the project's own (CI cannot fetch Horovod; ../shared/conformance/horovod/make_spark_suite.py
+runs Horovod's files themselves)."""
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparkring as horovod
+from sparkring.collective.elastic import ObjectState
+from sparkring.errors import ConfigurationError
+from sparkring.spark.common import util
+from sparkring.spark.common.backend import SparkBackend
+from sparkring.spark.common.store import FilesystemStore, HDFSStore, LocalStore, Store
+from sparkring.spark.torch import TorchEstimator, TorchModel
+from sparkring.spark.torch.losses import HorovodLoss
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HELPERS = os.path.join(ROOT, "tests", "helpers")
+
+
+def minus(output, label, reduction=None):
+    losses = label - output
+    return losses if reduction == "none" else losses.mean()
+
+
+def test_a_horovod_loss_weights_rows_through_reduction_none_and_takes_their_plain_mean():
+    # Horovod's own figures (test_calculate_loss_with_sample_weight): (label - output) * weight, then the mean
+    weights = torch.tensor([1.0, 6.0, 3.0])
+    assert HorovodLoss(minus)(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 2.0, 3.0]), sample_weight=weights) == 5.0
+    assert HorovodLoss(minus)(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 2.0, 3.0])) == 1.0
+    # a loss module: its reduction set to 'none' on a copy; the label (3,) reshaped to the output's (3, 1)
+    module = torch.nn.MSELoss()
+    got = HorovodLoss(module)(torch.zeros(3, 1), torch.tensor([1.0, 2.0, 3.0]), sample_weight=weights)
+    assert got == pytest.approx((1 * 1 + 4 * 6 + 9 * 3) / 3) and module.reduction == "mean"
+
+
+def test_torch_estimator_keywords_become_params_and_what_cannot_be_honoured_is_refused(tmp_path):
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(1352, 10))
+    est = TorchEstimator(backend=SparkBackend(num_proc=3, start_timeout=45), store=Store.create(str(tmp_path)),
+                         model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), loss=F.nll_loss,
+                         input_shapes=[[-1, 1, 28, 28]], feature_cols=["features"], label_cols=["label"],
+                         batch_size=16, epochs=2, random_seed=7, shuffle_buffer_size=100, reader_pool_type="process",
+                         gradient_compression=horovod.collective.Compression.fp16, use_gpu=False)
+    config = est.config()
+    assert (config.num_proc, config.start_timeout, config.batch_size, config.seed) == (3, 45.0, 16, 7)
+    assert (config.feature_columns, config.input_shapes, config.label_columns) == (["features"], [1, 28, 28], ["label"])
+    assert (config.learning_rate_scaling, config.gradient_compression, config.use_gpu) == ("linear", "fp16", False)
+    assert isinstance(est.getOrDefault("loss")[0], HorovodLoss)
+    two_inputs = TorchEstimator(feature_cols=["a", "b"], input_shapes=[[2], [3]], label_cols=["y"])
+    assert two_inputs.config().model_inputs == ["a", "b"] and two_inputs.config().input_shapes == [[2], [3]]
+    with pytest.raises(ConfigurationError, match="data_module"):
+        TorchEstimator(data_module=object)
+    with pytest.raises(ConfigurationError, match="backend= or num_proc="):
+        TorchEstimator(num_proc=2, backend=SparkBackend(num_proc=2))
+
+
+def test_horovods_store_lays_out_runs_and_data_and_reads_and_writes_by_url(tmp_path):
+    store = Store.create(str(tmp_path))
+    assert type(store) is FilesystemStore and isinstance(LocalStore(str(tmp_path)), FilesystemStore)
+    url = tmp_path.as_uri()
+    assert store.get_checkpoint_path("run01") == f"{url}/runs/run01"
+    assert store.get_train_data_path(2) == f"{url}/intermediate_train_data.2"
+    assert store.get_logs_path("run01") == f"{url}/runs/run01/logs"
+    assert not store.exists(store.get_checkpoint_path("run01"))
+    store.write_text(f"{url}/runs/run01/checkpoints/epoch-00001.ckpt", "weights")
+    assert store.exists(store.get_checkpoint_path("run01")) and store.read(
+        f"{url}/runs/run01/checkpoints/epoch-00001.ckpt") == b"weights"
+    assert store.get_checkpoints("run01") == [f"{url}/runs/run01/checkpoints/epoch-00001.ckpt"]
+    assert store.checkpoint_path("run01") == str(tmp_path / "runs" / "run01" / "checkpoints")  # sparkring's, inside
+    moved = Store.create(str(tmp_path), runs_path=str(tmp_path / "elsewhere"), save_runs=False)
+    assert moved.run_path("r") == str(tmp_path / "elsewhere" / "r") and moved.get_checkpoint_path("r") is None
+    assert type(Store.create("hdfs://namenode:8020/user/me")) is HDFSStore  # opened on first use: on paper here
+
+
+def test_an_elastic_states_commits_is_the_scripts_own_once_assigned():
+    state = ObjectState(commits=0, epoch=0)  # Horovod's test keeps a counter of its own by this name
+    state.commits += 1
+    state.save()
+    state.commits += 5
+    state.restore()
+    assert state.commits == 1 and ObjectState(epoch=0).commits == 0
+
+
+def elastic_fn(epochs):
+    import sparkring.collective as hvd
+
+    @hvd.elastic.run
+    def train(state):
+        state.rendezvous += 1
+        for state.epoch in range(state.epoch, epochs):
+            print(f"rank {hvd.rank()} epoch {state.epoch}")
+            state.commits += 1
+            state.commit()
+        return hvd.allgather(torch.tensor([hvd.rank(), state.epoch, state.commits, state.rendezvous])).tolist()
+
+    hvd.init()
+    return train(hvd.elastic.ObjectState(epoch=0, commits=0, rendezvous=0))
+
+
+@pytest.mark.slow  # two launches
+def test_horovod_spark_run_and_run_elastic_take_horovods_keywords_and_streams(spark):
+    out, err = io.StringIO(), io.StringIO()
+
+    def fn(x):
+        print("hello from", x)
+        return x + 1
+
+    got = horovod.spark.run(fn, args=(1,), num_proc=2, start_timeout=60, extra_mpi_args="-x NCCL_DEBUG", nics=["eth0"],
+                            stdout=out, stderr=err, verbose=2, prefix_output_with_timestamp=True, executable="python3")
+    assert got == [2, 2]
+    assert re.search(r"^\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4} \[[01]\] hello from 1$", out.getvalue(), re.M), out.getvalue()
+    got = horovod.spark.run_elastic(elastic_fn, args=(3,), num_proc=2, min_num_proc=2, max_num_proc=2,
+                                    start_timeout=60, elastic_timeout=60, reset_limit=1, verbose=0)
+    assert got == [[0, 2, 3, 1, 1, 2, 3, 1]] * 2  # each rank's allgather: every rank's row
+
+
+def xor_df(spark, copies=8):
+    from pyspark.ml.feature import VectorAssembler
+
+    rows = [(0, 0, 0.0, 0.1, 1), (0, 1, 1.0, 0.2, 0), (1, 0, 1.0, 0.3, 0), (1, 1, 0.0, 0.4, 0)] * copies
+    raw = spark.createDataFrame(rows, "x1 int, x2 int, y float, weight float, val int")
+    return VectorAssembler(inputCols=["x1", "x2"], outputCol="features").transform(raw)
+
+
+class XOR(torch.nn.Module):
+    def __init__(self, outputs=1):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(2, 8), torch.nn.Linear(8, outputs)
+
+    def forward(self, features):
+        return torch.sigmoid(self.lin2(torch.tanh(self.lin1(features.float()))))
+
+
+@pytest.mark.slow  # two fits
+def test_a_torch_estimator_fit_weights_rows_steps_past_its_epoch_and_resumes_by_run_id(spark, tmp_path):
+    torch.manual_seed(0)
+    model = XOR()
+    store = LocalStore(str(tmp_path))
+    est = TorchEstimator(num_proc=2, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         loss=F.binary_cross_entropy, input_shapes=[[2]], feature_cols=["features"], label_cols=["y"],
+                         batch_size=4, epochs=2, random_seed=1, verbose=0, backward_passes_per_step=16,
+                         sample_weight_col="weight", run_id="run01")
+    df = xor_df(spark)
+    fitted = est.fit(df)  # 4 steps an epoch per rank, fewer than backward_passes_per_step: one update an epoch
+    assert isinstance(fitted, TorchModel) and [e["epoch"] for e in fitted.getHistory()] == [0, 1]
+    assert store.exists(store.get_checkpoint_path("run01"))
+    out = fitted.transform(df)
+    assert dict(out.dtypes)["y__output"] == "float" and out.count() == df.count()
+    assert torch.is_tensor(fitted.getModel()(torch.ones([1, 2], dtype=torch.int32)))
+    assert est._load_checkpoint("run01") is not None  # a second fit with run_id resumes from there
+    again = est.fit(df)
+    assert again.getHistory() == fitted.getHistory()  # it went on from the last epoch: nothing left to train
+
+
+@pytest.mark.slow  # a fit and a transform
+def test_prepare_data_then_fit_on_parquet_trains_on_the_written_rows_and_a_hand_built_model_scores_vectors(
+        spark, tmp_path):
+    store = LocalStore(str(tmp_path))
+    df = xor_df(spark, copies=4)
+    model = XOR()
+    est = TorchEstimator(num_proc=2, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         loss=torch.nn.BCELoss(), input_shapes=[[2]], feature_cols=["features"], label_cols=["y"],
+                         batch_size=2, epochs=1, verbose=0, validation="val")
+    with util.prepare_data(2, store, df, label_columns=["y"], feature_columns=["features"], validation="val") as idx:
+        assert store.is_parquet_dataset(store.get_train_data_path(idx))
+        fitted = est.fit_on_parquet(dataset_idx=idx)
+    assert "val_loss" in fitted.getHistory()[-1]
+    two_wide = TorchModel(model=XOR(outputs=2), input_shapes=[[2]], feature_columns=["features"], label_columns=["y"],
+                          _metadata=util._get_metadata(df))
+    out = two_wide.setOutputCols(["y_scores"]).transform(df)
+    assert dict(out.dtypes)["y_scores"] == "vector" and len(out.first()["y_scores"]) == 2
+
+
+@pytest.mark.slow  # a Spark application in a subprocess, ~30 s
+def test_horovods_own_spark_mnist_example_trains_with_only_its_imports_changed(tmp_path):
+    sys.path.insert(0, HELPERS)
+    from mnist_libsvm import write_mnist_libsvm
+
+    script = os.path.join(ROOT, "tests", "horovod_examples", "pytorch_spark_mnist.py")
+    code = open(script).read().split("\n", 2)[2]  # below the two lines saying where it comes from
+    assert [line.split("#")[0].strip() for line in code.splitlines() if "sparkring" in line] == [
+        "import sparkring.spark.torch as hvd", "from sparkring.spark.common.backend import SparkBackend",
+        "from sparkring.spark.common.store import Store"]
+    write_mnist_libsvm(str(tmp_path / "mnist.bz2"), rows=2000)  # where the script looks before downloading
+    seeded = "import runpy, sys, torch; torch.manual_seed(0); runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", seeded, script, "--num-proc", "2", "--epochs", "2", "--batch-size", "32",
+                           "--data-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    accuracy = float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))
+    assert accuracy > 0.9, proc.stdout[-2000:]
