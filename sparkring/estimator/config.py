@@ -14,6 +14,7 @@ from ..trainer.activation import ActivationCheckpointing
 from ..trainer.config import (
     Compression,
     LearningRateScaling,
+    LightningBatch,
     ModelParallel,
     OnNonFinite,
     PipelineSchedule,
@@ -108,6 +109,7 @@ class EstimatorConfig:
     callbacks: Optional[List[Any]] = None
     early_stopping: Any = None
     on_non_finite: OnNonFinite = "raise"
+    lightning_batch: LightningBatch = "tuple"
     reader: str = "arrow"
     verbose: int = 1
     # transform()

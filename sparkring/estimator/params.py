@@ -15,7 +15,15 @@ from ..data import READERS
 from ..errors import ConfigurationError
 from ..runner.driver.plan import BACKENDS
 from ..trainer.activation import MODES as ACTIVATION_MODES
-from ..trainer.config import COMPRESSIONS, LR_SCALINGS, ON_NON_FINITE, PIPELINE_SCHEDULES, PRECISIONS, STRATEGIES
+from ..trainer.config import (
+    COMPRESSIONS,
+    LIGHTNING_BATCHES,
+    LR_SCALINGS,
+    ON_NON_FINITE,
+    PIPELINE_SCHEDULES,
+    PRECISIONS,
+    STRATEGIES,
+)
 from .config import TASKS, EstimatorConfig
 from .param_converters import (
     identity,
@@ -231,6 +239,10 @@ PARAMS: Tuple[ParamSpec, ...] = (
               "raise (TrainingError naming epoch, step and rank; the last good "
               "checkpoint is kept) | skip_step (every rank skips that update; history counts skipped_steps)",
               TypeConverters.toString, choices=ON_NON_FINITE),
+    ParamSpec("lightningBatch", _one_of(LIGHTNING_BATCHES), "tuple",
+              "what a LightningModule's training/validation_step gets: tuple (inputs..., labels...) or dict "
+              "{column: tensor} (Horovod's)", TypeConverters.toString, choices=LIGHTNING_BATCHES,
+              field="lightning_batch"),
     ParamSpec("reader", _one_of(READERS), "arrow", "how ranks read the prepared data: 'arrow' (pyarrow) or 'petastorm' "
               "(petastorm's make_batch_reader: the same rows and batches; Spark 3.5 only)", TypeConverters.toString,
               choices=READERS, field="reader"),

@@ -15,5 +15,5 @@ from .runner import run, run_elastic
 __all__ = ["run", "run_elastic"]
 
 # horovod.spark.torch and the rest, reachable as attributes (imported on first use)
-__getattr__, __dir__ = lazy_exports(__name__, {name: f"{__name__}.{name}" for name in ("torch", "common")},
+__getattr__, __dir__ = lazy_exports(__name__, {name: f"{__name__}.{name}" for name in ("torch", "lightning", "common")},
                                     globals(), __all__)

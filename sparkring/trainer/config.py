@@ -26,6 +26,8 @@ LearningRateScaling = Literal["none", "linear"]
 LR_SCALINGS: Tuple[LearningRateScaling, ...] = get_args(LearningRateScaling)
 OnNonFinite = Literal["raise", "skip_step"]
 ON_NON_FINITE: Tuple[OnNonFinite, ...] = get_args(OnNonFinite)
+LightningBatch = Literal["tuple", "dict"]  # a LightningModule's batch: (inputs..., labels...) or {column: tensor}
+LIGHTNING_BATCHES: Tuple[LightningBatch, ...] = get_args(LightningBatch)
 
 ModelOrFactory = Union[torch.nn.Module, Callable[[], torch.nn.Module]]
 OptimizerOrFactory = Union[torch.optim.Optimizer, Callable[[Any], torch.optim.Optimizer]]
@@ -165,6 +167,7 @@ class TrainConfig:
     skip_non_finite: bool = False
     gradient_clip_norm: Optional[float] = None  # the gradients' global norm at most this before each step
     lightning: bool = False           # model is a LightningModule (trainer.lightning)
+    lightning_batch: LightningBatch = "tuple"  # how its steps get a batch
     sharding: Sharding = field(default_factory=Sharding)
     parallel: ModelParallel = field(default_factory=ModelParallel)
     precision: Precision = "32"

@@ -135,8 +135,8 @@ class LightningStep(Step):
     >>> step = LightningStep(labels=("label",), spec=spec, device=torch.device("cpu"), rank=0)  # doctest: +SKIP
     """
 
-    def __init__(self, labels, spec, device: torch.device, rank: int):
-        self.labels, self.spec, self.rank = labels, spec, rank
+    def __init__(self, labels, spec, device: torch.device, rank: int, batch_form: str = "tuple"):
+        self.labels, self.spec, self.rank, self.batch_form = labels, spec, rank, batch_form
         self.device: torch.device = device
         self.output_shapes: Optional[List[List[int]]] = None  # transform measures predict_step's
         self.logged = {"train": LoggedValues(), "val": LoggedValues()}
@@ -164,11 +164,12 @@ class LightningStep(Step):
         ys = [label_tensor(batch[label]).to(self.device, non_blocking=True) for label in self.labels]
         n = len(ys[0])
         self.logged["train" if module.training else "val"].rows = n
+        given = self._as_dict(args, kwargs, ys) if self.batch_form == "dict" else (*inputs, *ys)
         try:
             if module.training:
-                out = module.training_step((*inputs, *ys), self.batch_index)
+                out = module.training_step(given, self.batch_index)
             else:
-                out = module.validation_step((*inputs, *ys), self.batch_index)
+                out = module.validation_step(given, self.batch_index)
         except Exception as exc:
             add_note(exc, f"sparkring: on rank {self.rank}, {where}")
             raise
@@ -181,6 +182,14 @@ class LightningStep(Step):
             self.validation_returns_loss = isinstance(loss, torch.Tensor)
             loss = loss if isinstance(loss, torch.Tensor) else torch.zeros((), device=self.device)
         return loss, [loss.new_zeros((n,))], ys, [loss]
+
+    def _as_dict(self, args: tuple, kwargs: Dict[str, Any], ys: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Horovod's batch: {column: tensor}, each input under its column (or its name where it
+        joins several columns or is a keyword argument), each label under its column."""
+        named = dict(zip([i.columns[0] if len(i.columns) == 1 else i.name for i in self.spec.inputs], args))
+        named.update(kwargs)
+        named.update(zip(self.labels, ys))
+        return {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
 
     @override
     def backward(self, loss: torch.Tensor) -> None:

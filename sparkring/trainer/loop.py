@@ -109,7 +109,8 @@ class Trainer:
         # is the batch's
         self.gradient_weight = (cfg.elastic.gradient_weight(self.data_rank, self.data_size) if cfg.elastic is not None
                                 else 1.0)
-        self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank) if cfg.lightning
+        self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank, cfg.lightning_batch)
+                           if cfg.lightning
                            else self.placement.step(cfg, self.device, self.rank))
         torch.manual_seed(cfg.seed)
         opt, self.schedules = self.step.optimizer(self.model, cfg.optimizer)

@@ -196,3 +196,60 @@ def test_horovods_own_spark_mnist_example_trains_with_only_its_imports_changed(t
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     accuracy = float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))
     assert accuracy > 0.9, proc.stdout[-2000:]
+
+
+def test_lightning_trainer_args_with_a_param_become_it_and_lightning_callbacks_are_refused():
+    from pytorch_lightning.callbacks import Callback
+
+    from sparkring.spark.lightning import TorchEstimator as LightningEstimator
+
+    est = LightningEstimator(model=XOR(), input_shapes=[[-1, 2]], feature_cols=["features"], label_cols=["y"],
+                             trainer_args={"max_epochs": 3, "accumulate_grad_batches": 2, "num_sanity_val_steps": 0},
+                             mp_start_method="spawn", terminate_on_nan=True)
+    config = est.config()
+    assert (config.epochs, config.backward_passes_per_step, config.lightning_batch) == (3, 2, "dict")
+    assert est.getMpStartMethod() == "spawn" and est.setMpStartMethod("forkserver").getMpStartMethod() == "forkserver"
+    assert est.getTerminateOnNan() and est.getTrainerArgs()["num_sanity_val_steps"] == 0
+    with pytest.raises(ConfigurationError, match="Lightning Callback"):
+        LightningEstimator(model=XOR(), callbacks=[Callback()])
+
+
+class DictXOR(XOR):
+    """A LightningModule written for Horovod: its steps read batch['features'] and batch['y']."""
+
+    def __new__(cls, *args, **kwargs):
+        import pytorch_lightning as pl
+
+        class Module(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = XOR()
+
+            def forward(self, features):
+                return self.net(features)
+
+            def configure_optimizers(self):
+                return torch.optim.Adam(self.parameters(), lr=0.05)
+
+            def training_step(self, batch, batch_idx):
+                loss = F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float())
+                self.log("train_loss", loss)
+                return loss
+
+            def validation_step(self, batch, batch_idx):
+                self.log("val_loss", F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float()))
+
+        return Module()
+
+
+@pytest.mark.slow  # a fit
+def test_a_lightning_module_written_for_horovod_trains_on_dict_batches(spark, tmp_path):
+    from sparkring.spark.lightning import TorchEstimator as LightningEstimator
+
+    torch.manual_seed(0)
+    est = LightningEstimator(num_proc=2, store=LocalStore(str(tmp_path)), model=DictXOR(), input_shapes=[[-1, 2]],
+                             feature_cols=["features"], label_cols=["y"], validation="val", batch_size=2, epochs=2,
+                             verbose=0, trainer_args={"num_sanity_val_steps": 0})
+    fitted = est.fit(xor_df(spark, copies=4))
+    assert est.config().learning_rate_scaling == "none"  # Horovod leaves a LightningModule's optimizer alone
+    assert "val_loss" in fitted.getHistory()[-1] and "train_loss" in fitted.getHistory()[-1]

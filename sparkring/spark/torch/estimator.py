@@ -280,9 +280,21 @@ class TorchEstimator(SparkRingEstimator):
         run_id = self.config().run_id
         if run_id is not None:
             self._load_checkpoint(run_id)
-        model = super()._fit(dataset)
+        estimator, dataset = self._marked_validation(dataset)
+        model = SparkRingEstimator._fit(estimator, dataset)
         model._set(predictionCol=[f"{label}__output" for label in model.config().label_columns])
         return model
+
+    def _marked_validation(self, dataset):
+        """Horovod's validation column may hold 1/0: marked as a boolean column for the estimator."""
+        from ..common.util import VALIDATION_MARK
+
+        validation = self.config().validation
+        fields = {f.name: f.dataType for f in dataset.schema.fields}
+        if not isinstance(validation, str) or not isinstance(fields.get(validation), T.NumericType):
+            return self, dataset
+        return (self.copy({self.getParam("validation"): VALIDATION_MARK}),
+                dataset.withColumn(VALIDATION_MARK, F.col(validation).cast("boolean")))
 
     def fit_on_parquet(self, params: Optional[Dict[Any, Any]] = None, dataset_idx: Optional[Any] = None
                        ) -> TorchModel:
