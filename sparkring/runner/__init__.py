@@ -15,7 +15,8 @@ from .driver.plan import ESTIMATOR_NAMES, LaunchPlan, LaunchRequest, ParamNames,
 from .driver.session import spark_major
 from .pickling import check_picklable, to_bytes
 
-__all__ = ["run", "launch", "RankOutput", "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
+__all__ = ["run", "launch", "RankOutput",
+           "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
            "check_executor_interpreter", "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts", "ElasticLaunch", "ElasticPolicy", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -102,7 +102,7 @@ def default_parallelism() -> int:
     try:
         return int(spark.sparkContext.defaultParallelism)
     except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext
-        return int(spark.conf.get("spark.default.parallelism", "2"))
+        return int(spark.conf.get("spark.default.parallelism", "2") or 2)
 
 
 def _backend(use_mpi: Optional[bool], use_gloo: Optional[bool]) -> str:

@@ -32,7 +32,8 @@ def minus(output, label, reduction=None):
 def test_a_horovod_loss_weights_rows_through_reduction_none_and_takes_their_plain_mean():
     # Horovod's own figures (test_calculate_loss_with_sample_weight): (label - output) * weight, then the mean
     weights = torch.tensor([1.0, 6.0, 3.0])
-    assert HorovodLoss(minus)(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 2.0, 3.0]), sample_weight=weights) == 5.0
+    output, label = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 2.0, 3.0])
+    assert HorovodLoss(minus)(output, label, sample_weight=weights) == 5.0
     assert HorovodLoss(minus)(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([1.0, 2.0, 3.0])) == 1.0
     # a loss module: its reduction set to 'none' on a copy; the label (3,) reshaped to the output's (3, 1)
     module = torch.nn.MSELoss()
@@ -93,7 +94,7 @@ def elastic_fn(epochs):
     @hvd.elastic.run
     def train(state):
         state.rendezvous += 1
-        for state.epoch in range(state.epoch, epochs):
+        for state.epoch in range(state.epoch, epochs):  # noqa: B020 - Horovod's own idiom
             print(f"rank {hvd.rank()} epoch {state.epoch}")
             state.commits += 1
             state.commit()
@@ -114,7 +115,8 @@ def test_horovod_spark_run_and_run_elastic_take_horovods_keywords_and_streams(sp
     got = horovod.spark.run(fn, args=(1,), num_proc=2, start_timeout=60, extra_mpi_args="-x NCCL_DEBUG", nics=["eth0"],
                             stdout=out, stderr=err, verbose=2, prefix_output_with_timestamp=True, executable="python3")
     assert got == [2, 2]
-    assert re.search(r"^\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4} \[[01]\] hello from 1$", out.getvalue(), re.M), out.getvalue()
+    stamped = r"^\w{3} \w{3} +\d+ \d\d:\d\d:\d\d \d{4} \[[01]\] hello from 1$"
+    assert re.search(stamped, out.getvalue(), re.M), out.getvalue()
     got = horovod.spark.run_elastic(elastic_fn, args=(3,), num_proc=2, min_num_proc=2, max_num_proc=2,
                                     start_timeout=60, elastic_timeout=60, reset_limit=1, verbose=0)
     assert got == [[0, 2, 3, 1, 1, 2, 3, 1]] * 2  # each rank's allgather: every rank's row
@@ -189,9 +191,10 @@ def test_horovods_own_spark_mnist_example_trains_with_only_its_imports_changed(t
         "from sparkring.spark.common.store import Store"]
     write_mnist_libsvm(str(tmp_path / "mnist.bz2"), rows=2000)  # where the script looks before downloading
     seeded = "import runpy, sys, torch; torch.manual_seed(0); runpy.run_path(sys.argv.pop(1), run_name='__main__')"
-    proc = subprocess.run([sys.executable, "-c", seeded, script, "--num-proc", "2", "--epochs", "2", "--batch-size", "32",
-                           "--data-dir", str(tmp_path), "--work-dir", str(tmp_path / "work")], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path,
+    args = ["--num-proc", "2", "--epochs", "2", "--batch-size", "32", "--data-dir", str(tmp_path),
+            "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run([sys.executable, "-c", seeded, script, *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path,
                           env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     accuracy = float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))

@@ -23,7 +23,7 @@ from ..versions import package_versions
 from .elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .horovod_launch import parse_hosts, ranks_from_hosts, translate_run_keywords
 from .interpreter import check_executor_interpreter
-from .ledger import RankOutput, RunLedger
+from .ledger import OWN_STREAMS, RankOutput, RunLedger
 from .outcome import raise_for_outcome
 from .plan import DEFAULT_HEARTBEAT_TIMEOUT, RUN_NAMES, LaunchPlan, LaunchRequest, ParamNames, check_timeouts, plan_for
 from .script import ScriptMain
@@ -54,7 +54,7 @@ def run(fn: Union[Callable[..., Any], str], args: Sequence[Any] = (), kwargs: Op
         verbose: int = 1, on_event: Optional[Callable[[int, Any], None]] = None, stream: bool = True,
         spark=None, shared_memory: bool = True, min_proc: Optional[int] = None, max_restarts: int = 3,
         elastic_dir: Optional[str] = None, ranks_per_task: Optional[int] = None, resource_profile: Any = "auto",
-        heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, output: RankOutput = RankOutput(),
+        heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, output: RankOutput = OWN_STREAMS,
         **horovod_names: Any) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` once per rank in a Spark barrier stage; return the
     results ordered by rank. Works on classic and Spark Connect sessions.
@@ -169,7 +169,7 @@ def launch_elastic(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args:
                    env: Optional[Dict[str, str]] = None, verbose: int = 1,
                    on_event: Optional[Callable[[int, Any], None]] = None, names: ParamNames = RUN_NAMES,
                    heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT,
-                   output: RankOutput = RankOutput()) -> List[Any]:
+                   output: RankOutput = OWN_STREAMS) -> List[Any]:
     """Launch as :func:`launch` does, again (from the last commit) when ranks are lost or the
     slots come back: run()'s elastic mode (``min_proc``) and the CLI's ``--min-np``.
 
@@ -251,7 +251,7 @@ def launch(spark, launch_plan: LaunchPlan, fn: Callable[..., Any], args: Sequenc
            env: Optional[Dict[str, str]] = None, verbose: int = 1,
            on_event: Optional[Callable[[int, Any], None]] = None,
            heartbeat_timeout: Optional[float] = DEFAULT_HEARTBEAT_TIMEOUT, names: ParamNames = RUN_NAMES,
-           output: RankOutput = RankOutput()) -> List[Any]:
+           output: RankOutput = OWN_STREAMS) -> List[Any]:
     """Launch ``fn`` on the ranks of a plan made by :func:`plan` (what ``run()`` does after
     planning; the estimator plans before its data jobs and launches here). ``names`` spells the
     caller's settings in its messages.

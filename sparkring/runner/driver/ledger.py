@@ -46,11 +46,14 @@ class RankOutput:
     timestamps: bool = False
 
 
+OWN_STREAMS = RankOutput()  # the ranks' lines on this process's stdout and stderr, as they come
+
+
 class RunLedger:
     """What the driver learns over the channel while the barrier stage runs: one handler per
     frame type (``handle`` dispatches on the type alone)."""
 
-    def __init__(self, num_proc: int, verbose: int, on_event, output: RankOutput = RankOutput()):
+    def __init__(self, num_proc: int, verbose: int, on_event, output: RankOutput = OWN_STREAMS):
         self.num_proc = num_proc
         self.verbose = verbose
         self.on_event = on_event

@@ -35,6 +35,7 @@ class HorovodLoss:
 
     def __call__(self, output: torch.Tensor, label: torch.Tensor,
                  sample_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The batch's loss: the function's own reduction, or each row's loss times its weight, averaged."""
         label = self._label(output, label)
         if torch.is_tensor(output) and torch.is_floating_point(output) and torch.is_floating_point(label):
             label = label.to(output.dtype)
@@ -47,7 +48,7 @@ class HorovodLoss:
         """The loss of every element: a torch loss module with ``reduction``, or a function taking it."""
         if isinstance(self.fn, torch.nn.Module) and hasattr(self.fn, "reduction"):
             module = copy.copy(self.fn)
-            module.reduction = "none"
+            setattr(module, "reduction", "none")  # noqa: B010 - a loss module's attribute, not typed as str
             return module(output, label)
         return self.fn(output, label, reduction="none")
 
@@ -78,4 +79,5 @@ class ScoringOnly:
     """
 
     def __call__(self, output: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        """Refuse to train."""
         raise ValueError("this TorchModel was built without a loss: it scores rows; give loss= to train it")
