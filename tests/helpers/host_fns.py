@@ -28,21 +28,23 @@ def _link_bytes():
     return total
 
 
-def allreduce_seconds(sizes_mb, repeats):
+def allreduce_seconds(sizes_mb, repeats, compression="none"):
     """Per size: seconds of the fastest of ``repeats`` float32 allreduces (after a warm-up), and
-    the bytes this rank's host link carried per allreduce (both ways, all of the host's ranks)."""
+    the bytes this rank's host link carried per allreduce (both ways, all of the host's ranks);
+    ``compression`` ("none", "fp16", "bf16") is how the tensors travel."""
     sr.init()
+    how = getattr(sr.Compression, compression)
     out = {}
     for mb in sizes_mb:
         tensor = torch.ones(int(mb * 2**20) // 4)
-        sr.allreduce(tensor, op=sr.Sum)
+        sr.allreduce(tensor, op=sr.Sum, compression=how)
         best = float("inf")
         sr.barrier()
         before = _link_bytes()
         for _ in range(repeats):
             sr.barrier()
             started = time.perf_counter()
-            sr.allreduce(tensor, op=sr.Sum)
+            sr.allreduce(tensor, op=sr.Sum, compression=how)
             best = min(best, time.perf_counter() - started)
         sr.barrier()
         out[mb] = {"seconds": best, "link_bytes": (_link_bytes() - before) / repeats}

@@ -42,7 +42,8 @@ def layout(spark, args):
 def bandwidth(spark, args):
     from sparkring import run
 
-    return run(host_fns.allreduce_seconds, args=(args["sizes_mb"], args["repeats"]), num_proc=args["ranks"],
+    return run(host_fns.allreduce_seconds, args=(args["sizes_mb"], args["repeats"], args.get("compression", "none")),
+               num_proc=args["ranks"],
                verbose=0, shared_memory=args.get("shared_memory", True))[0]
 
 
