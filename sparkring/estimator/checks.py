@@ -19,7 +19,7 @@ from ..runner import (
     check_timeouts,
     plan_for,
 )
-from ..trainer import EarlyStopping, losses, pipeline, pretrained, tensor_parallel
+from ..trainer import EarlyStopping, decoder_stages, losses, pipeline, pretrained, tensor_parallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
 from ..trainer.lightning import is_lightning_module
@@ -228,7 +228,7 @@ def check_model_parallel(config: EstimatorConfig, launch_plan: LaunchPlan, light
     if tp > 1 and not callable(config.parallelize_plan):
         _check_plan(config.parallelize_plan, shape, strict=pp == 1)
     if pp > 1:
-        _check_pipeline(config, shape)
+        check_pipeline(config, shape)
     if elastic_plan(config, num_proc) is not None:
         _check_elastic_groups(config, launch_plan, what)
 
@@ -288,7 +288,7 @@ def _check_plan(plan, shape: torch.nn.Module, strict: bool) -> None:
         raise ConfigurationError(str(exc)) from None
 
 
-def _check_pipeline(config: EstimatorConfig, shape: torch.nn.Module) -> None:
+def check_pipeline(config: EstimatorConfig, shape: torch.nn.Module) -> None:
     """The stages, split points and microbatches of a pipeline, checked against the model and batch."""
     parallel = config.model_parallel
     split = parallel.pipeline_split
@@ -298,6 +298,14 @@ def _check_pipeline(config: EstimatorConfig, shape: torch.nn.Module) -> None:
         raise ConfigurationError(f"pipelineParallel={parallel.pipeline_parallel} makes {parallel.stages} stages"
                                  f"{per_rank}, which begin at {parallel.stages - 1} split point(s), but pipelineSplit "
                                  f"names {len(split)}: {list(split)}")
+    refused = decoder_stages.refusal(shape)
+    if refused:
+        raise ConfigurationError(f"pipelineParallel={parallel.pipeline_parallel} {refused}")
+    if split and not isinstance(shape, torch.nn.Sequential) and decoder_stages.find_decoder(shape) is not None:
+        try:
+            decoder_stages.layer_ranges(shape, list(split), parallel.stages)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
     names = dict(shape.named_children() if isinstance(shape, torch.nn.Sequential) else shape.named_modules())
     unknown = [name for name in split if name not in names]
     if unknown:

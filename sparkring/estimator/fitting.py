@@ -92,6 +92,8 @@ def _fit_text(context: FitContext, dataset) -> SparkRingModel:
     config = context.config
     shape = checks.model_shape(config)  # a factory's model built once, under the meta device
     layout = text.text_layout(config, dataset, shape)
+    if config.pipeline_parallel > 1:  # where the stages are cut is known before tokenizing
+        checks.check_pipeline(config, shape)
     if config.store is not None:  # before tokenizing: no Spark job for a Store out of reach
         checks.fit_store(config).check_writable()
     check_executor_interpreter(context.spark, config.start_timeout)  # the executors tokenize with sparkring

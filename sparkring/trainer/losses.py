@@ -36,6 +36,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(shifted, labels[:, 1:].reshape(-1).long(), ignore_index=IGNORED)
 
 
+def counted_tokens(loss: str, labels: torch.Tensor) -> torch.Tensor:
+    """How many tokens of ``labels`` a token loss averages over (the real ones it predicts).
+
+    >>> int(counted_tokens(CAUSAL_LM, torch.tensor([[1, 2, -100]])))
+    1
+    """
+    return ((labels[:, 1:] if loss == CAUSAL_LM else labels) != IGNORED).sum()
+
+
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The mean cross entropy over the masked positions of a batch (no shift: each position
     predicts its own hidden token); every other position is IGNORED.

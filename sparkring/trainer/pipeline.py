@@ -3,8 +3,9 @@ rank's stage(s) of its pipeline, torch's schedules (GPipe, 1F1B, interleaved 1F1
 microbatches, and the step the loop runs through them (PipelineStep).
 
 An ``nn.Sequential`` model is cut between its top-level children, which stay the modules they were
-(so tensor parallelism and fsdpWrap's class names apply to a stage); any other model is cut by
-torch's tracer (``torch.distributed.pipelining.pipeline``), whose stages hold InterpreterModules.
+(so tensor parallelism and fsdpWrap's class names apply to a stage); a Hugging Face Llama between
+decoder layers (trainer.decoder_stages, whose stages hold its own modules too); any other model is
+cut by torch's tracer (``torch.distributed.pipelining.pipeline``), whose stages hold InterpreterModules.
 Either way a stage's parameters keep the model's names, and ``with_original_names`` gathers this
 rank's stages into one module under those names, through which the optimizer, the checkpoints
 (DCP: any layout resumes any other) and the final gather see them."""
@@ -16,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from typing_extensions import override
 
-from . import losses
+from . import decoder_stages, losses
 from .activation import named_blocks
 from .config import ModelParallel
 from .figures import Totals
@@ -51,8 +52,16 @@ def balanced_split(model: torch.nn.Module, stages: int, wrap: Tuple[str, ...] = 
     return cuts
 
 
+def keeps_modules(model: torch.nn.Module) -> bool:
+    """Whether ``cut`` gives stages of the model's own modules (an ``nn.Sequential``, a Hugging Face
+    decoder), which may be cut on the meta device, rather than the tracer's copies."""
+    return isinstance(model, torch.nn.Sequential) or decoder_stages.find_decoder(model) is not None
+
+
 def cut(model: torch.nn.Module, split: List[str], example: Callable[[], tuple]) -> List[torch.nn.Module]:
     """Every stage's module, in order (each rank keeps its own and drops the rest)."""
+    if not isinstance(model, torch.nn.Sequential) and decoder_stages.find_decoder(model) is not None:
+        return decoder_stages.cut(model, split, len(split) + 1)
     if isinstance(model, torch.nn.Sequential):
         names = [name for name, _ in model.named_children()]
         unknown = [s for s in split if s not in names]
@@ -88,13 +97,7 @@ def with_original_names(parts: List[torch.nn.Module]) -> torch.nn.Module:
             own = (any(True for _ in module.parameters(recurse=False))
                    or any(True for _ in module.buffers(recurse=False)))
             if path and own:
-                *parents, leaf = path.split(".")
-                holder = root
-                for name in parents:
-                    if name not in holder._modules:
-                        holder.add_module(name, torch.nn.Module())
-                    holder = holder._modules[name]  # type: ignore[assignment]
-                holder.add_module(leaf, module)
+                decoder_stages.place(root, path, module)
     return root
 
 
@@ -124,22 +127,36 @@ class PipelineStep(Step):
         self.device = plain.device
         self.output_shapes: Optional[List[List[int]]] = None
         self.figures_now: Optional[torch.Tensor] = None
+        self.tokens_per_microbatch: Optional[torch.Tensor] = None  # a token loss's mean count (this batch)
 
     def loss(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The first head's loss of a microbatch's output (what the schedule backpropagates)."""
-        cfg = self.plain.cfg
-        return losses.compute_loss(cfg.losses[0], out, losses.prepare_label(y, out, cfg.losses[0], True), None)
+        """The first head's loss of a microbatch's output (what the schedule backpropagates). A token
+        loss is weighed by the microbatch's share of the batch's real tokens, so that the schedule's
+        mean over microbatches is the batch's mean over its tokens, as one forward of the batch gives."""
+        loss = self.plain.cfg.losses[0]
+        value = losses.compute_loss(loss, out, losses.prepare_label(y, out, loss, True), None)
+        if self.tokens_per_microbatch is not None:
+            value = value * losses.counted_tokens(loss, y) / self.tokens_per_microbatch
+        return value
 
     @override
     def __call__(self, model: Any, batch: Dict[str, Any], where: str, /) -> Outcome:
         cfg = self.plain.cfg
-        args, _ = cfg.spec.model_args(batch)
+        args, keywords = cfg.spec.model_args(batch)
+        if keywords and not args:  # token columns: the ids enter the first stage, the rest reach every stage
+            first_input = next(iter(keywords))
+            args = (keywords.pop(first_input),)
         inputs = tuple(a.to(self.device) for a in args) if self.first else ()
+        every_stage = {name: value.to(self.device) for name, value in keywords.items()}
         y = torch.as_tensor(batch[cfg.spec.labels[0]]).to(self.device)
+        if cfg.losses[0] in losses.TOKEN_LOSSES:
+            count = losses.counted_tokens(cfg.losses[0], y)
+            self.tokens_per_microbatch = count.clamp_min(1) / self.plain.cfg.parallel.microbatch_count
         microbatch_losses: List[torch.Tensor] = []
         run = self.schedule.step if torch.is_grad_enabled() else self.schedule.eval
         with self.plain.autocast():
-            out = run(*inputs, target=y if self.last else None, losses=microbatch_losses if self.last else None)
+            out = run(*inputs, target=y if self.last else None, losses=microbatch_losses if self.last else None,
+                      **every_stage)
         figures = torch.zeros(self.plain.width(), dtype=torch.float64, device=self.device)
         total = torch.zeros((), device=self.device)
         if self.last:

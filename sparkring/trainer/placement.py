@@ -397,7 +397,10 @@ class Pipelined(TensorParallel):
 
         p = self.parallel
         self.mesh = sr.device_mesh(tp=p.tensor_parallel, pp=p.pipeline_parallel)
-        whole = whole_model(model, device, seed, self.sharding.init_fn)
+        # a stored model cut into stages of its own modules gets values for this rank's stages only
+        stored = model if isinstance(model, StoredModel) and model.empty and pipeline.keeps_modules(model.module) \
+            else None
+        whole = stored.module if stored is not None else whole_model(model, device, seed, self.sharding.init_fn)
         split = list(p.pipeline_split) or pipeline.balanced_split(whole, p.stages, self.sharding.wrap)
         assert self.config.example is not None, "a pipeline needs PlacementConfig.example"
         example = self.config.example
@@ -405,6 +408,8 @@ class Pipelined(TensorParallel):
         self.indices = pipeline.stage_indices(self.mesh["pp"].get_local_rank(), p)
         mine = [parts[i] for i in self.indices]
         view = pipeline.with_original_names(mine)  # before any wrapper renames a path
+        if stored is not None:
+            pretrained.materialized(stored, device, seed, self.sharding.init_fn, part=view)
         for part in mine:
             if p.tensor_parallel > 1:
                 tensor_parallel.parallelize(part, p.plan, self.mesh["tp"], strict=False)

@@ -440,18 +440,21 @@ def to_empty(module: torch.nn.Module, device: torch.device, tie: bool = True) ->
 
 def materialized(stored: StoredModel, device: torch.device, seed: int = 0,
                  init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
-                 values: Optional[Dict[str, torch.Tensor]] = None) -> torch.nn.Module:
-    """The whole model on ``device``: what the storage (or ``values``, a state dict in hand) lacks
-    initialized from ``seed`` (rotary tables, new heads), then filled.
+                 values: Optional[Dict[str, torch.Tensor]] = None,
+                 part: Optional[torch.nn.Module] = None) -> torch.nn.Module:
+    """The whole model on ``device`` (or only ``part``: a module holding some of the model's own
+    modules under their names, such as a pipeline rank's stages): what the storage (or ``values``, a
+    state dict in hand) lacks initialized from ``seed`` (rotary tables, new heads), then filled.
 
     >>> materialized(stored_model(factory, None), torch.device("cpu")).lm_head.weight.is_meta  # doctest: +SKIP
     False
     """
-    module = stored.module
+    module = part if part is not None else stored.module
     if stored.empty:
-        filled = set(values) if values is not None else covered_names(stored)
-        filled |= to_empty(module, device)
-        initialize_modules(module, seed, initializer(module, init_fn), skip=filled)
+        filled = set(values) if values is not None else covered_names(StoredModel(module, stored.sources,
+                                                                                  stored._tensors))
+        filled |= to_empty(module, device, tie=part is None)
+        initialize_modules(module, seed, initializer(stored.module, init_fn), skip=filled)
     else:
         module = module.to(device)
     if values is not None:

@@ -243,15 +243,25 @@ def test_a_text_model_logged_to_mlflow_generates_from_text_with_its_tokenizer(sp
         mlflow.set_tracking_uri(before)
 
 
-def test_a_hugging_face_llama_split_by_the_default_tensor_parallel_plan_trains_the_one_rank_weights(
-        spark, tokenizer, tmp_path):
-    df, store = _text_df(spark, n=120), Store(str(tmp_path / "store"))
-    whole = _estimator(tokenizer, store, numProc=1, epochs=1, runId="whole", keepData=True).fit(df)
-    split = _estimator(tokenizer, store, numProc=2, tensorParallel=2, epochs=1, runId="tp2").fit(df)
+@pytest.fixture(scope="module")
+def one_rank_fit(_spark_sessions, tokenizer, tmp_path_factory):
+    """A Llama trained on one rank: what every model-parallel split of it must train."""
+    df = _text_df(_spark_sessions.get("local"), n=120)
+    store = Store(str(tmp_path_factory.mktemp("one-rank") / "store"))
+    return df, store, _estimator(tokenizer, store, numProc=1, epochs=1, runId="whole", keepData=True).fit(df)
+
+
+@pytest.mark.parametrize("split", [dict(tensorParallel=2), dict(pipelineParallel=2)], ids=["tp2", "pp2"])
+def test_a_hugging_face_llama_split_over_two_ranks_trains_the_one_rank_weights(
+        spark, tokenizer, one_rank_fit, split):
+    df, store, whole = one_rank_fit
+    fitted = _estimator(tokenizer, store, numProc=2, epochs=1, runId=f"split-{len(split)}-{sorted(split)[0]}",
+                        **split).fit(df)
     for name, value in whole.getModel().state_dict().items():
-        torch.testing.assert_close(split.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
-    # q/k/v/gate/up split by rows, o/down by columns: the largest rank keeps about half the state
-    assert split.history[-1]["state_bytes"] < whole.history[-1]["state_bytes"] * 0.6
+        torch.testing.assert_close(fitted.getModel().state_dict()[name], value, atol=1e-4, rtol=0)
+    # tp: q/k/v/gate/up split by rows, o/down by columns; pp: a layer and the embedding or the head
+    # each: the largest rank keeps about half the state
+    assert fitted.history[-1]["state_bytes"] < whole.history[-1]["state_bytes"] * 0.6
 
 
 def test_a_packed_row_attends_within_each_document_as_if_it_were_alone(tokenizer, tmp_path):
