@@ -89,3 +89,25 @@ class Manual(Classifier):
     def __init__(self):
         super().__init__()
         self.automatic_optimization = False
+
+
+class DictXOR(pl.LightningModule):
+    """A LightningModule written for Horovod: its steps read batch['features'] and batch['y']."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = torch.nn.Linear(2, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, features):
+        return torch.sigmoid(self.lin2(torch.tanh(self.lin1(features.float()))))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float()))

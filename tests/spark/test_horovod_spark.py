@@ -217,36 +217,10 @@ def test_lightning_trainer_args_with_a_param_become_it_and_lightning_callbacks_a
         LightningEstimator(model=XOR(), callbacks=[Callback()])
 
 
-class DictXOR(XOR):
-    """A LightningModule written for Horovod: its steps read batch['features'] and batch['y']."""
-
-    def __new__(cls, *args, **kwargs):
-        import pytorch_lightning as pl
-
-        class Module(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.net = XOR()
-
-            def forward(self, features):
-                return self.net(features)
-
-            def configure_optimizers(self):
-                return torch.optim.Adam(self.parameters(), lr=0.05)
-
-            def training_step(self, batch, batch_idx):
-                loss = F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float())
-                self.log("train_loss", loss)
-                return loss
-
-            def validation_step(self, batch, batch_idx):
-                self.log("val_loss", F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float()))
-
-        return Module()
-
-
 @pytest.mark.slow  # a fit
 def test_a_lightning_module_written_for_horovod_trains_on_dict_batches(spark, tmp_path):
+    from lightning_modules import DictXOR
+
     from sparkring.spark.lightning import TorchEstimator as LightningEstimator
 
     torch.manual_seed(0)

@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, Optional
 
+from typing_extensions import override
+
 from ...errors import ConfigurationError
 from ...trainer.lightning import is_lightning_module
 from ..torch.estimator import TorchEstimator as PlainTorchEstimator
@@ -164,11 +166,9 @@ class TorchEstimator(PlainTorchEstimator):
         """Horovod's Lightning name for where a fit with ``run_id`` resumes."""
         return self._load_checkpoint(run_id)
 
-    def _fit(self, dataset):
-        run_id = self.config().run_id
-        if run_id is not None:
-            self._read_checkpoint(run_id)
-        return super()._fit(dataset)
+    @override
+    def _resume_point(self, run_id: str) -> Optional[str]:
+        return self._read_checkpoint(run_id)  # Horovod's LightningEstimator asks under this name
 
 
 def _refuse_lightning_callbacks(callbacks: Any) -> None:

@@ -276,10 +276,14 @@ class TorchEstimator(SparkRingEstimator):
         log.info("run %s resumes from %s", run_id, point)
         return point
 
+    def _resume_point(self, run_id: str) -> Optional[str]:
+        """The one hook the fit asks where it resumes (Horovod's TorchEstimator: ``_load_checkpoint``)."""
+        return self._load_checkpoint(run_id)
+
     def _fit(self, dataset):
         run_id = self.config().run_id
         if run_id is not None:
-            self._load_checkpoint(run_id)
+            self._resume_point(run_id)
         estimator, dataset = self._marked_validation(dataset)
         model = SparkRingEstimator._fit(estimator, dataset)
         model._set(predictionCol=[f"{label}__output" for label in model.config().label_columns])
