@@ -15,7 +15,7 @@ import torch
 
 import sparkring.collective as sr
 
-from . import checkpoints, pretrained
+from . import checkpoints, pretrained, saving
 from .activation import blocks, checkpoint_activations
 from .checkpoints import FILE, SHARDED, TRAINER_STATE, CheckpointName
 from .config import Sharding, is_factory
@@ -96,6 +96,43 @@ def full_state_dict(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+
+def write_state(model: torch.nn.Module, store, directory: str) -> None:
+    """Every rank writes its files of a sharded model's weights into ``directory`` of ``store``:
+    each whole tensor is put together once, on the rank whose file holds it, so no rank holds more
+    than its files' tensors (rank 0 does not gather the model)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    state = {name: value for name, value in get_model_state_dict(model, options=StateDictOptions()).items()
+             if isinstance(value, torch.Tensor)}
+    if sr.rank() == 0:
+        saving.clear(store, directory)
+    # rank 0 decides which names are one tensor (tied), so every rank puts the same tensors together
+    sizes = sr.broadcast_object(_distinct_sizes(state) if sr.rank() == 0 else None, root_rank=0)
+
+    def whole(name: str) -> torch.Tensor:
+        value = state[name]
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    written = saving.write_from_every_rank(store, directory, sizes, whole, sr.rank(), sr.size())
+    log.info("rank %d wrote %s of the fitted weights into %s", sr.rank(), written or "none", directory)
+
+
+def _distinct_sizes(state: Dict[str, Any]) -> List[Tuple[str, int]]:
+    """Each tensor's name and whole size in bytes, a tied tensor under its first name only."""
+    from torch.distributed.tensor import DTensor
+
+    seen, out = set(), []
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        key = (local.data_ptr(), tuple(value.shape), value.dtype)
+        if local.numel() and key in seen:
+            continue
+        seen.add(key)
+        out.append((name, value.numel() * value.element_size()))
+    return out
 
 
 # -- checkpoints ------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
 from .measure import StepClock, state_bytes
 from .placement import placement_for
-from .saving import write_safetensors
 from .shared_rows import share_rows_on_host
 from .state import TrainerState
 from .step import Step
@@ -395,14 +394,11 @@ class Trainer:
     def finish(self) -> Optional[RankResult]:
         """End the fit: the state gathered, rank 0's result (its weights written); None elsewhere."""
         self.step.fit_ended(self.model)
-        state = self.placement.gather(self.model)  # every rank takes part
+        weights = self.cfg.store.model_path(self.cfg.run_id)
+        self.placement.write_fitted(self.model, self.cfg.store, weights)  # every rank takes part
         if self.rank != 0:
             return None
-        assert state is not None
         self.callbacks.call("on_train_end", self.history, self.model)
         if self.board is not None:
             self.board.close()
-        weights = self.cfg.store.model_path(self.cfg.run_id)
-        write_safetensors(self.cfg.store, weights, state)
-        del state
         return RankResult(weights=weights, history=self.history, output_shapes=self.step.output_shapes)

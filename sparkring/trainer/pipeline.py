@@ -8,7 +8,7 @@ decoder layers (trainer.decoder_stages, whose stages hold its own modules too); 
 cut by torch's tracer (``torch.distributed.pipelining.pipeline``), whose stages hold InterpreterModules.
 Either way a stage's parameters keep the model's names, and ``with_original_names`` gathers this
 rank's stages into one module under those names, through which the optimizer, the checkpoints
-(DCP: any layout resumes any other) and the final gather see them."""
+(DCP: any layout resumes any other) and the fitted weights written at the end see them."""
 from __future__ import annotations
 
 import collections
@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from typing_extensions import override
 
-from . import decoder_stages, losses
+from . import decoder_stages, losses, saving
 from .activation import named_blocks
 from .config import ModelParallel
 from .figures import Totals
@@ -217,6 +217,33 @@ class PipelineStep(Step):
     @override
     def fit_ended(self, model: torch.nn.Module, /) -> None:
         self.plain.fit_ended(model)
+
+
+def write_stages(model: torch.nn.Module, owner: bool, position: int, positions: int, store: Any,
+                 directory: str) -> None:
+    """Each pipeline position's stages written by one of its ranks (``owner``) as file ``position``
+    of Hugging Face's sharded layout (``positions`` files); rank 0 writes the index. A rank holds
+    its own stages' whole state (their tensor-parallel and sharded slices put together), never the
+    model's (every rank calls it)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    mine = saving.distinct_tensors({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}) if owner else {}
+    del state
+    if dist.get_rank() == 0:
+        saving.clear(store, directory)
+    names = saving.shard_names(positions)
+    everyone: List[Any] = [None] * dist.get_world_size()  # also the barrier after the clear
+    dist.all_gather_object(everyone, (position, {k: v.numel() * v.element_size() for k, v in mine.items()})
+                           if owner else None)
+    if owner:
+        store.makedirs(directory)
+        saving.write_file(store, directory, names[position], mine)
+    if dist.get_rank() == 0:
+        held = dict(part for part in everyone if part is not None)
+        saving.write_index(store, directory, [(names[i], list(held[i])) for i in range(positions)],
+                           sum(n for sizes in held.values() for n in sizes.values()))
 
 
 def gather_full_state(model: torch.nn.Module, owner: bool) -> Optional[Dict[str, torch.Tensor]]:

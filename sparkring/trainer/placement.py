@@ -19,7 +19,7 @@ from typing_extensions import override
 
 import sparkring.collective as sr
 
-from . import checkpoints, comm_spans, fsdp, gradients, pipeline, pretrained, tensor_parallel
+from . import checkpoints, comm_spans, fsdp, gradients, pipeline, pretrained, saving, tensor_parallel
 from .activation import checkpoint_activations
 from .batches import run_batches
 from .checkpoints import FILE, SHARDED, CheckpointName, on_cpu
@@ -131,6 +131,14 @@ class Placement:
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         """The whole model's state on rank 0's CPU (None on the other ranks)."""
         raise NotImplementedError
+
+    def write_fitted(self, model: torch.nn.Module, store: Any, directory: str) -> None:
+        """Write the fitted weights as safetensors into ``directory`` of ``store`` (every rank calls
+        it): here rank 0 writes the state ``gather`` put together."""
+        state = self.gather(model)
+        if state is not None:
+            saving.clear(store, directory)
+            saving.write_safetensors(store, directory, state)
 
     def finish(self) -> None:
         """Complete what is still being written (the fit ends or pauses here)."""
@@ -288,8 +296,9 @@ class Replicated(Placement):
 
 class Sharded(Placement):
     """FSDP2 (``fsdp``: over every rank; ``hsdp``: within each host, replicated across hosts):
-    each rank keeps its shards, writes them into a DCP checkpoint directory, and takes part in
-    gathering the whole state for rank 0 at the end (trainer.fsdp has the mechanics)."""
+    each rank keeps its shards, writes them into a DCP checkpoint directory, and at the end writes
+    its files of the fitted weights, each tensor put together on the rank that writes it
+    (trainer.fsdp has the mechanics)."""
 
     def __init__(self, config: PlacementConfig):
         super().__init__(config)
@@ -331,6 +340,11 @@ class Sharded(Placement):
         return state if sr.rank() == 0 else None
 
     @override
+    def write_fitted(self, model: torch.nn.Module, store: Any, directory: str) -> None:
+        self.finish()
+        fsdp.write_state(model, store, directory)  # each rank its files: rank 0 never holds the whole model
+
+    @override
     def finish(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.finish()
@@ -341,7 +355,7 @@ class TensorParallel(Sharded):
     slices of the planned layers (torch's parallelize_module) and reads the same rows; over dp the
     model is replicated (``ddp``: gradients averaged over dp here) or sharded (``fsdp``: FSDP2 on
     the dp submesh). Checkpoints are DCP directories (they reshard on load, to any layout); at
-    the end the whole state is gathered on rank 0, as Sharded does."""
+    the end every rank writes its files of the fitted weights, as Sharded does."""
 
     def __init__(self, config: PlacementConfig):
         super().__init__(config)
@@ -453,6 +467,13 @@ class Pipelined(TensorParallel):
         self.finish()
         owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
         return pipeline.gather_full_state(model, owner)
+
+    @override
+    def write_fitted(self, model: torch.nn.Module, store: Any, directory: str) -> None:
+        self.finish()
+        owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
+        pp = self.mesh["pp"]
+        pipeline.write_stages(model, owner, pp.get_local_rank(), pp.size(), store, directory)
 
 
 def placement_for(cfg: TrainConfig, pretrained_model: bool = False) -> Placement:

@@ -1,6 +1,8 @@
 """Models that begin and end on storage: a factory calling from_pretrained, a checkpoint directory
 (a path or an S3 URL), initialWeights, under every placement; what is refused before any Spark job.
 Real Spark, tiny Llamas the tests save with save_pretrained."""
+import json
+
 import pytest
 import stored_fns
 import text_fns
@@ -58,6 +60,14 @@ def test_a_checkpoint_directory_is_a_model(spark, checkpoint, tokenizer, tmp_pat
     fitted = _estimator(str(path), tokenizer, Store(str(tmp_path / "store")), **placement).fit(_text_df(spark))
     _assert_same(fitted, expected)
     assert type(fitted.getModel()).__name__ == "LlamaForCausalLM"
+    # each rank wrote its own file of the fitted weights (fsdp: its run of tensors; pp2: its stage):
+    # rank 0 never held the whole model
+    written = sorted(p.name for p in (tmp_path / "store").rglob("model*.safetensors*"))
+    assert written == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                       "model.safetensors.index.json"]
+    index = json.loads(next((tmp_path / "store").rglob("model.safetensors.index.json")).read_text())["weight_map"]
+    assert index["model.embed_tokens.weight"] == written[0] and index["lm_head.weight"] == written[1]
+    assert index.keys() == expected.keys()
 
 
 def test_a_bf16_checkpoint_with_tied_embeddings_stays_bf16_and_tied_under_fsdp(spark, tokenizer, tmp_path):
@@ -175,7 +185,7 @@ def test_a_model_of_tens_of_millions_of_parameters_never_travels_through_spark(s
     replaced = {k: torch.full_like(v, 0.01) for k, v in stored_fns.wide_mlp_factory().state_dict().items()}
     save_file(replaced, store.model_path("wide", "model.safetensors"))
     scored = fitted.transform(df).select("probability").head()
-    assert scored.probability.toArray().tolist() == pytest.approx([1 / 3] * 3, abs=1e-5)  # equal weights: equal classes (float32 sums)
+    assert scored.probability.toArray().tolist() == pytest.approx([1 / 3] * 3, abs=1e-5)  # equal weights: equal classes
     torch.testing.assert_close(fitted.getModel()[0].weight, replaced["0.weight"])
 
 

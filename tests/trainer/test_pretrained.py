@@ -39,3 +39,28 @@ def test_a_directory_given_by_path_builds_its_architecture_and_names_strip_wrapp
     assert pretrained.stored_name("base_model.model.model.layers.0._checkpoint_wrapped_module.self_attn."
                                   "q_proj.base_layer.weight", source) == "model.layers.0.self_attn.q_proj.weight"
     assert pretrained.stored_name("classifier.weight", source) is None
+
+
+def test_three_ranks_writing_their_own_files_make_one_directory_from_pretrained_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from sparkring import Store
+    from sparkring.trainer import saving
+
+    stored_fns.save_llama(tmp_path / "llama")
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path / "llama"))
+    state = reference.state_dict()
+    sizes = [(name, t.numel() * t.element_size()) for name, t in state.items()]
+    out, asked = str(tmp_path / "written"), []
+
+    def whole(name):  # what the collective puts together; each rank asks for every tensor in order
+        asked.append(name)
+        return state[name]
+
+    written = [saving.write_from_every_rank(Store(str(tmp_path)), out, sizes, whole, rank, 3) for rank in range(3)]
+    assert asked == [name for name, _ in sizes] * 3
+    assert [len(files) for files in written] == [1, 1, 1] and len({f for files in written for f in files}) == 3
+    reference.config.save_pretrained(out)
+    loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    for name, value in state.items():
+        torch.testing.assert_close(loaded[name], value, atol=0, rtol=0, msg=name)
