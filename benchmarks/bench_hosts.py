@@ -2,7 +2,8 @@
 links shaped by tc's token bucket, a standalone worker on each, the driver on a head of its own).
 Allreduce bus bandwidth against the link rate, the bytes a host's link carries per allreduce with
 the hierarchical path (shared memory inside a host, the hosts' leaders across) against the flat
-ring of ranks, and the seconds from a host cut off the network to the caller's error. Needs root."""
+ring of ranks, fsdp against hsdp in a fit, and the seconds from a host cut off the network to the
+caller's error. Needs root."""
 from __future__ import annotations
 
 import os
@@ -75,6 +76,30 @@ def _compression_section(rows, tmp, reps):
                     plain["link_bytes"] / bf16["link_bytes"], ">= 1.9x (halved)", goal_value=1.9))
 
 
+def _sharded_section(rows, tmp):
+    """fsdp (every rank's shards, across the hosts) against hsdp (shards within a host, replicas
+    across): 2 hosts x 2 ranks at 1 Gbit/s, the bytes on a host's link and the training seconds."""
+    hosts = SimulatedHosts(2, Link("1gbit")).start()
+    seen = {}
+    try:
+        cluster = hosts.spark_cluster(os.path.join(tmp, "hosts-sharded"), dict(os.environ), cores=2)
+        for strategy in ("fsdp", "hsdp", "fsdp", "hsdp"):  # the first of each warms the workers up
+            before = hosts.bytes_through(0)
+            fit = cluster.drive("sharded", {"strategy": strategy, "ranks": 4, "rows": 2048, "cores_per_host": 2,
+                                            "hosts": 2, "store": os.path.join(tmp, f"sharded-{strategy}")})
+            seen[strategy] = {**fit, "link_bytes": hosts.bytes_through(0) - before}
+    finally:
+        hosts.stop()
+    fsdp, hsdp = seen["fsdp"], seen["hsdp"]
+    rows.append(Row("across hosts", f"a fit of a 2.1M-parameter MLP, 2 hosts x 2 ranks at 1gbit/s, {fsdp['steps']} "
+                    "steps: bytes on a host's link, hsdp (shards in a host, replicas across) vs fsdp (shards across)",
+                    f"{hsdp['link_bytes'] / MB:,.0f} MB", f"fsdp {fsdp['link_bytes'] / MB:,.0f} MB",
+                    fsdp["link_bytes"] / hsdp["link_bytes"], "(reference)"))
+    rows.append(Row("across hosts", "the same fits' training seconds (first step and epochs), hsdp vs fsdp",
+                    f"{hsdp['seconds']:.1f} s", f"fsdp {fsdp['seconds']:.1f} s", fsdp["seconds"] / hsdp["seconds"],
+                    "(reference)"))
+
+
 def _cut_section(rows, tmp):
     hosts = SimulatedHosts(2, Link("1gbit")).start()
     cut_at = []
@@ -110,4 +135,5 @@ def bench_hosts(spark, rows, reps, tmp):
     _ring_section(rows, tmp, 2, "10gbit", [64, 256], reps)
     _hierarchy_section(rows, tmp, reps)
     _compression_section(rows, tmp, reps)
+    _sharded_section(rows, tmp)
     _cut_section(rows, tmp)

@@ -63,3 +63,11 @@ def allreduce_until_stopped(flag_path):
             said = True
         time.sleep(0.05)
     return "stopped"
+
+
+def wide_mlp():
+    """A classifier of about 2.1M parameters (8.4 MB in float32): enough weights that sharding
+    them across hosts shows on the links."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 3))

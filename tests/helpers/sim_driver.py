@@ -2,7 +2,7 @@
 cluster, runs one scenario and prints ``RESULT <json>``. Scenarios: ``layout`` (where 4 ranks
 land and their allreduce, hierarchical and flat), ``bandwidth`` (allreduce seconds per size),
 ``cut`` (allreduces until a host is lost: the error and when it came), ``fit`` (a small
-classifier's fitted weights)."""
+classifier's fitted weights), ``sharded`` (a wider classifier's training seconds under fsdp or hsdp)."""
 import json
 import os
 import sys
@@ -76,12 +76,28 @@ def fit(spark, args):
     return {"weights": {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()}}
 
 
+def sharded(spark, args):
+    """A fit of host_fns.wide_mlp under ``strategy`` (fsdp or hsdp): its training seconds and steps."""
+    import est_helpers
+
+    from sparkring import SparkRingEstimator, Store
+
+    df = est_helpers.classification_df(spark, n=args["rows"], partitions=4).sortWithinPartitions("id")
+    fitted = SparkRingEstimator(model=host_fns.wide_mlp, optimizer=est_helpers.adam, loss="cross_entropy",
+                                featuresCol="features", labelCol="label", batchSize=16, epochs=1,
+                                numProc=args["ranks"], strategy=args["strategy"], store=Store(args["store"]),
+                                verbose=0, seed=0).fit(df)
+    return {"seconds": fitted.phases.first_step + fitted.phases.epochs,
+            "steps": args["rows"] // (16 * args["ranks"])}
+
+
 if __name__ == "__main__":
     master, scenario, args = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     spark = session(master, args.get("cores_per_host", 2), args.get("hosts", 2))
     spark.sparkContext.setLogLevel("ERROR")
     try:
-        result = {"layout": layout, "bandwidth": bandwidth, "cut": cut, "fit": fit}[scenario](spark, args)
+        scenarios = {"layout": layout, "bandwidth": bandwidth, "cut": cut, "fit": fit, "sharded": sharded}
+        result = scenarios[scenario](spark, args)
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         spark.stop()
