@@ -76,6 +76,25 @@ def test_hsdp_fit_of_two_ranks_per_task_on_two_hosts_trains_ddps_weights_shardin
         assert h["state_bytes"] == pytest.approx(d["state_bytes"] / 2, rel=0.1)
 
 
+def test_hsdp_on_two_hosts_starts_from_a_pretrained_checkpoint_and_each_rank_writes_its_file(spark_hosts, tmp_path):
+    pytest.importorskip("transformers")
+    import stored_fns
+    import text_fns
+
+    tok = text_fns.tokenizer()
+    expected = stored_fns.save_llama(tmp_path / "llama", tok.get_vocab_size(), tokenizer=tok)
+    df = spark_hosts.createDataFrame([(s,) for s in text_fns.sentences(64)], ["text"])
+    fitted = SparkRingEstimator(model=stored_fns.from_pretrained(tmp_path / "llama"), optimizer=stored_fns.frozen,
+                                textCol="text", tokenizer=tok, task="causal-lm", sequenceLength=16, batchSize=8,
+                                epochs=1, numProc=4, ranksPerTask=2, strategy="hsdp",
+                                store=Store(str(tmp_path / "store")), verbose=0).fit(df)
+    state = fitted.getModel().state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, atol=0, rtol=0, msg=name)
+    written = sorted(p.name for p in (tmp_path / "store").rglob("model-*.safetensors"))
+    assert written == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+
+
 def test_a_sharded_checkpoint_resumes_at_another_number_of_ranks(spark_wide, tmp_path):
     df = H.classification_df(spark_wide, n=192)
     store = Store(str(tmp_path / "store"))
