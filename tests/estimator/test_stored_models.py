@@ -54,15 +54,19 @@ def test_a_from_pretrained_factory_starts_every_placement_from_the_checkpoint(
     _assert_same(fitted, expected)
 
 
-@pytest.mark.parametrize("placement", [dict(strategy="fsdp"), dict(pipelineParallel=2)], ids=["fsdp", "pp2"])
+@pytest.mark.parametrize("placement", [dict(strategy="ddp"), dict(strategy="fsdp"), dict(tensorParallel=2),
+                                       dict(pipelineParallel=2)], ids=["ddp", "fsdp", "tp2", "pp2"])
 def test_a_checkpoint_directory_is_a_model(spark, checkpoint, tokenizer, tmp_path, placement):
     path, expected = checkpoint
     fitted = _estimator(str(path), tokenizer, Store(str(tmp_path / "store")), **placement).fit(_text_df(spark))
     _assert_same(fitted, expected)
     assert type(fitted.getModel()).__name__ == "LlamaForCausalLM"
-    # each rank wrote its own file of the fitted weights (fsdp: its run of tensors; pp2: its stage):
-    # rank 0 never held the whole model
     written = sorted(p.name for p in (tmp_path / "store").rglob("model*.safetensors*"))
+    if placement == dict(strategy="ddp"):  # rank 0 holds the whole model and writes it
+        assert written == ["model.safetensors"]
+        return
+    # each rank wrote its own file of the fitted weights (fsdp, tp2: its run of tensors; pp2: its
+    # stage): rank 0 never held the whole model
     assert written == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                        "model.safetensors.index.json"]
     index = json.loads(next((tmp_path / "store").rglob("model.safetensors.index.json")).read_text())["weight_map"]
