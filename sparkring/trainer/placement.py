@@ -372,6 +372,10 @@ class TensorParallel(Sharded):
 
         if self.sharding.sharded:
             module = _sharded(model, self.sharding, device, seed, mesh=self.mesh["dp"], split=split)
+        elif isinstance(model, StoredModel) and model.empty:
+            split(model.module)  # on the meta device: each rank then reads only its slices
+            module = pretrained.materialized(model, device, seed, self.sharding.init_fn)
+            checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
         else:
             module = split(whole_model(model, device, seed, self.sharding.init_fn))
             checkpoint_activations(module, self.sharding.activation_checkpointing, self.sharding.wrap)
