@@ -301,7 +301,7 @@ def check_pipeline(config: EstimatorConfig, shape: torch.nn.Module) -> None:
     refused = decoder_stages.refusal(shape)
     if refused:
         raise ConfigurationError(f"pipelineParallel={parallel.pipeline_parallel} {refused}")
-    if split and not isinstance(shape, torch.nn.Sequential) and decoder_stages.find_decoder(shape) is not None:
+    if split and decoder_stages.cuts(shape):
         try:
             decoder_stages.layer_ranges(shape, list(split), parallel.stages)
         except ValueError as exc:

@@ -74,6 +74,16 @@ def find_decoder(model: torch.nn.Module) -> Optional[Tuple[DecoderPaths, Any]]:
     return None
 
 
+def cuts(model: torch.nn.Module) -> bool:
+    """Whether a pipeline cuts ``model`` here, between decoder layers (an ``nn.Sequential`` is cut
+    between its children, whatever it holds).
+
+    >>> cuts(torch.nn.Linear(2, 2))
+    False
+    """
+    return not isinstance(model, torch.nn.Sequential) and find_decoder(model) is not None
+
+
 def refusal(model: torch.nn.Module) -> Optional[str]:
     """Why pipelineParallel cannot cut this Hugging Face model (None: it can, or it is no such model)."""
     found = find_decoder(model)

@@ -55,12 +55,12 @@ def balanced_split(model: torch.nn.Module, stages: int, wrap: Tuple[str, ...] = 
 def keeps_modules(model: torch.nn.Module) -> bool:
     """Whether ``cut`` gives stages of the model's own modules (an ``nn.Sequential``, a Hugging Face
     decoder), which may be cut on the meta device, rather than the tracer's copies."""
-    return isinstance(model, torch.nn.Sequential) or decoder_stages.find_decoder(model) is not None
+    return isinstance(model, torch.nn.Sequential) or decoder_stages.cuts(model)
 
 
 def cut(model: torch.nn.Module, split: List[str], example: Callable[[], tuple]) -> List[torch.nn.Module]:
     """Every stage's module, in order (each rank keeps its own and drops the rest)."""
-    if not isinstance(model, torch.nn.Sequential) and decoder_stages.find_decoder(model) is not None:
+    if decoder_stages.cuts(model):
         return decoder_stages.cut(model, split, len(split) + 1)
     if isinstance(model, torch.nn.Sequential):
         names = [name for name, _ in model.named_children()]

@@ -469,15 +469,17 @@ class Pipelined(TensorParallel):
     @override
     def gather(self, model: torch.nn.Module) -> Optional[Dict[str, torch.Tensor]]:
         self.finish()
-        owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
-        return pipeline.gather_full_state(model, owner)
+        return pipeline.gather_full_state(model, self._speaks_for_its_stages())
 
     @override
     def write_fitted(self, model: torch.nn.Module, store: Any, directory: str) -> None:
         self.finish()
-        owner = self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
         pp = self.mesh["pp"]
-        pipeline.write_stages(model, owner, pp.get_local_rank(), pp.size(), store, directory)
+        pipeline.write_stages(model, self._speaks_for_its_stages(), pp.get_local_rank(), pp.size(), store, directory)
+
+    def _speaks_for_its_stages(self) -> bool:
+        """Whether this rank is the one of its pipeline position that hands its stages' whole state on."""
+        return self.mesh["dp"].get_local_rank() == 0 and self.mesh["tp"].get_local_rank() == 0
 
 
 def placement_for(cfg: TrainConfig, pretrained_model: bool = False) -> Placement:

@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import cloudpickle
@@ -451,8 +451,7 @@ def materialized(stored: StoredModel, device: torch.device, seed: int = 0,
     """
     module = part if part is not None else stored.module
     if stored.empty:
-        filled = set(values) if values is not None else covered_names(StoredModel(module, stored.sources,
-                                                                                  stored._tensors))
+        filled = set(values) if values is not None else covered_names(replace(stored, module=module))
         filled |= to_empty(module, device, tie=part is None)
         initialize_modules(module, seed, initializer(stored.module, init_fn), skip=filled)
     else:
