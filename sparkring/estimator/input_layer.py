@@ -3,15 +3,17 @@ meta device (no memory, no compute) that stops at the first Linear or Embedding 
 reach, so a ``Linear(32, ...)`` on 64 features is refused naming both widths instead of failing
 on every rank with torch's "mat1 and mat2 shapes cannot be multiplied". Written by hand: torch
 has no call that says which layer a forward reaches first; the forward itself is the only
-reliable answer for any architecture."""
+reliable answer for any architecture. The forward runs on a meta twin of the model, never on the
+user's module: a CrossValidator fits grid points in threads, and another fit may be pickling the
+same module into its task payload meanwhile."""
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-from torch.func import functional_call
 
 from ..data import DataError, FeatureSpec
 
@@ -44,23 +46,38 @@ def first_layer(model: torch.nn.Module, inputs: List[torch.Tensor]) -> Optional[
     >>> found.name, found.given.shape[-1]
     ('1', 64)
     """
-    names = {id(m): name for name, m in model.named_modules()}
+    twin = _meta_twin(model)
+    if twin is None:
+        return None
+    names = {id(m): name for name, m in twin.named_modules()}
 
     def reached(module: torch.nn.Module, args: tuple) -> None:
         raise _Reached(FirstLayer(names.get(id(module), type(module).__name__), module, args[0]))
 
-    hooks = [m.register_forward_pre_hook(reached) for m in model.modules() if _torch_own_forward(m)]
-    state = {k: torch.empty_like(v, device="meta") for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    for layer in twin.modules():
+        if _torch_own_forward(layer):
+            layer.register_forward_pre_hook(reached)
     try:
-        functional_call(model, state, tuple(inputs))
+        twin(*inputs)
     except _Reached as stop:
         return stop.found
     except Exception as exc:  # noqa: BLE001 - a forward that needs real values: the ranks find out
         log.debug("the input layer check skipped: the forward does not run on meta (%s: %s)", type(exc).__name__, exc)
-    finally:
-        for hook in hooks:
-            hook.remove()
     return None
+
+
+def _meta_twin(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """A copy of ``model`` whose parameters and buffers are empty meta tensors (no weights copied);
+    None where the module cannot be copied (the check is then left to the ranks)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    memo = {id(t): (torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+                    if isinstance(t, torch.nn.Parameter) else torch.empty_like(t, device="meta"))
+            for t in tensors}
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:  # noqa: BLE001 - a module holding something that does not copy (a lock, a handle)
+        log.debug("the input layer check skipped: the model does not copy (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
 def _torch_own_forward(module: torch.nn.Module) -> bool:

@@ -89,3 +89,29 @@ def test_a_forward_that_needs_real_values_is_left_to_the_ranks_and_the_weights_a
     before = model.fc.weight.detach().clone()
     check_input_layer(model, _spec(64))  # the ranks will say it; no false refusal here
     assert torch.equal(model.fc.weight, before) and model.fc.weight.device.type == "cpu"
+
+
+class Watching(torch.nn.Module):
+    """Its forward looks at another module, as a thread pickling that module meanwhile would see it."""
+
+    watched = None
+    seen: list = []
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 3)
+
+    def forward(self, x):
+        w = Watching.watched
+        Watching.seen.append((len(w.fc._forward_pre_hooks), w.fc.weight.device.type))
+        return self.fc(x)
+
+
+def test_the_check_runs_on_a_twin_and_never_changes_the_users_module_meanwhile():
+    model = Watching()
+    Watching.watched = model
+    check_input_layer(model, _spec(64))
+    # the forward ran (on the twin); the user's module kept its weights and had no hook at any moment
+    assert Watching.seen == [(0, "cpu")] and model.fc.weight.device.type == "cpu" and not model.fc._forward_pre_hooks
+    with pytest.raises(DataError, match="first layer 'fc'"):
+        check_input_layer(model, _spec(32))
