@@ -1,6 +1,6 @@
 """A driver on the simulated hosts' head (tests/helpers/sim_hosts.py): makes a session on the
 cluster, runs one scenario and prints ``RESULT <json>``. Scenarios: ``layout`` (where 4 ranks
-land and their allreduce, hierarchical and flat), ``bandwidth`` (allreduce seconds per size),
+land and their allreduce, hierarchical and flat), ``mpi`` (the same over MPI), ``bandwidth`` (allreduce seconds per size),
 ``cut`` (allreduces until a host is lost: the error and when it came), ``fit`` (a small
 classifier's fitted weights), ``sharded`` (a wider classifier's training seconds under fsdp or hsdp)."""
 import json
@@ -37,6 +37,14 @@ def layout(spark, args):
     return {"hierarchical": run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0),
             "flat": run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0,
                         shared_memory=False)}
+
+
+def mpi(spark, args):
+    """Where 4 ranks land and their allreduce, over MPI (mpi4py on whichever MPI library it runs on)."""
+    from sparkring import run
+
+    return run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=args.get("verbose", 0), backend="mpi",
+               timeout=args.get("timeout"))
 
 
 def bandwidth(spark, args):
@@ -76,6 +84,26 @@ def fit(spark, args):
     return {"weights": {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()}}
 
 
+def elastic(spark, args):
+    """An elastic fit (minProc=2) of 4 ranks whose steps take their time, checkpointing every 4
+    steps: its weights and history (the test loses a host meanwhile)."""
+    import elastic_fns
+    import est_helpers
+    import torch
+
+    from sparkring import SparkRingEstimator, Store
+
+    df = est_helpers.classification_df(spark, n=384, partitions=4).sortWithinPartitions("id")
+    fitted = SparkRingEstimator(model=elastic_fns.Paced(seconds=args["pace"]), optimizer=est_helpers.adam,
+                                loss="cross_entropy", featuresCol="features", labelCol="label", batchSize=8,
+                                epochs=3, numProc=4, minProc=2, store=Store(args["store"]), runId=args["run_id"],
+                                checkpointEvery=4, heartbeatTimeout=args["heartbeat_timeout"],
+                                startTimeout=args["start_timeout"], verbose=1, seed=5).fit(df)
+    weights = fitted.getModel().state_dict()
+    return {"weights": {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()},
+            "history": fitted.history}
+
+
 def sharded(spark, args):
     """A fit of host_fns.wide_mlp under ``strategy`` (fsdp or hsdp): its training seconds and steps."""
     import est_helpers
@@ -96,7 +124,8 @@ if __name__ == "__main__":
     spark = session(master, args.get("cores_per_host", 2), args.get("hosts", 2))
     spark.sparkContext.setLogLevel("ERROR")
     try:
-        scenarios = {"layout": layout, "bandwidth": bandwidth, "cut": cut, "fit": fit, "sharded": sharded}
+        scenarios = {"layout": layout, "bandwidth": bandwidth, "cut": cut, "fit": fit, "sharded": sharded,
+                     "mpi": mpi, "elastic": elastic}
         result = scenarios[scenario](spark, args)
         print("RESULT " + json.dumps(result), flush=True)
     finally:

@@ -34,7 +34,11 @@ NET = "198.18.0"
 HEAD_ADDRESS = f"{NET}.2"
 SPARK_CLASS = os.path.join(os.path.dirname(os.path.abspath(pyspark.__file__)), "bin", "spark-class")
 # Inside a host: its hostname, a private tmpfs on /dev/shm, then the command.
-_ENTER_HOST = 'hostname "$SRSIM_HOSTNAME" && mount -t tmpfs -o size=2g tmpfs /dev/shm && exec "$@"'
+# A host of its own: its hostname, its /dev/shm, and its boot id (UCX takes processes that share
+# a boot id for one machine and reaches them through shared memory, which is not shared here).
+_ENTER_HOST = ('hostname "$SRSIM_HOSTNAME" && mount -t tmpfs -o size=2g tmpfs /dev/shm'
+               ' && cat /proc/sys/kernel/random/uuid > /dev/shm/.boot_id'
+               ' && mount --bind /dev/shm/.boot_id /proc/sys/kernel/random/boot_id && exec "$@"')
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -243,6 +247,7 @@ class SimulatedCluster:
     cores: int
     worker_memory: str
     master_port: int = 7077
+    workers: Dict[int, subprocess.Popen] = field(default_factory=dict)
 
     @property
     def master(self) -> str:
@@ -255,24 +260,40 @@ class SimulatedCluster:
                           str(self.master_port), "--webui-port", "8080"], os.path.join(self.root, "master.log"),
                          {**env, "SPARK_LOCAL_IP": HEAD_ADDRESS})
         for i in range(self.hosts.count):
-            work = os.path.join(self.root, f"work{i}")
-            os.makedirs(work, exist_ok=True)
-            address = self.hosts.address(i)
-            self.hosts.spawn([SPARK_CLASS, "org.apache.spark.deploy.worker.Worker", "--host", address, "--cores",
-                              str(self.cores), "--memory", self.worker_memory, "--webui-port", "8081", "--work-dir",
-                              work, self.master], os.path.join(self.root, f"worker{i}.log"),
-                             {**env, "SPARK_LOCAL_IP": address}, host=i)
+            self.start_worker(i, wait=False)
         self.wait_registered(self.hosts.count, timeout=120)
         return self
 
+    def start_worker(self, i: int, wait: bool = True) -> None:
+        """A standalone worker on host ``i`` (again, after kill_worker), registered when ``wait``."""
+        registered = self._registrations()
+        work = os.path.join(self.root, f"work{i}")
+        os.makedirs(work, exist_ok=True)
+        address = self.hosts.address(i)
+        env = {**self.env, "SPARK_NO_DAEMONIZE": "1", "SPARK_LOCAL_IP": address}
+        self.workers[i] = self.hosts.spawn(
+            [SPARK_CLASS, "org.apache.spark.deploy.worker.Worker", "--host", address, "--cores", str(self.cores),
+             "--memory", self.worker_memory, "--webui-port", "8081", "--work-dir", work, self.master],
+            os.path.join(self.root, f"worker{i}.log"), env, host=i)
+        if wait:
+            self.wait_registered(registered + 1, timeout=120)
+
+    def kill_worker(self, i: int) -> None:
+        """Host ``i``'s worker killed with its executors (their process group), the host still on the network."""
+        os.killpg(self.workers[i].pid, signal.SIGKILL)
+        self.workers[i].wait(30)
+
+    def _registrations(self) -> int:
+        with open(os.path.join(self.root, "master.log")) as f:
+            return f.read().count("Registering worker")
+
     def wait_registered(self, count: int, timeout: float) -> None:
-        """Until ``count`` workers registered with the master (its log says so)."""
+        """Until the master's log says ``count`` registrations of workers (counting those again after a kill)."""
         log = os.path.join(self.root, "master.log")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with open(log) as f:
-                if f.read().count("Registering worker") >= count:
-                    return
+            if self._registrations() >= count:
+                return
             time.sleep(0.5)
         raise TimeoutError(f"fewer than {count} workers registered within {timeout:g}s (see {log})")
 

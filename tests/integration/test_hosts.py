@@ -2,8 +2,11 @@
 own hostnames and /dev/shm, 1 Gbit/s links through a bridge, a standalone worker on each, the
 master and the driver on a head of their own): ranks land on both hosts, the hierarchical
 allreduce equals the flat one, a fit equals the same fit on one host, and a host cut off the
-network or whose packets are all dropped reaches the caller within the heartbeat timeout, named."""
+network or whose packets are all dropped reaches the caller within the heartbeat timeout, named; an
+elastic fit goes on without a host cut off as without one whose executor is killed; MPI (MPICH)
+puts ranks on both hosts."""
 import os
+import threading
 import time
 
 import pytest
@@ -37,6 +40,12 @@ def test_ranks_land_on_both_hosts_and_the_hierarchical_allreduce_equals_the_flat
     assert [r["total"] for r in seen["hierarchical"]] == [r["total"] for r in seen["flat"]]
 
 
+def test_mpi_ranks_land_on_both_hosts_and_allreduce_across_them(hosts):
+    seen = hosts.cluster.drive("mpi", {"floats": 100_000, "ranks": 4})
+    assert sorted(r["host"] for r in seen) == ["simhost0", "simhost0", "simhost1", "simhost1"]
+    assert {r["checksum"] for r in seen} == {10 * sum(range(100_000))}
+
+
 def test_a_fit_across_two_hosts_reaches_the_weights_of_the_same_fit_on_one_host(hosts, tmp_path):
     across = hosts.cluster.drive("fit", {"ranks": 4, "store": str(tmp_path / "across")})["weights"]
     one_host = hosts.cluster.drive("fit", {"ranks": 4, "store": str(tmp_path / "one")}, master="local[4]")["weights"]
@@ -68,3 +77,51 @@ def test_a_host_cut_off_mid_allreduce_reaches_the_caller_within_the_heartbeat_ti
     assert f"on host {hosts.address(1)}" in seen["message"] and "heartbeat_timeout=8s" in seen["message"]
     # the timeout after the host's last beat, plus the watch's round: far from the 600 s timeout
     assert seen["at"] - lost_at[0] < HEARTBEAT_S + 10
+
+
+def _elastic_fit_losing_host_one(hosts, tmp_path, how):
+    """The elastic scenario, host 1 lost (``how``: "cut" its link, "kill_worker" its worker and
+    executor) once the fit's checkpoint at step 4 of epoch 1 is written: the result, the second
+    the host was lost and the second the ranks said they go on without it."""
+    store = tmp_path / how
+    lost_at, going_on_at, done = [], [], threading.Event()
+
+    def lose_host_one_at_the_checkpoint():
+        while not done.is_set() and not any(store.rglob("*epoch-00001-step-0000004*")):
+            done.wait(0.05)
+        if not done.is_set():
+            (hosts.cut if how == "cut" else hosts.cluster.kill_worker)(1)
+            lost_at.append(time.time())
+
+    def going_on(line):
+        if "going on with 2 of 4 ranks" in line:
+            going_on_at.append(time.time())
+
+    watcher = threading.Thread(target=lose_host_one_at_the_checkpoint, daemon=True)
+    watcher.start()
+    try:
+        seen = hosts.cluster.drive("elastic", {"pace": 0.1, "store": str(store), "run_id": how,
+                                               "heartbeat_timeout": HEARTBEAT_S, "start_timeout": 20},
+                                   on_line=going_on)
+    finally:
+        done.set()
+        watcher.join()
+        if how == "cut":
+            hosts.heal(1)
+        else:
+            hosts.cluster.start_worker(1)
+    assert lost_at and going_on_at, (lost_at, going_on_at)
+    return seen, going_on_at[0] - lost_at[0]
+
+
+def test_an_elastic_fit_goes_on_without_a_host_cut_off_as_without_one_whose_executor_is_killed(hosts, tmp_path):
+    cut, cut_after = _elastic_fit_losing_host_one(hosts, tmp_path, "cut")
+    killed, _ = _elastic_fit_losing_host_one(hosts, tmp_path, "kill_worker")
+    for seen in (cut, killed):
+        assert [h["num_proc"] for h in seen["history"]] == [4, 2, 2]
+        assert [h["restarts"] for h in seen["history"]] == [0, 1, 1]
+        assert seen["history"][1]["resumed_at_step"] in (4, 8)  # at most checkpointEvery=4 steps redone
+    # the silent host is given up on after heartbeatTimeout, then the two ranks left go on
+    assert cut_after < HEARTBEAT_S + 10
+    for name in cut["weights"]:
+        assert cut["weights"][name] == pytest.approx(killed["weights"][name], abs=1e-5), name
