@@ -1,8 +1,9 @@
 """A driver on the simulated hosts' head (tests/helpers/sim_hosts.py): makes a session on the
 cluster, runs one scenario and prints ``RESULT <json>``. Scenarios: ``layout`` (where 4 ranks
-land and their allreduce, hierarchical and flat), ``mpi`` (the same over MPI), ``bandwidth`` (allreduce seconds per size),
-``cut`` (allreduces until a host is lost: the error and when it came), ``fit`` (a small
-classifier's fitted weights), ``sharded`` (a wider classifier's training seconds under fsdp or hsdp)."""
+land and their allreduce, hierarchical and flat), ``mpi`` (the same over MPI), ``bandwidth``
+(allreduce seconds per size), ``cut`` (allreduces until a host is lost: the error and when it
+came), ``fit`` (a small classifier's fitted weights), ``elastic`` (an elastic fit's weights and
+history), ``sharded`` (a wider classifier's training seconds under fsdp or hsdp)."""
 import json
 import os
 import sys
@@ -43,8 +44,7 @@ def mpi(spark, args):
     """Where 4 ranks land and their allreduce, over MPI (mpi4py on whichever MPI library it runs on)."""
     from sparkring import run
 
-    return run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=args.get("verbose", 0), backend="mpi",
-               timeout=args.get("timeout"))
+    return run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0, backend="mpi")
 
 
 def bandwidth(spark, args):
