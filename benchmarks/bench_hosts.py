@@ -13,6 +13,7 @@ from common import Row
 from sim_hosts import Link, SimulatedHosts, why_not
 
 MB = 2**20
+BATCH = 1024  # rows a rank's step: backward long enough to hide the gradients' allreduce at 1 Gbit/s
 
 
 def _bus_bandwidth(result, ranks):
@@ -100,6 +101,37 @@ def _sharded_section(rows, tmp):
                     "(reference)"))
 
 
+def _overlap_section(rows, tmp, reps, per_host):
+    """A ddp fit's step across 2 hosts x ``per_host`` ranks at 1 Gbit/s against max(compute,
+    communication): compute is the same fit's step with its ranks on one host (its allreduce at
+    memory speed, so an upper bound), communication the gradients' allreduce (wide_mlp's 8.1 MB)
+    across the hosts."""
+    hosts = SimulatedHosts(2, Link("1gbit")).start()
+    ranks, steps = 2 * per_host, {}
+    try:
+        cluster = hosts.spark_cluster(os.path.join(tmp, f"hosts-overlap-{per_host}"), dict(os.environ),
+                                      cores=per_host)
+        grads_mb = 2_111_491 * 4 / MB  # host_fns.wide_mlp's parameters in float32
+        comm = cluster.drive("bandwidth", {"sizes_mb": [grads_mb], "repeats": reps, "ranks": ranks,
+                                           "cores_per_host": per_host, "hosts": 2})
+        one_host = f"local[{ranks}]"
+        for where, master in (("across", None), (one_host, one_host)) * 2:  # the second of each: workers warm
+            fit = cluster.drive("sharded", {"strategy": "ddp", "ranks": ranks, "rows": 32 * BATCH, "batch": BATCH,
+                                            "cores_per_host": per_host, "hosts": 2,
+                                            "store": os.path.join(tmp, "overlap")}, master=master)
+            steps[where] = fit["epoch_seconds"] / fit["steps"]
+    finally:
+        hosts.stop()
+    communication = next(iter(comm.values()))["seconds"]
+    bound = max(steps[one_host], communication)
+    rows.append(Row("across hosts", f"a ddp fit's step, 2.1M-parameter MLP, batches of {BATCH} a rank, 2 hosts x "
+                    f"{per_host} rank(s) at 1gbit/s, "
+                    f"vs max(compute {steps[one_host] * 1e3:.0f} ms: the same fit on one host, communication "
+                    f"{communication * 1e3:.0f} ms: its {grads_mb:.1f} MB gradients' allreduce across the hosts)",
+                    f"{steps['across'] * 1e3:.0f} ms", f"bound {bound * 1e3:.0f} ms", steps["across"] / bound,
+                    "<= 1.15x", higher_is_better=False, goal_value=1.15))
+
+
 def _cut_section(rows, tmp):
     hosts = SimulatedHosts(2, Link("1gbit")).start()
     cut_at = []
@@ -136,4 +168,6 @@ def bench_hosts(spark, rows, reps, tmp):
     _hierarchy_section(rows, tmp, reps)
     _compression_section(rows, tmp, reps)
     _sharded_section(rows, tmp)
+    _overlap_section(rows, tmp, reps, 1)
+    _overlap_section(rows, tmp, reps, 2)
     _cut_section(rows, tmp)

@@ -3,7 +3,7 @@ cluster, runs one scenario and prints ``RESULT <json>``. Scenarios: ``layout`` (
 land and their allreduce, hierarchical and flat), ``mpi`` (the same over MPI), ``bandwidth``
 (allreduce seconds per size), ``cut`` (allreduces until a host is lost: the error and when it
 came), ``fit`` (a small classifier's fitted weights), ``elastic`` (an elastic fit's weights and
-history), ``sharded`` (a wider classifier's training seconds under fsdp or hsdp)."""
+history), ``sharded`` (a wider classifier's training seconds under ddp, fsdp or hsdp)."""
 import json
 import os
 import sys
@@ -20,10 +20,11 @@ def session(master, cores_per_host, hosts):
     from pyspark.sql import SparkSession
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
-    if master.startswith("local"):  # the same fit on one host, for comparison
+    root = os.path.dirname(os.path.dirname(HELPERS))
+    if master.startswith("local"):  # the same fit on one host, for comparison; its workers import the helpers too
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, root, os.environ.get("PYTHONPATH")) if p)
         return (SparkSession.builder.master(master).config("spark.driver.host", HEAD_ADDRESS)
                 .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    root = os.path.dirname(os.path.dirname(HELPERS))
     return (SparkSession.builder.master(master).appName("simulated-hosts")
             .config("spark.driver.host", HEAD_ADDRESS).config("spark.driver.bindAddress", HEAD_ADDRESS)
             .config("spark.executor.memory", "1g").config("spark.executor.cores", str(cores_per_host))
@@ -105,18 +106,18 @@ def elastic(spark, args):
 
 
 def sharded(spark, args):
-    """A fit of host_fns.wide_mlp under ``strategy`` (fsdp or hsdp): its training seconds and steps."""
+    """A fit of host_fns.wide_mlp under ``strategy`` (ddp, fsdp or hsdp): its training seconds and steps."""
     import est_helpers
 
     from sparkring import SparkRingEstimator, Store
 
     df = est_helpers.classification_df(spark, n=args["rows"], partitions=4).sortWithinPartitions("id")
     fitted = SparkRingEstimator(model=host_fns.wide_mlp, optimizer=est_helpers.adam, loss="cross_entropy",
-                                featuresCol="features", labelCol="label", batchSize=16, epochs=1,
+                                featuresCol="features", labelCol="label", batchSize=args.get("batch", 16), epochs=1,
                                 numProc=args["ranks"], strategy=args["strategy"], store=Store(args["store"]),
                                 verbose=0, seed=0).fit(df)
-    return {"seconds": fitted.phases.first_step + fitted.phases.epochs,
-            "steps": args["rows"] // (16 * args["ranks"])}
+    return {"seconds": fitted.phases.first_step + fitted.phases.epochs, "epoch_seconds": fitted.phases.epochs,
+            "steps": args["rows"] // (args.get("batch", 16) * args["ranks"])}
 
 
 if __name__ == "__main__":
