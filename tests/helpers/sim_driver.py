@@ -1,6 +1,6 @@
 """A driver on the simulated hosts' head (tests/helpers/sim_hosts.py): makes a session on the
 cluster, runs one scenario and prints ``RESULT <json>``. Scenarios: ``layout`` (where 4 ranks
-land and their allreduce, hierarchical and flat), ``mpi`` (the same over MPI), ``bandwidth``
+land and their allreduce: hierarchical, flat and over MPI), ``bandwidth``
 (allreduce seconds per size), ``cut`` (allreduces until a host is lost: the error and when it
 came), ``fit`` (a small classifier's fitted weights), ``elastic`` (an elastic fit's weights and
 history), ``sharded`` (a wider classifier's training seconds under ddp, fsdp or hsdp)."""
@@ -34,18 +34,14 @@ def session(master, cores_per_host, hosts):
 
 
 def layout(spark, args):
+    """Where the ranks land and their allreduce: hierarchical, flat (gloo alone) and over MPI
+    (mpi4py on whichever MPI library it runs on)."""
     from sparkring import run
 
-    return {"hierarchical": run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0),
-            "flat": run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0,
-                        shared_memory=False)}
+    def where(**how):
+        return run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0, **how)
 
-
-def mpi(spark, args):
-    """Where 4 ranks land and their allreduce, over MPI (mpi4py on whichever MPI library it runs on)."""
-    from sparkring import run
-
-    return run(host_fns.where_and_sum, args=(args["floats"],), num_proc=args["ranks"], verbose=0, backend="mpi")
+    return {"hierarchical": where(), "flat": where(shared_memory=False), "mpi": where(backend="mpi")}
 
 
 def bandwidth(spark, args):
@@ -126,7 +122,7 @@ if __name__ == "__main__":
     spark.sparkContext.setLogLevel("ERROR")
     try:
         scenarios = {"layout": layout, "bandwidth": bandwidth, "cut": cut, "fit": fit, "sharded": sharded,
-                     "mpi": mpi, "elastic": elastic}
+                     "elastic": elastic}
         result = scenarios[scenario](spark, args)
         print("RESULT " + json.dumps(result), flush=True)
     finally:
