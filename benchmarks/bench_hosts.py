@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 
+import host_fns
 from common import Row
 from sim_hosts import Link, SimulatedHosts, why_not
 
@@ -111,7 +112,7 @@ def _overlap_section(rows, tmp, reps, per_host):
     try:
         cluster = hosts.spark_cluster(os.path.join(tmp, f"hosts-overlap-{per_host}"), dict(os.environ),
                                       cores=per_host)
-        grads_mb = 2_111_491 * 4 / MB  # host_fns.wide_mlp's parameters in float32
+        grads_mb = sum(p.numel() * p.element_size() for p in host_fns.wide_mlp().parameters()) / MB
         comm = cluster.drive("bandwidth", {"sizes_mb": [grads_mb], "repeats": reps, "ranks": ranks,
                                            "cores_per_host": per_host, "hosts": 2})
         one_host = f"local[{ranks}]"

@@ -33,6 +33,14 @@ def session(master, cores_per_host, hosts):
             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
 
 
+def _weights(fitted):
+    """A fitted model's weights as JSON can carry them: name -> flat float64 values."""
+    import torch
+
+    weights = fitted.getModel().state_dict()
+    return {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()}
+
+
 def layout(spark, args):
     """Where the ranks land and their allreduce: hierarchical, flat (gloo alone) and over MPI
     (mpi4py on whichever MPI library it runs on)."""
@@ -67,7 +75,6 @@ def cut(spark, args):
 
 def fit(spark, args):
     import est_helpers
-    import torch
 
     from sparkring import SparkRingEstimator, Store
 
@@ -77,8 +84,7 @@ def fit(spark, args):
                                 loss="cross_entropy", featuresCol="features", labelCol="label", batchSize=16,
                                 epochs=2, numProc=args["ranks"], store=Store(args["store"]), verbose=0,
                                 seed=0).fit(df)
-    weights = fitted.getModel().state_dict()
-    return {"weights": {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()}}
+    return {"weights": _weights(fitted)}
 
 
 def elastic(spark, args):
@@ -86,7 +92,6 @@ def elastic(spark, args):
     steps: its weights and history (the test loses a host meanwhile)."""
     import elastic_fns
     import est_helpers
-    import torch
 
     from sparkring import SparkRingEstimator, Store
 
@@ -96,9 +101,7 @@ def elastic(spark, args):
                                 epochs=3, numProc=4, minProc=2, store=Store(args["store"]), runId=args["run_id"],
                                 checkpointEvery=4, heartbeatTimeout=args["heartbeat_timeout"],
                                 startTimeout=args["start_timeout"], verbose=1, seed=5).fit(df)
-    weights = fitted.getModel().state_dict()
-    return {"weights": {name: tensor.to(torch.float64).flatten().tolist() for name, tensor in weights.items()},
-            "history": fitted.history}
+    return {"weights": _weights(fitted), "history": fitted.history}
 
 
 def sharded(spark, args):
@@ -107,13 +110,14 @@ def sharded(spark, args):
 
     from sparkring import SparkRingEstimator, Store
 
+    batch = args.get("batch", 16)
     df = est_helpers.classification_df(spark, n=args["rows"], partitions=4).sortWithinPartitions("id")
     fitted = SparkRingEstimator(model=host_fns.wide_mlp, optimizer=est_helpers.adam, loss="cross_entropy",
-                                featuresCol="features", labelCol="label", batchSize=args.get("batch", 16), epochs=1,
+                                featuresCol="features", labelCol="label", batchSize=batch, epochs=1,
                                 numProc=args["ranks"], strategy=args["strategy"], store=Store(args["store"]),
                                 verbose=0, seed=0).fit(df)
     return {"seconds": fitted.phases.first_step + fitted.phases.epochs, "epoch_seconds": fitted.phases.epochs,
-            "steps": args["rows"] // (args.get("batch", 16) * args["ranks"])}
+            "steps": args["rows"] // (batch * args["ranks"])}
 
 
 if __name__ == "__main__":
