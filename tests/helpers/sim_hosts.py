@@ -297,6 +297,23 @@ class SimulatedCluster:
             time.sleep(0.5)
         raise TimeoutError(f"fewer than {count} workers registered within {timeout:g}s (see {log})")
 
+    def wait_idle(self, timeout: float) -> None:
+        """Until the master (its JSON page, read from the head) has a live worker on every host, no core
+        taken: after a cut is healed a worker may still hold an ended application's executor a while."""
+        read = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+        page = f"http://{HEAD_ADDRESS}:8080/json/"
+        deadline, workers = time.monotonic() + timeout, []
+        while time.monotonic() < deadline:
+            done = subprocess.run(self.hosts.on_head([sys.executable, "-c", read, page]), capture_output=True,
+                                  text=True)
+            if done.returncode == 0:
+                workers = [w for w in json.loads(done.stdout)["workers"] if w["state"] == "ALIVE"]
+                idle = {w["host"] for w in workers if w["coresused"] == 0}
+                if idle >= {self.hosts.address(i) for i in range(self.hosts.count)}:
+                    return
+            time.sleep(0.5)
+        raise TimeoutError(f"not every host had an idle live worker within {timeout:g}s: {workers}")
+
     def drive(self, scenario: str, args: Dict[str, Any], master: Optional[str] = None,
               on_line: Optional[Callable[[str], None]] = None, timeout: float = 600) -> Dict[str, Any]:
         """Run ``scenario`` of sim_driver.py on the head (on this cluster, or ``master``): the

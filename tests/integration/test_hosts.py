@@ -64,7 +64,7 @@ def test_a_host_cut_off_mid_allreduce_reaches_the_caller_within_the_heartbeat_ti
                                    on_line=lose_host_one_once_allreducing)
     finally:
         hosts.heal(1)
-        hosts.cluster.wait_registered(2, timeout=120)
+        hosts.cluster.wait_idle(timeout=120)
     assert lost_at, "the ranks never said they were allreducing"
     assert seen["error"] == "HostLostError", seen
     assert list(seen["hosts"].values()) == [hosts.address(1)] * 2  # both ranks of host 1, and only they
@@ -104,6 +104,7 @@ def _elastic_fit_losing_host_one(hosts, tmp_path, how):
             hosts.heal(1)
         else:
             hosts.cluster.start_worker(1)
+        hosts.cluster.wait_idle(timeout=120)
     assert lost_at and going_on_at, (lost_at, going_on_at)
     return seen, going_on_at[0] - lost_at[0]
 
