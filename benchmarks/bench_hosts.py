@@ -3,7 +3,7 @@ links shaped by tc's token bucket, a standalone worker on each, the driver on a 
 Allreduce bus bandwidth against the link rate, the bytes a host's link carries per allreduce with
 the hierarchical path (shared memory inside a host, the hosts' leaders across) against the flat
 ring of ranks, fsdp against hsdp in a fit, and the seconds from a host cut off the network to the
-caller's error. Needs root."""
+caller's error and to an elastic fit's next step without it. Needs root."""
 from __future__ import annotations
 
 import os
@@ -156,6 +156,25 @@ def _cut_section(rows, tmp):
                     waited / 45.0, "<= 1.0x", higher_is_better=False, goal_value=1.0))
 
 
+def _elastic_section(rows, tmp):
+    """An elastic fit of 4 ranks on 2 hosts whose host 1 is cut at a checkpoint (heartbeatTimeout
+    30 s, the default): the seconds until the driver goes on with the 2 ranks left, and until they
+    resume training from the checkpoint."""
+    hosts = SimulatedHosts(2, Link("1gbit")).start()
+    try:
+        cluster = hosts.spark_cluster(os.path.join(tmp, "hosts-elastic"), dict(os.environ), cores=2)
+        loss = cluster.elastic_fit_losing_host(1, "cut", os.path.join(tmp, "elastic-cut"), 30.0)
+    finally:
+        hosts.stop()
+    assert loss.lost_at and loss.going_on_at and loss.resumed_at, loss
+    for what, at in (("the driver going on with the 2 ranks left", loss.going_on_at),
+                     ("those ranks resuming from the checkpoint (their next step)", loss.resumed_at)):
+        waited = at - loss.lost_at
+        rows.append(Row("across hosts", f"seconds from a host's link cut in an elastic fit (numProc=4, minProc=2, "
+                        f"heartbeatTimeout 30 s) to {what}", f"{waited:.1f} s", "goal 45 s", waited / 45.0,
+                        "<= 1.0x", higher_is_better=False, goal_value=1.0))
+
+
 def bench_hosts(spark, rows, reps, tmp):
     """The "across hosts" rows (skipped, saying why, where hosts cannot be simulated)."""
     reason = why_not()
@@ -172,3 +191,4 @@ def bench_hosts(spark, rows, reps, tmp):
     _overlap_section(rows, tmp, reps, 1)
     _overlap_section(rows, tmp, reps, 2)
     _cut_section(rows, tmp)
+    _elastic_section(rows, tmp)

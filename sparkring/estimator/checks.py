@@ -19,7 +19,7 @@ from ..runner import (
     check_timeouts,
     plan_for,
 )
-from ..trainer import EarlyStopping, decoder_stages, losses, pipeline, pretrained, tensor_parallel
+from ..trainer import EarlyStopping, decoder_stages, fsdp, losses, pipeline, pretrained, tensor_parallel
 from ..trainer.elastic import ElasticPlan
 from ..trainer.lightning import check_module as lightning_problem
 from ..trainer.lightning import is_lightning_module
@@ -192,6 +192,7 @@ def check_sharding(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: 
     if sparse:
         raise ConfigurationError(f"strategy={strategy!r} shards parameters, which sparse gradients cannot be: "
                                  f"module(s) {sparse} use sparse=True; drop it or use strategy='ddp'")
+    _check_unit_dtypes(config, shape)
     if config.precision == "16-mixed":
         raise ConfigurationError(f"precision='16-mixed' scales the loss for replicated gradients; with "
                                  f"strategy={strategy!r} use precision='bf16-mixed' (FSDP2 computes in bfloat16 "
@@ -199,6 +200,16 @@ def check_sharding(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: 
     if config.gradient_compression != "none":
         raise ConfigurationError(f"gradientCompression applies to strategy='ddp'; with {strategy!r} FSDP2 "
                                  "reduce-scatters gradients in their own dtype")
+
+
+def _check_unit_dtypes(config: EstimatorConfig, shape: torch.nn.Module) -> None:
+    """A sharded unit's trainable parameters in one dtype (LoRA's adapters are its only trainable ones, in one)."""
+    for unit, dtypes in ({} if config.lora else fsdp.mixed_dtype_units(shape, tuple(config.fsdp_wrap or ()))).items():
+        raise ConfigurationError(
+            f"strategy={config.strategy!r} shards {repr(unit) if unit else 'the model itself'} as one unit, whose "
+            f"trainable parameters hold {len(dtypes)} dtypes ({ {d: n[:3] for d, n in dtypes.items()} }): FSDP2 "
+            "refuses that; build the model in one dtype (.to(torch.float32) in the factory, or from_pretrained(..., "
+            "torch_dtype=torch.float32)), or name each dtype's modules in fsdpWrap so each is a unit of its own")
 
 
 def check_model_parallel(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: bool,

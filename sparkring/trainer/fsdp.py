@@ -16,7 +16,7 @@ import torch
 import sparkring.collective as sr
 
 from . import checkpoints, pretrained, saving
-from .activation import blocks, checkpoint_activations
+from .activation import blocks, checkpoint_activations, named_blocks
 from .checkpoints import FILE, SHARDED, TRAINER_STATE, CheckpointName
 from .config import Sharding, is_factory
 from .initialize import initialize_modules
@@ -34,6 +34,24 @@ def wrap_units(model: torch.nn.Module, wrap: Tuple[str, ...]) -> List[torch.nn.M
     ['Linear']
     """
     return list(reversed(blocks(model, wrap)))
+
+
+def mixed_dtype_units(model: torch.nn.Module, wrap: Tuple[str, ...]) -> Dict[str, Dict[str, List[str]]]:
+    """The units (as ``shard`` makes them; "" the model itself) whose trainable parameters hold more
+    than one dtype, each with its parameters by dtype: FSDP2 refuses such a unit at its first forward.
+
+    >>> block = torch.nn.ModuleDict({"kept": torch.nn.Linear(2, 2), "cast": torch.nn.Linear(2, 2).bfloat16()})
+    >>> mixed_dtype_units(torch.nn.Sequential(block), ())["0"]["torch.bfloat16"]
+    ['0.cast.weight', '0.cast.bias']
+    """
+    # a parameter belongs to the innermost unit around it, as fully_shard applied innermost first decides
+    units = sorted((name for name, _ in named_blocks(model, wrap)), key=len, reverse=True)
+    by_unit: Dict[str, Dict[str, List[str]]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            unit = next((u for u in units if name.startswith(u + ".")), "")
+            by_unit.setdefault(unit, {}).setdefault(str(param.dtype), []).append(name)
+    return {unit: dtypes for unit, dtypes in by_unit.items() if len(dtypes) > 1}
 
 
 def device_mesh(strategy: str):

@@ -35,6 +35,24 @@ def sparse_embeddings():
     return torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Flatten(), torch.nn.Linear(8, 2))
 
 
+class _KeptInFloat32(torch.nn.Module):
+    """A block of a float32 and a bfloat16 layer, as from_pretrained(torch_dtype=torch.bfloat16) leaves a
+    Hugging Face model that keeps some modules in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = torch.nn.Linear(8, 16)
+        self.body = torch.nn.Linear(16, 3).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.body(torch.relu(self.kept(x)).to(torch.bfloat16)).float()
+
+
+def mixed_dtypes():
+    """A model factory whose one block holds parameters of two dtypes."""
+    return torch.nn.Sequential(_KeptInFloat32())
+
+
 def _training_state_bytes(model, opt):
     """Parameters, gradients and optimizer state this rank keeps (storage sizes: see state_bytes)."""
     return sum(state_bytes(model, opt))

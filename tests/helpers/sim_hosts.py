@@ -23,8 +23,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import pyspark
@@ -338,3 +340,44 @@ class SimulatedCluster:
         if proc.wait(60) != 0 or result is None:
             raise RuntimeError(f"{scenario} failed (exit {proc.returncode}):\n" + "".join(tail))
         return result
+
+    def elastic_fit_losing_host(self, i: int, how: str, store: str, heartbeat_timeout: float) -> "HostLoss":
+        """sim_driver's elastic scenario (4 ranks, 2 a host), host ``i`` lost once the fit's checkpoint at
+        step 4 of epoch 1 is written (``how``: "cut" its link, "kill_worker" its worker and executor),
+        then the cluster whole again: what the fit returned and when the driver said what."""
+        loss, done = HostLoss(), threading.Event()
+
+        def lose_host_at_the_checkpoint():
+            while not done.is_set() and not any(Path(store).rglob("*epoch-00001-step-0000004*")):
+                done.wait(0.05)
+            if not done.is_set():
+                (self.hosts.cut if how == "cut" else self.kill_worker)(i)
+                loss.lost_at = time.time()
+
+        def note(line):
+            for mark, attribute in (("going on with 2 of 4 ranks", "going_on_at"), ("resuming from", "resumed_at")):
+                if mark in line and getattr(loss, attribute) is None:
+                    setattr(loss, attribute, time.time())
+
+        watcher = threading.Thread(target=lose_host_at_the_checkpoint, daemon=True)
+        watcher.start()
+        try:
+            loss.result = self.drive("elastic", {"pace": 0.1, "store": store, "run_id": how, "start_timeout": 20,
+                                                 "heartbeat_timeout": heartbeat_timeout}, on_line=note)
+        finally:
+            done.set()
+            watcher.join()
+            self.hosts.heal(i) if how == "cut" else self.start_worker(i)
+            self.wait_idle(timeout=120)
+        return loss
+
+
+@dataclass
+class HostLoss:
+    """An elastic fit that lost a host: its result, the second the host was lost, and the seconds the
+    driver said it goes on with the ranks left and the ranks said they resume from the checkpoint."""
+
+    result: Dict[str, Any] = field(default_factory=dict)
+    lost_at: Optional[float] = None
+    going_on_at: Optional[float] = None
+    resumed_at: Optional[float] = None

@@ -205,6 +205,9 @@ CASES = [
         H.mlp().parameters(), lr=0.1)), ConfigurationError, r"pass optimizer= as a factory"),
     Case("fit-fsdp-sparse-embeddings", lambda c: _fit(c, model=S.sparse_embeddings, strategy="fsdp"),
          ConfigurationError, r"module\(s\) \['0'\] use sparse=True"),
+    Case("fit-fsdp-unit-of-two-dtypes", lambda c: _fit(c, model=S.mixed_dtypes, strategy="fsdp"), ConfigurationError,
+         r"shards '0' as one unit, whose trainable parameters hold 2 dtypes \(.*torch.bfloat16.*\): FSDP2 refuses "
+         r"that; build the model in one dtype .* or name each dtype's modules in fsdpWrap"),
     Case("fit-factory-fails-on-meta", lambda c: _fit(c, model=S.uses_meta_values, strategy="fsdp"),
          ConfigurationError, r"fails under torch.device\('meta'\).*initFn="),
     Case("fit-fsdp-gradient-compression", lambda c: _fit(c, model=S.layer_stack(), strategy="fsdp",

@@ -6,7 +6,6 @@ network or whose packets are all dropped reaches the caller within the heartbeat
 elastic fit goes on without a host cut off as without one whose executor is killed; MPI (MPICH)
 puts ranks on both hosts."""
 import os
-import threading
 import time
 
 import pytest
@@ -73,50 +72,17 @@ def test_a_host_cut_off_mid_allreduce_reaches_the_caller_within_the_heartbeat_ti
     assert seen["at"] - lost_at[0] < HEARTBEAT_S + 10
 
 
-def _elastic_fit_losing_host_one(hosts, tmp_path, how):
-    """The elastic scenario, host 1 lost (``how``: "cut" its link, "kill_worker" its worker and
-    executor) once the fit's checkpoint at step 4 of epoch 1 is written: the result, the second
-    the host was lost and the second the ranks said they go on without it."""
-    store = tmp_path / how
-    lost_at, going_on_at, done = [], [], threading.Event()
-
-    def lose_host_one_at_the_checkpoint():
-        while not done.is_set() and not any(store.rglob("*epoch-00001-step-0000004*")):
-            done.wait(0.05)
-        if not done.is_set():
-            (hosts.cut if how == "cut" else hosts.cluster.kill_worker)(1)
-            lost_at.append(time.time())
-
-    def going_on(line):
-        if "going on with 2 of 4 ranks" in line:
-            going_on_at.append(time.time())
-
-    watcher = threading.Thread(target=lose_host_one_at_the_checkpoint, daemon=True)
-    watcher.start()
-    try:
-        seen = hosts.cluster.drive("elastic", {"pace": 0.1, "store": str(store), "run_id": how,
-                                               "heartbeat_timeout": HEARTBEAT_S, "start_timeout": 20},
-                                   on_line=going_on)
-    finally:
-        done.set()
-        watcher.join()
-        if how == "cut":
-            hosts.heal(1)
-        else:
-            hosts.cluster.start_worker(1)
-        hosts.cluster.wait_idle(timeout=120)
-    assert lost_at and going_on_at, (lost_at, going_on_at)
-    return seen, going_on_at[0] - lost_at[0]
-
-
 def test_an_elastic_fit_goes_on_without_a_host_cut_off_as_without_one_whose_executor_is_killed(hosts, tmp_path):
-    cut, cut_after = _elastic_fit_losing_host_one(hosts, tmp_path, "cut")
-    killed, _ = _elastic_fit_losing_host_one(hosts, tmp_path, "kill_worker")
+    cut_loss = hosts.cluster.elastic_fit_losing_host(1, "cut", str(tmp_path / "cut"), HEARTBEAT_S)
+    killed_loss = hosts.cluster.elastic_fit_losing_host(1, "kill_worker", str(tmp_path / "killed"), HEARTBEAT_S)
+    for loss in (cut_loss, killed_loss):
+        assert loss.lost_at and loss.going_on_at and loss.resumed_at, loss
+    cut, killed = cut_loss.result, killed_loss.result
     for seen in (cut, killed):
         assert [h["num_proc"] for h in seen["history"]] == [4, 2, 2]
         assert [h["restarts"] for h in seen["history"]] == [0, 1, 1]
         assert seen["history"][1]["resumed_at_step"] in (4, 8)  # at most checkpointEvery=4 steps redone
     # the silent host is given up on after heartbeatTimeout, then the two ranks left go on
-    assert cut_after < HEARTBEAT_S + 10
+    assert cut_loss.going_on_at - cut_loss.lost_at < HEARTBEAT_S + 10
     for name in cut["weights"]:
         assert cut["weights"][name] == pytest.approx(killed["weights"][name], abs=1e-5), name

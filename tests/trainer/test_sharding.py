@@ -164,3 +164,19 @@ def test_asynchronous_checkpoints_train_the_same_weights_and_resume(spark, tmp_p
     a, b = _weights(sync), _weights(resumed)
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=0)
+
+
+def test_a_block_of_two_dtypes_trains_sharded_once_each_dtype_is_a_unit_of_its_own(spark, tmp_path):
+    # as a bfloat16 Hugging Face model that keeps some modules in float32: the fit without fsdpWrap is
+    # refused before any job (tests/integration/test_bad_input.py); with it, each Linear is a unit
+    df = H.classification_df(spark, n=192)
+    store = Store(str(tmp_path / "store"))
+    ddp = _fit(df, store, model=S.mixed_dtypes, numProc=2, strategy="ddp", runId="ddp", keepData=True)
+    fsdp = _fit(df, store, model=S.mixed_dtypes, numProc=2, strategy="fsdp", fsdpWrap=["Linear"], runId="fsdp")
+    weights = _weights(fsdp)
+    assert {k: v.dtype for k, v in weights.items()} == {
+        "0.kept.weight": torch.float32, "0.kept.bias": torch.float32,
+        "0.body.weight": torch.bfloat16, "0.body.bias": torch.bfloat16}
+    for key, value in _weights(ddp).items():
+        torch.testing.assert_close(weights[key], value, atol=1e-2 if value.dtype == torch.bfloat16 else 1e-5, rtol=0)
+    assert fsdp.history[-1]["loss"] < fsdp.history[0]["loss"]
