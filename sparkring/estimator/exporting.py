@@ -71,6 +71,63 @@ def export(module: torch.nn.Module, recipe: Any, tokenizer: Any, store: Store) -
     return Export(form, pretrained.skeleton(recipe))
 
 
+def export_stored(weights: FittedWeights, recipe: Any, tokenizer: Any, store: Store) -> Optional[Export]:
+    """Write a fit's weights under ``store``'s ``model/`` as copies of the safetensors its ranks wrote
+    (streamed from storage to storage: the driver never holds them), with a transformers model's
+    config and tokenizer beside them; None where those files are not what the ecosystem loads as they
+    are (peft's adapters, a model whose checkpoints name its tensors otherwise: ``export`` writes those).
+
+    >>> export_stored(model.weights, recipe, None, Store("/tmp/m")).form  # doctest: +SKIP
+    'safetensors'
+    """
+    empty = empty_module(recipe, weights.storage_options)
+    form = form_of(empty)
+    if form == PEFT or form == TRANSFORMERS and not _saved_under_its_own_names(empty):
+        return None
+    directory = store.path(MODEL_DIR)
+    _copy_weight_files(Store(weights.url, weights.storage_options), store, directory)
+    if form == SAFETENSORS:
+        return Export(form, pretrained.skeleton(recipe))
+    with tempfile.TemporaryDirectory() as local:
+        _save_config(empty, local)
+        _save_tokenizer(tokenizer, local)
+        _upload(store, local, directory)
+    return Export(form, None)
+
+
+def _saved_under_its_own_names(empty: torch.nn.Module) -> bool:
+    """Whether save_pretrained writes ``empty``'s tensors under its state_dict's names (it reverts the
+    renamings and fusions from_pretrained applies, which some architectures have)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = empty.state_dict()
+    try:
+        return set(revert_weight_conversion(cast(Any, empty), dict(state))) == set(state)
+    except Exception:  # noqa: BLE001 - a conversion that cannot run on meta tensors: written by save_pretrained
+        return False
+
+
+def _copy_weight_files(source: Store, store: Store, directory: str) -> None:
+    """The safetensors files (and their index) in ``source``'s root copied into ``directory`` of ``store``."""
+    import pyarrow.fs as pafs
+
+    store.makedirs(directory)
+    for name in source.listdir(source.root):
+        if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+            pafs.copy_files(source.path(name), f"{directory}/{name}", source_filesystem=source.fs,
+                            destination_filesystem=store.fs)
+
+
+def _save_config(empty: Any, local: str) -> None:
+    """What save_pretrained writes beside the weights: the config (with the weights' dtype and the
+    architecture's class) and, for a model that generates, its generation config."""
+    empty.config.dtype = str(empty.dtype).split(".")[1]
+    empty.config.architectures = [type(empty).__name__]
+    empty.config.save_pretrained(local)
+    if empty.can_generate():
+        empty.generation_config.save_pretrained(local)
+
+
 def empty_recipe(recipe: Any) -> Any:
     """A factory for ``recipe`` (a module stands for itself)."""
     return recipe if callable(recipe) and not isinstance(recipe, torch.nn.Module) else (lambda: recipe)

@@ -117,13 +117,20 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
                 self._loaded.version = weights_version(self._loaded.module)
             return self._loaded.module
 
+    def _weights_on_storage(self) -> Optional[FittedWeights]:
+        """Where the module's weights lie as they are (None: no fit left them, or the module read
+        from there was changed on the driver since)."""
+        loaded = self._loaded.module
+        if self.weights is not None and (loaded is None or weights_version(loaded) == self._loaded.version):
+            return self.weights
+        return None
+
     def _shippable(self) -> Any:
         """What transform() ships: the recipe and the weights' place (each executor reads the Store
         once), or the module itself where it was changed on the driver since it was read."""
-        loaded = self._loaded.module
-        if self.weights is not None and self.weights.executors_read and (
-                loaded is None or weights_version(loaded) == self._loaded.version):
-            return stored_fit(self.getOrDefault(self.model), self.weights)
+        stored = self._weights_on_storage()
+        if stored is not None and stored.executors_read:
+            return stored_fit(self.getOrDefault(self.model), stored)
         return self.getModel()
 
     def _set(self, **kwargs: Any):
@@ -331,17 +338,23 @@ class SparkRingModel(Model, SparkRingParams, MLReadable, MLWritable):
     def write(self):
         """Saves Params and code pickled (factory, loss, callables; never weights), the weights under
         ``<path>/model/`` as the ecosystem loads them (exporting.py: a Hugging Face or peft directory,
-        or model.safetensors), the history and feature specification in the metadata."""
-        module, recipe, saved = self.getModel(), self.getOrDefault(self.model), self
-        if self.config().merge_adapters and hasattr(module, "merge_and_unload"):
+        or model.safetensors; the files the ranks wrote copied where they still hold the weights), the
+        history and feature specification in the metadata."""
+        recipe, saved = self.getOrDefault(self.model), self
+        tokenizer = self.getOrDefault(self.tokenizer) if self.isDefined(self.tokenizer) else None
+        # the weights as the ranks wrote them are copied, never read here, unless LoRA merges them
+        stored = self._weights_on_storage() if not self.config().merge_adapters else None
+        module = self.getModel() if stored is None else None
+        if module is not None and self.config().merge_adapters and hasattr(module, "merge_and_unload"):
             module = recipe = merged(module)
             saved = self.copy({self.getParam("model"): module, self.getParam("lora"): None})
         if self.weights is None:
             recipe = module
-        tokenizer = self.getOrDefault(self.tokenizer) if self.isDefined(self.tokenizer) else None
 
         def files(store) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-            done = exporting.export(module, recipe, tokenizer, store)
+            done = exporting.export_stored(stored, recipe, tokenizer, store) if stored is not None else None
+            if done is None:
+                done = exporting.export(module if module is not None else self.getModel(), recipe, tokenizer, store)
             return {"model": done.recipe}, {"modelForm": done.form}
 
         extra = {"history": self.history, "outputShapes": self.outputShapes,

@@ -10,6 +10,7 @@ import torch
 
 from sparkring import SparkRingEstimator, Store
 from sparkring.errors import ConfigurationError
+from sparkring.estimator.fitted import FittedWeights
 
 pytest.importorskip("transformers")
 
@@ -212,7 +213,8 @@ def test_a_large_model_object_reaches_the_ranks_through_the_store(spark, tmp_pat
     _assert_same(fitted, expected)
 
 
-def test_a_saved_fit_is_a_hugging_face_directory_a_peft_adapter_or_safetensors(spark, checkpoint, tokenizer, tmp_path):
+def test_a_saved_fit_is_a_hugging_face_directory_a_peft_adapter_or_safetensors(spark, checkpoint, tokenizer, tmp_path,
+                                                                                  monkeypatch):
     import json
 
     from est_helpers import adam, classification_df
@@ -226,7 +228,9 @@ def test_a_saved_fit_is_a_hugging_face_directory_a_peft_adapter_or_safetensors(s
     store, df = Store(str(tmp_path / "store")), _text_df(spark)
     trained = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.5))
     full = _estimator(stored_fns.from_pretrained(path), tokenizer, store, strategy="fsdp", **trained).fit(df)
-    full.write().save(str(tmp_path / "full"))
+    with monkeypatch.context() as saving:  # the files the ranks wrote are copied: the driver reads no weights
+        saving.setattr(FittedWeights, "load", _no_weights_read_on_the_driver)
+        full.write().save(str(tmp_path / "full"))
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "full" / "model"))
     _assert_same_module(exported, full.getModel())
     assert AutoTokenizer.from_pretrained(str(tmp_path / "full" / "model")).encode("the cat") == \
@@ -247,12 +251,18 @@ def test_a_saved_fit_is_a_hugging_face_directory_a_peft_adapter_or_safetensors(s
 
     plain = SparkRingEstimator(model=stored_fns.mlp_factory, optimizer=adam, loss="cross_entropy", numProc=2,
                                batchSize=16, epochs=1, store=store, verbose=0).fit(classification_df(spark, n=64))
-    plain.write().save(str(tmp_path / "plain"))
+    with monkeypatch.context() as saving:
+        saving.setattr(FittedWeights, "load", _no_weights_read_on_the_driver)
+        plain.write().save(str(tmp_path / "plain"))
     values = load_file(str(tmp_path / "plain" / "model" / "model.safetensors"))
     _assert_same_module(plain.getModel(), values)
     reloaded = SparkRingModel.load(str(tmp_path / "plain"))
     _assert_same_module(reloaded.getModel(), values)
     assert reloaded.transform(classification_df(spark, n=8)).count() == 8
+
+
+def _no_weights_read_on_the_driver(*args, **kwargs):
+    raise AssertionError("save() read the fitted weights on the driver")
 
 
 def _assert_same_module(module, expected):
