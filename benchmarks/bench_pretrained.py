@@ -150,9 +150,12 @@ def main():
         done, loaded = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(by_hand, path)
         hand_s = done - start
 
-    start = time.time()
-    fitted.write().save(os.path.join(work, "saved"))
-    save_s = time.time() - start
+    before_save = psutil.Process().memory_info().rss
+    with PeakRss() as saving:
+        start = time.time()
+        fitted.write().save(os.path.join(work, "saved"))
+        save_s = time.time() - start
+    save_growth = max(v for (pid, _), v in saving.peaks.items() if pid == os.getpid()) - before_save
     from transformers import AutoModelForCausalLM
 
     start = time.time()
@@ -179,6 +182,7 @@ def main():
         ("fit() in all", f"{fit_s:.1f} s", ""),
         ("save() (Hugging Face directory)", f"{save_s:.1f} s",
          f"from_pretrained + save_pretrained in one process {hand_save_s:.1f} s: {save_s / hand_save_s:.2f}x"),
+        ("driver's peak RSS growth in save() (Python)", f"{save_growth / GB:.2f} GB", ""),
     ]
     print("| figure | sparkring | against |\n|---|---|---|")
     for row in rows:

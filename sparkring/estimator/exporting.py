@@ -5,6 +5,7 @@ read back without unpickling any weights (the pickled parts of a saved model are
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional, cast
@@ -20,6 +21,7 @@ MODEL_DIR = "model"
 TRANSFORMERS, PEFT, SAFETENSORS = "transformers", "peft", "safetensors"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_WEIGHTS = "sparkring-base"  # a LoRA fit's base, where no checkpoint on storage holds it
+COPY_CHUNK_BYTES = 16 * 2**20  # a copy between two filesystems streams through the driver in pieces of this size
 
 
 def form_of(module: torch.nn.Module) -> str:
@@ -113,9 +115,16 @@ def _copy_weight_files(source: Store, store: Store, directory: str) -> None:
 
     store.makedirs(directory)
     for name in source.listdir(source.root):
-        if name.endswith(".safetensors") or name.endswith(".safetensors.index.json"):
+        if not (name.endswith(".safetensors") or name.endswith(".safetensors.index.json")):
+            continue
+        local_from, local_to = source.local_path(source.path(name)), store.local_path(f"{directory}/{name}")
+        if local_from is not None and local_to is not None:
+            shutil.copyfile(local_from, local_to)  # the kernel copies (pyarrow's local copy_file was erratic)
+        elif source.fs.equals(store.fs):  # one filesystem copies by itself (an object store without download)
+            store.fs.copy_file(source.path(name), f"{directory}/{name}")
+        else:
             pafs.copy_files(source.path(name), f"{directory}/{name}", source_filesystem=source.fs,
-                            destination_filesystem=store.fs)
+                            destination_filesystem=store.fs, chunk_size=COPY_CHUNK_BYTES)
 
 
 def _save_config(empty: Any, local: str) -> None:
