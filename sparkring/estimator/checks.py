@@ -203,7 +203,7 @@ def check_sharding(config: EstimatorConfig, launch_plan: LaunchPlan, lightning: 
 
 
 def _check_unit_dtypes(config: EstimatorConfig, shape: torch.nn.Module) -> None:
-    """A sharded unit's trainable parameters in one dtype (LoRA's adapters are its only trainable ones, in one)."""
+    """Each sharded unit's trainable parameters in one dtype, else the first unit mixing them named (LoRA: no check)."""
     for unit, dtypes in ({} if config.lora else fsdp.mixed_dtype_units(shape, tuple(config.fsdp_wrap or ()))).items():
         raise ConfigurationError(
             f"strategy={config.strategy!r} shards {repr(unit) if unit else 'the model itself'} as one unit, whose "

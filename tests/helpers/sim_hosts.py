@@ -367,7 +367,10 @@ class SimulatedCluster:
         finally:
             done.set()
             watcher.join()
-            self.hosts.heal(i) if how == "cut" else self.start_worker(i)
+            if how == "cut":
+                self.hosts.heal(i)
+            else:
+                self.start_worker(i)
             self.wait_idle(timeout=120)
         return loss
 
