@@ -14,6 +14,7 @@ from ..errors import NotInitializedError
 from . import environment, timeline
 from ._backend import Backend
 from ._join import Joiner, Recipe
+from .ports import free_ports
 
 
 class _State:
@@ -125,7 +126,6 @@ def _agree_next_port(backend: Backend) -> None:
     until every rank has read it: a rank that re-inits quickly must never meet the old
     store, nor rank 0 bind a port its old store still holds."""
     import datetime
-    import socket
     import time
 
     store = backend.rendezvous()
@@ -136,9 +136,7 @@ def _agree_next_port(backend: Backend) -> None:
     try:
         store.set_timeout(datetime.timedelta(seconds=10))
         if backend.rank == 0:
-            with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
-                s.bind((addr, 0))
-                store.set(prefix + "next_port", str(s.getsockname()[1]))
+            store.set(prefix + "next_port", str(free_ports(addr)[0]))
         port = store.get(prefix + "next_port").decode()
         read = store.add(prefix + "read", 1)
         deadline = time.monotonic() + 10

@@ -1,8 +1,13 @@
-"""Where a task is on the network: its address, the interface that carries it, free ports on it."""
+"""Where a task is on the network: its address, the interface that carries it, free ports on it
+(collective.ports chooses them)."""
 from __future__ import annotations
 
 import socket
-from typing import List, Optional
+from typing import Optional
+
+from ...collective.ports import free_ports
+
+__all__ = ["free_ports", "interface_of", "resolve"]
 
 
 def resolve(host: str) -> str:
@@ -24,16 +29,3 @@ def interface_of(ip: str) -> Optional[str]:
     except Exception:  # noqa: BLE001 - best effort; the library default applies
         pass
     return None
-
-
-def free_ports(ip: str, count: int = 1) -> List[int]:
-    """``count`` distinct ports free on ``ip`` (held open together while they are chosen)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    socks = [socket.socket(family) for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind((ip, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
