@@ -11,10 +11,10 @@ from typing import Any, Callable, List, Optional, Union
 import cloudpickle
 
 from ...collective import environment
+from ...collective.ports import free_ports
 from ...errors import ConfigurationError, RankFailedError, RankTimeoutError
 from ..gpus import VISIBLE
 from ..pickling import to_bytes
-from ..task.network import free_ports
 from ..task.rank import RankProcess, first_to_fail, supervise
 from ..task.workdir import WorkDir
 from .launch import active_spark, run

@@ -1,13 +1,9 @@
-"""Where a task is on the network: its address, the interface that carries it, free ports on it
-(collective.ports chooses them)."""
+"""Where a task is on the network: its address and the interface that carries it (the free ports
+on it: collective/ports.py)."""
 from __future__ import annotations
 
 import socket
 from typing import Optional
-
-from ...collective.ports import free_ports
-
-__all__ = ["free_ports", "interface_of", "resolve"]
 
 
 def resolve(host: str) -> str:

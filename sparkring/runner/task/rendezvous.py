@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Protocol
 
 from ...collective import environment
+from ...collective.ports import free_ports
 from ...errors import ChannelError, ConfigurationError
 from .. import channel, protocol
 from ..gpus import cuda_names
 from ..protocol import Abort, Detached, Hello, Rendezvous, TaskSpec
 from ..versions import package_versions
-from .network import free_ports, resolve
+from .network import resolve
 from .outbox import Relay
 
 
