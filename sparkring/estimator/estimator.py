@@ -49,7 +49,11 @@ class SparkRingEstimator(Estimator, SparkRingParams, MLReadable, MLWritable):
         return self._set(**self._input_kwargs)
 
     def _fit(self, dataset):
-        return fit(FitContext(config=self.config(), spark=dataset.sparkSession, model_type=self.fitted_type), dataset)
+        return fit(self._fit_context(dataset), dataset)
+
+    def _fit_context(self, dataset) -> FitContext:
+        """The context a fit of ``dataset`` starts from (a subclass may add to it)."""
+        return FitContext(config=self.config(), spark=dataset.sparkSession, model_type=self.fitted_type)
 
     def fitMultiple(self, dataset, paramMaps):
         """Fit one model per param map; data is prepared once and shared by every fit

@@ -15,6 +15,7 @@ from typing import Any, Callable, List, Optional, Type
 from ..data import Dataset, prepare
 from ..data.text import Encoder, mean_tokens, tokenize
 from ..runner import check_executor_interpreter
+from ..trainer.config import LightningTrainerSettings
 from ..trainer.events import TrainingEvent, from_payload
 from . import checks, text, tracking
 from .config import EstimatorConfig
@@ -53,6 +54,7 @@ class FitContext:
     prepared: Optional[Dataset] = None           # set once the data is prepared (fitMultiple collects it)
     run_id: str = ""                             # the run's folder in the Store (set when the fit starts)
     model_type: Type[SparkRingModel] = SparkRingModel  # what a fit returns (sparkring.spark's TorchModel)
+    lightning_trainer: Optional[LightningTrainerSettings] = None  # Lightning's Trainer fits the module on the ranks
 
 
 def fit(context: FitContext, dataset) -> SparkRingModel:
@@ -133,7 +135,8 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
                   tracker: Optional[FitTracker], clock: PhaseClock) -> SparkRingModel:
     """Launch the ranks on the prepared data, reporting their events; the fitted model."""
     config = context.config
-    cfg = train_config(config, decided, ds, context.run_id)
+    cfg = dataclasses.replace(train_config(config, decided, ds, context.run_id),
+                              lightning_trainer=context.lightning_trainer)
     progress = Progress(config.verbose, context.token_figures)
     listeners: List[Callable[[int, TrainingEvent], None]] = [progress, clock]
     if tracker is not None:

@@ -136,6 +136,20 @@ class _FitPolicy(ElasticPolicy):
         self._say(message)
 
 
+def rank_function(cfg: TrainConfig) -> Callable[[TrainConfig], Optional[RankResult]]:
+    """What every rank runs: the estimator's loop, or Lightning's Trainer where the fit asks for it
+    (imported only then: Lightning is optional).
+
+    >>> rank_function(cfg).__name__  # doctest: +SKIP
+    'train_rank'
+    """
+    if cfg.lightning_trainer is None:
+        return train_rank
+    from ..trainer.lightning_trainer import fit_with_trainer
+
+    return fit_with_trainer
+
+
 def launch_fit(spark, config: EstimatorConfig, cfg: TrainConfig, *, decided: FitDecisions,
                on_event: Callable[[int, Any], None], say: Callable[[str], None]) -> RankResult:
     """Train on the ranks the plan decided (again, with the ranks there are, for an elastic fit);
@@ -152,7 +166,7 @@ def launch_fit(spark, config: EstimatorConfig, cfg: TrainConfig, *, decided: Fit
         run_cfg = cfg if cfg.elastic is None or counts is None else dataclasses.replace(
             cfg, elastic=dataclasses.replace(cfg.elastic, relaunches=counts),
             val_steps=steps_per_epoch(config, cfg.dataset, cfg.parallel.data_size(now.num_proc))[1])
-        return launch(spark, now, train_rank, args=(run_cfg,), timeout=config.timeout,
+        return launch(spark, now, rank_function(run_cfg), args=(run_cfg,), timeout=config.timeout,
                       start_timeout=config.start_timeout, verbose=2 if verbose >= 2 else (1 if verbose else 0),
                       on_event=on_event, env=trace_env, heartbeat_timeout=config.heartbeat_timeout,
                       names=ESTIMATOR_NAMES)

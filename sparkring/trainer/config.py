@@ -128,6 +128,23 @@ class ModelParallel:
         return self.microbatches or self.pipeline_parallel
 
 
+@dataclass(frozen=True)
+class LightningTrainerSettings:
+    """What Lightning's own Trainer gets on every rank where it fits a LightningModule
+    (trainer.lightning_trainer; Horovod's Lightning estimator): its callbacks, logger (None: a
+    TensorBoard logger into the run's logs), profiler and further arguments, which win.
+
+    >>> LightningTrainerSettings(callbacks=(LearningRateMonitor(),), trainer_args={"max_epochs": 3})  # doctest: +SKIP
+    """
+
+    callbacks: Tuple[Any, ...] = ()
+    trainer_args: Dict[str, Any] = field(default_factory=dict)
+    logger: Any = None
+    profiler: Any = None
+    log_every_n_steps: int = 50
+    terminate_on_nan: bool = False    # Lightning 1.x's: a non-finite training loss ends the fit
+
+
 @dataclass
 class TrainConfig:
     """Everything a rank needs to train, built once by the estimator from its Params.
@@ -174,6 +191,7 @@ class TrainConfig:
     compile: Optional[Dict[str, Any]] = None  # torch.compile's options (None: eager)
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
     initial_weights: Optional[str] = None     # stored values every rank reads its share of (trainer.pretrained)
+    lightning_trainer: Optional[LightningTrainerSettings] = None  # a LightningModule fitted by Lightning's Trainer
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order the step sums them."""

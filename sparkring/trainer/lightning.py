@@ -157,14 +157,9 @@ class LightningStep(Step):
 
     @override
     def __call__(self, module, batch: Dict[str, Any], where: str):
-        args, kwargs = self.spec.model_args(batch)
-        inputs = [a.to(self.device, non_blocking=True) for a in args]
-        if kwargs:
-            inputs = [{k: v.to(self.device, non_blocking=True) for k, v in kwargs.items()}]
-        ys = [label_tensor(batch[label]).to(self.device, non_blocking=True) for label in self.labels]
+        given, ys = module_batch(self.spec, self.labels, batch, self.batch_form, self.device)
         n = len(ys[0])
         self.logged["train" if module.training else "val"].rows = n
-        given = self._as_dict(args, kwargs, ys) if self.batch_form == "dict" else (*inputs, *ys)
         try:
             if module.training:
                 out = module.training_step(given, self.batch_index)
@@ -182,14 +177,6 @@ class LightningStep(Step):
             self.validation_returns_loss = isinstance(loss, torch.Tensor)
             loss = loss if isinstance(loss, torch.Tensor) else torch.zeros((), device=self.device)
         return loss, [loss.new_zeros((n,))], ys, [loss]
-
-    def _as_dict(self, args: tuple, kwargs: Dict[str, Any], ys: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Horovod's batch: {column: tensor}, each input under its column (or its name where it
-        joins several columns or is a keyword argument), each label under its column."""
-        named = dict(zip([i.columns[0] if len(i.columns) == 1 else i.name for i in self.spec.inputs], args))
-        named.update(kwargs)
-        named.update(zip(self.labels, ys))
-        return {k: v.to(self.device, non_blocking=True) for k, v in named.items()}
 
     @override
     def backward(self, loss: torch.Tensor) -> None:
@@ -235,6 +222,27 @@ class LightningStep(Step):
     @override
     def fit_ended(self, module: LightningModule) -> None:
         module.on_fit_end()
+
+
+def module_batch(spec, labels, batch: Dict[str, Any], form: str,
+                 device: torch.device) -> Tuple[Any, List[torch.Tensor]]:
+    """What a LightningModule's steps get from one of the reader's batches, and its labels:
+    ``(inputs..., labels...)`` (form "tuple"), or Horovod's ``{column: tensor}`` (form "dict": each
+    input under its column, or its name where it joins several columns or is a keyword argument).
+
+    >>> given, ys = module_batch(spec, ("y",), batch, "dict", torch.device("cpu"))  # doctest: +SKIP
+    """
+    args, kwargs = spec.model_args(batch)
+    ys = [label_tensor(batch[label]).to(device, non_blocking=True) for label in labels]
+    if form == "dict":
+        named = dict(zip([i.columns[0] if len(i.columns) == 1 else i.name for i in spec.inputs], args))
+        named.update(kwargs)
+        named.update(zip(labels, ys))
+        return {k: v.to(device, non_blocking=True) for k, v in named.items()}, ys
+    inputs = [a.to(device, non_blocking=True) for a in args]
+    if kwargs:
+        inputs = [{k: v.to(device, non_blocking=True) for k, v in kwargs.items()}]
+    return (*inputs, *ys), ys
 
 
 def label_tensor(values: Any) -> torch.Tensor:

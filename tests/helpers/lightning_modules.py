@@ -111,3 +111,51 @@ class DictXOR(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self.log("val_loss", F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float()))
+
+
+class LegacyEpochEndXOR(DictXOR):
+    """DictXOR as Horovod's tests write it for Lightning 1.x: validation_epoch_end(outputs) logs their
+    mean, and configure_optimizers returns a named, stepped scheduler."""
+
+    def validation_step(self, batch, batch_idx):
+        loss = F.binary_cross_entropy(self(batch["features"]), batch["y"].unsqueeze(1).float())
+        self.log("val_loss", loss)
+        return loss
+
+    def validation_epoch_end(self, outputs):
+        self.log("avg_val_loss", torch.stack(outputs).mean())
+        self.log("val_batches", float(len(outputs)))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return [optimizer], [{"scheduler": scheduler, "name": "adam_lr"}]
+
+
+class EpochCounter(pl.Callback):
+    """A Lightning callback written for Horovod (Lightning 1.x): counts the training epochs it sees
+    and, through 1.x's on_epoch_end, the training and validation epochs; checks them at the end on
+    every rank (as Horovod's test_dummy_callback and its Lightning MNIST example do)."""
+
+    def __init__(self, epochs):
+        self.epochs, self.seen, self.ends = epochs, 0, 0
+
+    def on_init_start(self, trainer):
+        assert self.seen == 0
+
+    def on_train_epoch_end(self, trainer, module, unused=None):
+        self.seen += 1
+
+    def on_epoch_end(self, trainer, module):
+        self.ends += 1
+
+    def on_train_end(self, trainer, module):
+        assert (self.seen, self.ends) == (self.epochs, 2 * self.epochs), (self.seen, self.ends, self.epochs)
+
+
+class NonFiniteXOR(DictXOR):
+    """DictXOR whose second epoch's loss on rank 1 is not finite (terminate_on_nan's case)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.current_epoch == 1 and self.global_rank == 1 else loss

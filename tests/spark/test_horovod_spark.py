@@ -1,6 +1,7 @@
 """sparkring.spark as horovod.spark: each failure class Horovod's own Spark tests found, as a test
-of the project's own (CI cannot fetch Horovod; ../shared/conformance/horovod/make_spark_suite.py
+of the project's own (CI cannot fetch Horovod; conformance/make_horovod_spark_suite.py
 runs Horovod's files themselves)."""
+import csv
 import io
 import os
 import re
@@ -201,7 +202,33 @@ def test_horovods_own_spark_mnist_example_trains_with_only_its_imports_changed(t
     assert accuracy > 0.9, proc.stdout[-2000:]
 
 
-def test_lightning_trainer_args_with_a_param_become_it_and_lightning_callbacks_are_refused():
+@pytest.mark.slow  # a Spark application in a subprocess, ~40 s
+def test_horovods_own_lightning_spark_mnist_example_trains_with_only_its_imports_changed(tmp_path):
+    sys.path.insert(0, HELPERS)
+    from mnist_libsvm import write_mnist_libsvm
+
+    script = os.path.join(ROOT, "tests", "horovod_examples", "pytorch_lightning_spark_mnist.py")
+    code = open(script).read().split("\n", 2)[2]  # below the two lines saying where it comes from
+    assert [line.split("#")[0].strip() for line in code.splitlines() if "sparkring" in line] == [
+        "import sparkring.spark.lightning as hvd", "from sparkring.spark.lightning.estimator import MIN_PL_VERSION",
+        "from sparkring.spark.common.backend import SparkBackend", "from sparkring.spark.common.store import Store"]
+    write_mnist_libsvm(str(tmp_path / "mnist.bz2"), rows=2000)  # where the script looks before downloading
+    seeded = "import runpy, sys, torch; torch.manual_seed(0); runpy.run_path(sys.argv.pop(1), run_name='__main__')"
+    args = ["--num-proc", "2", "--epochs", "3", "--batch-size", "32", "--data-dir", str(tmp_path),
+            "--work-dir", str(tmp_path / "work")]
+    proc = subprocess.run([sys.executable, "-c", seeded, script, *args], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path,
+                          env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    # its Lightning 1.x callback ran and its own assertion held (on_epoch_end: 3 training + 3 validation epochs)
+    ends = re.findall(r"Training ends:epcoh_end_counter=(\d+), train_epcoh_end_counter=(\d+), "
+                      r"validation_epoch_end_counter=(\d+)", proc.stdout + proc.stderr)
+    assert ends and set(ends) == {("6", "3", "3")}, (proc.stdout + proc.stderr)[-3000:]
+    accuracy = float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))
+    assert accuracy > 0.9, proc.stdout[-2000:]
+
+
+def test_lightning_trainer_args_with_a_param_become_it_and_lightning_callbacks_need_a_lightning_module(spark):
     from pytorch_lightning.callbacks import Callback
 
     from sparkring.spark.lightning import TorchEstimator as LightningEstimator
@@ -213,8 +240,14 @@ def test_lightning_trainer_args_with_a_param_become_it_and_lightning_callbacks_a
     assert (config.epochs, config.backward_passes_per_step, config.lightning_batch) == (3, 2, "dict")
     assert est.getMpStartMethod() == "spawn" and est.setMpStartMethod("forkserver").getMpStartMethod() == "forkserver"
     assert est.getTerminateOnNan() and est.getTrainerArgs()["num_sanity_val_steps"] == 0
-    with pytest.raises(ConfigurationError, match="Lightning Callback"):
-        LightningEstimator(model=XOR(), callbacks=[Callback()])
+    # a plain module trains in sparkring's loop, which has no Trainer for a Lightning callback: refused before any job
+    plain = LightningEstimator(model=XOR(), optimizer=torch.optim.SGD(XOR().parameters(), lr=0.1), loss=F.mse_loss,
+                               input_shapes=[[-1, 2]], feature_cols=["features"], label_cols=["y"],
+                               callbacks=[Callback()])
+    jobs = spark.sparkContext.statusTracker().getJobIdsForGroup()
+    with pytest.raises(ConfigurationError, match="Lightning Callback.*LightningModule"):
+        plain.fit(xor_df(spark))
+    assert spark.sparkContext.statusTracker().getJobIdsForGroup() == jobs
 
 
 @pytest.mark.slow  # a fit
@@ -230,3 +263,77 @@ def test_a_lightning_module_written_for_horovod_trains_on_dict_batches(spark, tm
     fitted = est.fit(xor_df(spark, copies=4))
     assert est.config().learning_rate_scaling == "none"  # Horovod leaves a LightningModule's optimizer alone
     assert "val_loss" in fitted.getHistory()[-1] and "train_loss" in fitted.getHistory()[-1]
+
+
+@pytest.mark.slow  # two fits
+def test_lightnings_own_trainer_fits_a_horovod_module_with_its_callbacks_and_resumes_by_run_id(spark, tmp_path):
+    from lightning_modules import EpochCounter, LegacyEpochEndXOR
+    from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
+
+    from sparkring.spark.lightning import TorchEstimator as LightningEstimator
+
+    torch.manual_seed(0)
+    store = LocalStore(str(tmp_path / "store"))
+    best = ModelCheckpoint(dirpath=str(tmp_path / "unused"), monitor="val_loss", mode="min")
+    est = LightningEstimator(num_proc=2, store=store, model=LegacyEpochEndXOR(), input_shapes=[[-1, 2]],
+                             feature_cols=["features"], label_cols=["y"], validation="val", batch_size=2,
+                             val_batch_size=1, epochs=3, verbose=0, run_id="lt01",
+                             logger=CSVLogger(str(tmp_path / "csv")),
+                             callbacks=[EpochCounter(3), LearningRateMonitor(logging_interval="epoch"), best],
+                             trainer_args={"num_sanity_val_steps": 0})
+    fitted = est.fit(xor_df(spark, copies=4))
+    history = fitted.getHistory()
+    assert [h["epoch"] for h in history] == [0, 1, 2] and all(h["num_proc"] == 2 for h in history)
+    # Lightning 1.x's validation_epoch_end got each of the epoch's validation steps (4 rows, 2 ranks, 1 a batch)
+    assert [h["val_batches"] for h in history] == [2.0, 2.0, 2.0]
+    assert history[-1]["avg_val_loss"] == pytest.approx(history[-1]["val_loss"], rel=0.5)
+    # LearningRateMonitor logged the scheduler's halving rate into the user's logger, which rank 0's Trainer wrote
+    with open(tmp_path / "csv" / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["adam_lr"]) for r in rows if r["adam_lr"]] == [0.05, 0.025, 0.0125]
+    assert [float(r["avg_val_loss"]) for r in rows if r["avg_val_loss"]] == [h["avg_val_loss"] for h in history]
+    # the best checkpoint (the user's ModelCheckpoint) is the returned model, as Horovod returns it
+    kept = sorted(os.listdir(store.checkpoint_path("lt01", "lightning")))
+    assert len(kept) == 2 and kept[-1] == "last.ckpt" and kept[0].startswith("epoch="), kept  # its top 1 and ours
+    saved = torch.load(store.checkpoint_path("lt01", "lightning", kept[0]), map_location="cpu",
+                       weights_only=False)["state_dict"]
+    for name, value in fitted.getModel().state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    # the same run id again: Lightning resumes from the run's checkpoint (3 epochs done), trains none more
+    assert est._read_checkpoint("lt01") == store.checkpoint_path("lt01", "lightning", "last.ckpt")
+    again = est.setEpochs(4).setCallbacks([EpochCounter(1)]).fit(xor_df(spark, copies=4))
+    assert [h["epoch"] for h in again.getHistory()] == [3]
+
+
+@pytest.mark.slow  # a fit
+def test_lightning_1x_trainer_args_and_a_default_model_checkpoint_of_the_users_train_with_lightning_2(spark, tmp_path):
+    from lightning_modules import DictXOR
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from sparkring.spark.lightning import TorchEstimator as LightningEstimator
+
+    store = LocalStore(str(tmp_path / "store"))
+    mine = ModelCheckpoint(dirpath=str(tmp_path / "mine"))  # configured as the run's own checkpoint is
+    est = LightningEstimator(num_proc=2, store=store, model=DictXOR(), input_shapes=[[-1, 2]],
+                             feature_cols=["features"], label_cols=["y"], validation="val", batch_size=2, epochs=3,
+                             verbose=0, run_id="swa", callbacks=[mine],
+                             trainer_args={"stochastic_weight_avg": True, "num_sanity_val_steps": 0})  # Lightning 1.x
+    fitted = est.fit(xor_df(spark, copies=4))
+    assert [h["epoch"] for h in fitted.getHistory()] == [0, 1, 2]
+    kept = sorted(os.listdir(store.checkpoint_path("swa", "lightning")))
+    assert kept == ["epoch=2-step=9.ckpt", "last.ckpt"], kept  # the user's checkpoint, and its last.ckpt to resume at
+    saved = torch.load(store.checkpoint_path("swa", "lightning", kept[0]), map_location="cpu", weights_only=False)
+    assert saved["callbacks"]["Lightning1SWA"]["latest_update_epoch"] == 2  # averaging ran, from epoch int(0.8 * 3)
+    for name, value in fitted.getModel().state_dict().items():
+        assert torch.equal(value, saved["state_dict"][name]), name
+    # Lightning 1.x's terminate_on_nan (gone from Lightning 2's Trainer): the non-finite loss ends the fit, named
+    from lightning_modules import NonFiniteXOR
+
+    from sparkring.errors import TrainingError
+
+    est = LightningEstimator(num_proc=2, store=store, model=NonFiniteXOR(), input_shapes=[[-1, 2]],
+                             feature_cols=["features"], label_cols=["y"], batch_size=2, epochs=3, verbose=0,
+                             terminate_on_nan=True)
+    with pytest.raises(TrainingError, match=r"non-finite loss nan at epoch 1, step 0 on rank 1"):
+        est.fit(xor_df(spark, copies=4))

@@ -1,12 +1,8 @@
-"""Horovod's Lightning ``TorchEstimator`` over sparkring's estimator: a LightningModule's
-training/validation steps get Horovod's batches, ``{column: tensor}`` (the ``lightningBatch="dict"``
-Param); the Trainer's arguments that have a sparkring counterpart become its Params
-(``max_epochs``, ``accumulate_grad_batches``, ``gradient_clip_val``, ``limit_*_batches``), the rest
-are kept, readable through Horovod's getters, and said once in the log.
-
-sparkring runs the module's steps in its own loop, not in Lightning's Trainer (see
-sparkring/trainer/lightning.py): Lightning callbacks, loggers and profilers, which need a Trainer,
-are refused or not used, as listed in docs/horovod.md.
+"""Horovod's Lightning ``TorchEstimator`` over sparkring's estimator: a LightningModule is fitted by
+Lightning's own Trainer on every rank, as Horovod fits it (its callbacks, logger, profiler and
+``trainer_args``; steps given ``{column: tensor}`` batches, the ``lightningBatch="dict"`` Param), on
+sparkring's ranks, reader and store (trainer/lightning_trainer.py). A plain module given with
+``optimizer`` and ``loss`` trains in sparkring's loop, as the torch estimator trains it.
 
 >>> est = TorchEstimator(num_proc=2, model=lightning_module, input_shapes=[[-1, 2]], feature_cols=["features"],
 ...                      label_cols=["y"], batch_size=4, epochs=2, trainer_args={"num_sanity_val_steps": 0})
@@ -21,10 +17,15 @@ from typing import Any, Dict, Optional
 from typing_extensions import override
 
 from ...errors import ConfigurationError
+from ...estimator.fitting import FitContext
+from ...trainer.config import LightningTrainerSettings
 from ...trainer.lightning import is_lightning_module
+from ...trainer.lightning_trainer import stored_checkpoint
 from ..torch.estimator import TorchEstimator as PlainTorchEstimator
 
 log = logging.getLogger(__name__)
+
+MIN_PL_VERSION = "2.4"  # the oldest PyTorch Lightning this estimator runs (Horovod's name; its own was 1.3.8)
 
 # Lightning Trainer arguments -> the SparkRingEstimator Param that means the same
 TRAINER_ARGS = {"max_epochs": "epochs", "accumulate_grad_batches": "backwardPassesPerStep",
@@ -50,18 +51,15 @@ class LightningSettings:
 
 
 def trainer_params(trainer_args: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    """The Trainer arguments that have a sparkring Param, as Params (whole-number limits only).
+    """The Trainer arguments that have a sparkring Param, as Params (whole-number limits only): the
+    driver decides the epochs and the steps of each rank's epoch from them. The Trainer gets every
+    argument as given.
 
     >>> trainer_params({"max_epochs": 3, "num_sanity_val_steps": 0})
     {'epochs': 3}
     """
-    params = {}
-    for name, value in (trainer_args or {}).items():
-        if name in TRAINER_ARGS and not (name.startswith("limit_") and isinstance(value, float)):
-            params[TRAINER_ARGS[name]] = value
-        else:
-            log.info("trainer_args %s=%r is not used: sparkring runs the module's steps in its own loop", name, value)
-    return params
+    return {TRAINER_ARGS[name]: value for name, value in (trainer_args or {}).items()
+            if name in TRAINER_ARGS and not (name.startswith("limit_") and isinstance(value, float))}
 
 
 class TorchEstimator(PlainTorchEstimator):
@@ -85,7 +83,6 @@ class TorchEstimator(PlainTorchEstimator):
                  log_every_n_steps=50, data_module=None, loader_num_epochs=None, terminate_on_nan=False,
                  profiler=None, debug_data_loader=False, train_async_data_loader_queue_size=None,
                  val_async_data_loader_queue_size=None, use_gpu=True, mp_start_method=None):
-        _refuse_lightning_callbacks(callbacks)
         super().__init__(num_proc=num_proc, data_module=data_module, model=model, backend=backend, store=store,
                          optimizer=optimizer, loss=loss, loss_constructors=loss_constructors, metrics=metrics,
                          loss_weights=loss_weights, sample_weight_col=sample_weight_col,
@@ -141,7 +138,8 @@ class TorchEstimator(PlainTorchEstimator):
         return self.lightning.terminate_on_nan
 
     def setTerminateOnNan(self, value: bool) -> "TorchEstimator":
-        """Stop at a non-finite loss: sparkring's onNonFinite='raise'."""
+        """Stop at a non-finite training loss (a LightningModule's Trainer checks each step, as
+        Lightning 1.x did; a plain module: sparkring's onNonFinite='raise')."""
         if value:
             self._set(onNonFinite="raise")
         return self._keep(terminate_on_nan=bool(value))
@@ -163,8 +161,26 @@ class TorchEstimator(PlainTorchEstimator):
         return self.lightning.profiler
 
     def _read_checkpoint(self, run_id: str) -> Optional[str]:
-        """Horovod's Lightning name for where a fit with ``run_id`` resumes."""
-        return self._load_checkpoint(run_id)
+        """Horovod's Lightning name for where a fit with ``run_id`` resumes: Lightning's checkpoint
+        of the run in the store for a LightningModule."""
+        config = self.config()
+        if not is_lightning_module(config.model):
+            return self._load_checkpoint(run_id)
+        stored = stored_checkpoint(config.store, run_id) if config.store is not None else None
+        return stored if stored is not None and config.store.exists(stored) else None
+
+    @override
+    def _fit_context(self, dataset) -> FitContext:
+        context = super()._fit_context(dataset)
+        config = context.config
+        if not is_lightning_module(config.model):
+            _refuse_lightning_callbacks(config.callbacks)
+            return context
+        settings = LightningTrainerSettings(
+            callbacks=tuple(config.callbacks or ()), trainer_args=dict(self.lightning.trainer_args),
+            logger=self.lightning.logger, profiler=self.lightning.profiler,
+            log_every_n_steps=self.lightning.log_every_n_steps, terminate_on_nan=self.lightning.terminate_on_nan)
+        return replace(context, config=replace(config, callbacks=None), lightning_trainer=settings)
 
     @override
     def _resume_point(self, run_id: str) -> Optional[str]:
@@ -172,8 +188,10 @@ class TorchEstimator(PlainTorchEstimator):
 
 
 def _refuse_lightning_callbacks(callbacks: Any) -> None:
+    """A plain module trains in sparkring's loop, which has no Trainer for a Lightning callback's hooks."""
     for callback in callbacks or []:
         if any(c.__name__ == "Callback" and "lightning" in c.__module__ for c in type(callback).__mro__):
             raise ConfigurationError(
                 f"callbacks: {type(callback).__name__} is a Lightning Callback, whose hooks need Lightning's Trainer, "
-                "which sparkring's loop does not run; use earlyStopping=, or callbacks with on_epoch_end(epoch, logs)")
+                "which fits LightningModules only; give the model as a LightningModule, or use earlyStopping=, or "
+                "callbacks with on_epoch_end(epoch, logs)")
