@@ -61,7 +61,7 @@ gpu-check: java
 	$(or $(GPU_PYTHON),$(PY)) -m pytest -q -m gpu tests/gpu
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sparkring benchmarks examples tests conftest.py
+	$(VENV)/bin/ruff check sparkring benchmarks examples tests conformance conftest.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 
