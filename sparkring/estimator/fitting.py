@@ -22,6 +22,7 @@ from .config import EstimatorConfig
 from .console import Progress, SparkBarPause
 from .fitted import FittedWeights
 from .launching import launch_fit, train_config
+from .links import LinkReport
 from .model import SparkRingModel
 from .params import param_values
 from .phases import PhaseClock
@@ -138,7 +139,7 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
     cfg = dataclasses.replace(train_config(config, decided, ds, context.run_id),
                               lightning_trainer=context.lightning_trainer)
     progress = Progress(config.verbose, context.token_figures)
-    listeners: List[Callable[[int, TrainingEvent], None]] = [progress, clock]
+    listeners: List[Callable[[int, TrainingEvent], None]] = [progress, clock, LinkReport(progress.note)]
     if tracker is not None:
         listeners.append(tracker)
     clock.launching()

@@ -6,7 +6,7 @@
 """
 from ..collective.elastic import Relaunches
 from ..errors import ConfigurationError, RankFailedError, RankTimeoutError, SparkRingError
-from .channel import report
+from .channel import measure_link, report
 from .driver.elastic import ElasticLaunch, ElasticPolicy, relaunch_until_done
 from .driver.interpreter import check_executor_interpreter
 from .driver.launch import launch, run
@@ -17,6 +17,6 @@ from .pickling import check_picklable, to_bytes
 
 __all__ = ["run", "launch", "RankOutput",
            "plan", "plan_for", "LaunchPlan", "LaunchRequest", "ParamNames", "ESTIMATOR_NAMES",
-           "check_executor_interpreter", "report", "check_picklable", "to_bytes", "spark_major",
+           "check_executor_interpreter", "measure_link", "report", "check_picklable", "to_bytes", "spark_major",
            "check_timeouts", "ElasticLaunch", "ElasticPolicy", "Relaunches", "relaunch_until_done",
            "ConfigurationError", "RankFailedError", "RankTimeoutError", "SparkRingError"]

@@ -166,10 +166,29 @@ class Gathered:
     records: Optional[List["Rendezvous"]]
 
 
+@dataclass(frozen=True)
+class Probe:
+    """Rank to driver: characters to time the rank's link to the driver by (``measure_link``); the
+    driver answers ProbeReceived as soon as they arrived."""
+
+    TAG: ClassVar[str] = "probe"
+    data: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class ProbeReceived:
+    """Driver to rank: the Probe's ``size`` characters arrived."""
+
+    TAG: ClassVar[str] = "probe-received"
+    size: int
+
+
 Frame = Union[Arrived, Hello, Detached, Started, Log, Event, Beat, Stacks, Done, Error, Abort, Cause, Join,
-              Gathered, ConnectionClosed]
+              Gathered, Probe, ProbeReceived, ConnectionClosed]
 _WIRE: Dict[str, Type[Any]] = {cls.TAG: cls for cls in (Arrived, Hello, Detached, Started, Log, Event, Beat, Stacks,
-                                                         Done, Error, Abort, Cause, Join, Gathered)}
+                                                         Done, Error, Abort, Cause, Join, Gathered, Probe,
+                                                         ProbeReceived)}
 
 
 def to_wire(frame: Frame) -> Dict[str, Any]:

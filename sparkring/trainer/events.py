@@ -36,8 +36,18 @@ class EpochDone:
     stopped: bool = False
 
 
-TrainingEvent = Union[FitBegan, StepDone, EpochDone]
-_KINDS = {"begin": FitBegan, "step": StepDone, "epoch": EpochDone}
+@dataclass(frozen=True)
+class LinkMeasured:
+    """A host's link to the driver measured by its first rank (trainer.link_probe), one of
+    ``hosts``."""
+
+    host: str
+    bytes_per_second: float
+    hosts: int
+
+
+TrainingEvent = Union[FitBegan, StepDone, EpochDone, LinkMeasured]
+_KINDS = {"begin": FitBegan, "step": StepDone, "epoch": EpochDone, "link": LinkMeasured}
 _NAMES = {cls: name for name, cls in _KINDS.items()}
 
 

@@ -30,6 +30,7 @@ from .events import EpochDone, FitBegan, StepDone, to_payload
 from .figures import LOSS, ROWS, TimeSplit, Totals
 from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
+from .link_probe import probe_links
 from .measure import StepClock, state_bytes
 from .placement import placement_for
 from .shared_rows import share_rows_on_host
@@ -68,6 +69,7 @@ def train_rank(cfg: TrainConfig) -> Optional[RankResult]:
         if recorder.on:
             began, _ = recorder.joined_us  # the ring was joined inside (the first collective joins it)
             recorder.add("start-up: rank process (fork or spawn, imports) until the ring", process_started_us(), began)
+        probe_links()  # where the ranks span hosts: the driver names a host whose link is slow
         trainer.begin()
         try:
             for epoch in range(trainer.start_epoch, cfg.epochs):

@@ -377,3 +377,11 @@ def tell_my_task_then_wait_in_allreduce(path, rank_to_tell):
         sr.allreduce(torch.ones(1))
         time.sleep(0.1)
     return "should not get here"
+
+
+def measured_link_then_report(nbytes):
+    """This rank's link to the driver (runner.measure_link), then an event on the same channel."""
+    from sparkring.runner import measure_link, report
+
+    rate = measure_link(nbytes)
+    return {"rate": rate, "reported": report({"after_probe": True})}

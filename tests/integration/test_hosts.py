@@ -1,11 +1,13 @@
 """Two simulated hosts on this machine (tests/helpers/sim_hosts.py: network namespaces with their
 own hostnames and /dev/shm, 1 Gbit/s links through a bridge, a standalone worker on each, the
 master and the driver on a head of their own): ranks land on both hosts, the hierarchical
-allreduce equals the flat one, a fit equals the same fit on one host, and a host cut off the
+allreduce equals the flat one, a fit equals the same fit on one host (and names host 1 as the
+straggler when its link runs at a tenth of host 0's), and a host cut off the
 network or whose packets are all dropped reaches the caller within the heartbeat timeout, named; an
 elastic fit goes on without a host cut off as without one whose executor is killed; MPI (MPICH)
 puts ranks on both hosts."""
 import os
+import re
 import time
 
 import pytest
@@ -39,8 +41,19 @@ def test_ranks_land_on_both_hosts_and_the_hierarchical_flat_and_mpi_allreduces_a
     assert [r["total"] for r in seen["hierarchical"]] == [r["total"] for r in seen["flat"]]
 
 
-def test_a_fit_across_two_hosts_reaches_the_weights_of_the_same_fit_on_one_host(hosts, tmp_path):
-    across = hosts.cluster.drive("fit", {"ranks": 4, "store": str(tmp_path / "across")})["weights"]
+def test_a_fit_across_two_hosts_reaches_the_weights_of_the_same_fit_on_one_host_and_names_a_slow_link(
+        hosts, tmp_path):
+    said = []
+    hosts.shape(1, Link("100mbit"))  # a tenth of host 0's link
+    try:
+        across = hosts.cluster.drive("fit", {"ranks": 4, "store": str(tmp_path / "across")},
+                                     on_line=said.append)["weights"]
+    finally:
+        hosts.shape(1, Link("1gbit"))
+    # the driver timed each host's probe: host 1, a tenth of host 0's rate, is named (ranks' comm times cannot tell)
+    named = [line for line in said if "straggler: host" in line]
+    assert len(named) == 1 and "host simhost1's link" in named[0], said[-20:]
+    assert 0 < float(re.search(r"([0-9.]+)x the other hosts'", named[0]).group(1)) < 0.5, named
     one_host = hosts.cluster.drive("fit", {"ranks": 4, "store": str(tmp_path / "one")}, master="local[4]")["weights"]
     assert across.keys() == one_host.keys()
     for name in across:

@@ -44,6 +44,16 @@ def test_fifty_megabyte_results_come_back_whole(spark):
 
 
 @pytest.mark.compat
+def test_a_rank_measures_its_link_to_the_driver_and_its_channel_goes_on_carrying_events(spark):
+    events = []
+    results = run(rank_fns.measured_link_then_report, args=(4 << 20,), num_proc=2,
+                  on_event=lambda rank, payload: events.append((rank, payload)))
+    # 4 MB timed until the driver said they arrived: loopback moves far more than 10 MB/s, and less than 100 GB/s
+    assert all(10e6 < r["rate"] < 100e9 and r["reported"] for r in results), results
+    assert sorted(events) == [(0, {"after_probe": True}), (1, {"after_probe": True})]
+    assert channel.measure_link(1024) is None  # outside a run: no driver to measure against
+
+
 def test_exception_in_one_rank_reaches_driver_with_rank_and_traceback_and_stops_the_others(spark):
     started = time.monotonic()
     with pytest.raises(RankFailedError) as info:

@@ -24,6 +24,8 @@ from ..protocol import (
     Hello,
     Join,
     Log,
+    Probe,
+    ProbeReceived,
     Stacks,
     Started,
 )
@@ -136,6 +138,10 @@ class RunLedger:
                 self.on_event(msg.rank, msg.payload)
             except Exception as exc:  # noqa: BLE001 - a progress bug must not kill training
                 print(f"sparkring: on_event callback failed: {exc!r}", file=self.err)
+
+    def _probe(self, msg: Probe, conn) -> None:
+        if conn is not None:  # at once: the rank times its link until this arrives
+            conn.send(ProbeReceived(size=len(msg.data)))
 
     def _stacks(self, msg: Stacks, conn) -> None:
         with self.lock:
@@ -255,5 +261,5 @@ class RunLedger:
 
     _handlers: Dict[type, Callable[["RunLedger", Any, Any], None]] = {
         Arrived: _arrived, Detached: _detached, Hello: _hello, ConnectionClosed: _closed, Started: _started,
-        Log: _log, Event: _event, Stacks: _stacks, Done: _done, Error: _error, Join: _join,
+        Log: _log, Event: _event, Stacks: _stacks, Done: _done, Error: _error, Join: _join, Probe: _probe,
     }
