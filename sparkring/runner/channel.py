@@ -237,7 +237,6 @@ def report_raw(frame: Union[protocol.Event, protocol.Error]) -> bool:
     """Send a frame from a worker process to the driver (or, when the driver is out of the
     tasks' reach, to the file its task returns with the results), as this rank of this attempt;
     False outside a run."""
-    global _worker_conn
     place = environment.RankEnv.from_env()
     address, event_file = place.driver, place.event_file
     if not address and not event_file:
@@ -249,10 +248,17 @@ def report_raw(frame: Union[protocol.Event, protocol.Error]) -> bool:
             with open(event_file, "ab") as f:
                 f.write(protocol.dumps(frame) + b"\n")
             return True
-        if _worker_conn is None:
-            host, port = address.rsplit(":", 1)
-            _worker_conn = connect(host.strip("[]"), int(port), take_secret())
-        return _worker_conn.send(frame)
+        return _worker_connection(address).send(frame)
+
+
+def _worker_connection(address: str) -> Connection:
+    """This worker process's one connection to the driver at ``address`` (made on first use;
+    the caller holds ``_worker_lock``)."""
+    global _worker_conn
+    if _worker_conn is None:
+        host, port = address.rsplit(":", 1)
+        _worker_conn = connect(host.strip("[]"), int(port), take_secret())
+    return _worker_conn
 
 
 _worker_secret: Optional[bytes] = None
@@ -286,10 +292,7 @@ def measure_link(nbytes: int, timeout: float = 30.0) -> Optional[float]:
     if not place.driver:
         return None
     with _worker_lock:
-        if _worker_conn is None:
-            host, port = place.driver.rsplit(":", 1)
-            _worker_conn = connect(host.strip("[]"), int(port), take_secret())
-        conn = _worker_conn
+        conn = _worker_connection(place.driver)
         began = time.monotonic()
         if not conn.send(protocol.Probe(data="x" * nbytes, rank=place.rank)):
             return None
