@@ -180,52 +180,49 @@ def test_prepare_data_then_fit_on_parquet_trains_on_the_written_rows_and_a_hand_
     assert dict(out.dtypes)["y_scores"] == "vector" and len(out.first()["y_scores"]) == 2
 
 
-@pytest.mark.slow  # a Spark application in a subprocess, ~30 s
-def test_horovods_own_spark_mnist_example_trains_with_only_its_imports_changed(tmp_path):
+def run_horovod_spark_example(name, imports, epochs, tmp_path):
+    """Run Horovod's example ``name`` (tests/horovod_examples/, its imports changed to ``imports`` and
+    nothing else) on 2 ranks over the offline MNIST stand-in; its finished process."""
     sys.path.insert(0, HELPERS)
     from mnist_libsvm import write_mnist_libsvm
 
-    script = os.path.join(ROOT, "tests", "horovod_examples", "pytorch_spark_mnist.py")
+    script = os.path.join(ROOT, "tests", "horovod_examples", name)
     code = open(script).read().split("\n", 2)[2]  # below the two lines saying where it comes from
-    assert [line.split("#")[0].strip() for line in code.splitlines() if "sparkring" in line] == [
-        "import sparkring.spark.torch as hvd", "from sparkring.spark.common.backend import SparkBackend",
-        "from sparkring.spark.common.store import Store"]
+    assert [line.split("#")[0].strip() for line in code.splitlines() if "sparkring" in line] == imports
     write_mnist_libsvm(str(tmp_path / "mnist.bz2"), rows=2000)  # where the script looks before downloading
     seeded = "import runpy, sys, torch; torch.manual_seed(0); runpy.run_path(sys.argv.pop(1), run_name='__main__')"
-    args = ["--num-proc", "2", "--epochs", "2", "--batch-size", "32", "--data-dir", str(tmp_path),
+    args = ["--num-proc", "2", "--epochs", str(epochs), "--batch-size", "32", "--data-dir", str(tmp_path),
             "--work-dir", str(tmp_path / "work")]
     proc = subprocess.run([sys.executable, "-c", seeded, script, *args], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path,
                           env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    accuracy = float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))
-    assert accuracy > 0.9, proc.stdout[-2000:]
+    return proc
+
+
+def printed_accuracy(proc):
+    return float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))
+
+
+@pytest.mark.slow  # a Spark application in a subprocess, ~30 s
+def test_horovods_own_spark_mnist_example_trains_with_only_its_imports_changed(tmp_path):
+    proc = run_horovod_spark_example("pytorch_spark_mnist.py", [
+        "import sparkring.spark.torch as hvd", "from sparkring.spark.common.backend import SparkBackend",
+        "from sparkring.spark.common.store import Store"], 2, tmp_path)
+    assert printed_accuracy(proc) > 0.9, proc.stdout[-2000:]
 
 
 @pytest.mark.slow  # a Spark application in a subprocess, ~40 s
 def test_horovods_own_lightning_spark_mnist_example_trains_with_only_its_imports_changed(tmp_path):
-    sys.path.insert(0, HELPERS)
-    from mnist_libsvm import write_mnist_libsvm
-
-    script = os.path.join(ROOT, "tests", "horovod_examples", "pytorch_lightning_spark_mnist.py")
-    code = open(script).read().split("\n", 2)[2]  # below the two lines saying where it comes from
-    assert [line.split("#")[0].strip() for line in code.splitlines() if "sparkring" in line] == [
+    proc = run_horovod_spark_example("pytorch_lightning_spark_mnist.py", [
         "import sparkring.spark.lightning as hvd", "from sparkring.spark.lightning.estimator import MIN_PL_VERSION",
-        "from sparkring.spark.common.backend import SparkBackend", "from sparkring.spark.common.store import Store"]
-    write_mnist_libsvm(str(tmp_path / "mnist.bz2"), rows=2000)  # where the script looks before downloading
-    seeded = "import runpy, sys, torch; torch.manual_seed(0); runpy.run_path(sys.argv.pop(1), run_name='__main__')"
-    args = ["--num-proc", "2", "--epochs", "3", "--batch-size", "32", "--data-dir", str(tmp_path),
-            "--work-dir", str(tmp_path / "work")]
-    proc = subprocess.run([sys.executable, "-c", seeded, script, *args], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path,
-                          env=dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        "from sparkring.spark.common.backend import SparkBackend", "from sparkring.spark.common.store import Store"],
+        3, tmp_path)
     # its Lightning 1.x callback ran and its own assertion held (on_epoch_end: 3 training + 3 validation epochs)
     ends = re.findall(r"Training ends:epcoh_end_counter=(\d+), train_epcoh_end_counter=(\d+), "
                       r"validation_epoch_end_counter=(\d+)", proc.stdout + proc.stderr)
     assert ends and set(ends) == {("6", "3", "3")}, (proc.stdout + proc.stderr)[-3000:]
-    accuracy = float(re.search(r"Test accuracy: ([0-9.]+)", proc.stdout).group(1))
-    assert accuracy > 0.9, proc.stdout[-2000:]
+    assert printed_accuracy(proc) > 0.9, proc.stdout[-2000:]
 
 
 def test_lightning_trainer_args_with_a_param_become_it_and_lightning_callbacks_need_a_lightning_module(spark):
