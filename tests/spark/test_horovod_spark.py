@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -159,6 +160,39 @@ def test_a_torch_estimator_fit_weights_rows_steps_past_its_epoch_and_resumes_by_
     assert est._load_checkpoint("run01") is not None  # a second fit with run_id resumes from there
     again = est.fit(df)
     assert again.getHistory() == fitted.getHistory()  # it went on from the last epoch: nothing left to train
+
+
+def labelled_one(row):
+    return {**row, "y": np.float32(1.0)}
+
+
+def test_a_horovod_transformation_fn_changes_each_row_for_training_and_not_for_scoring():
+    est = TorchEstimator(transformation_fn=labelled_one, feature_cols=["features"], label_cols=["y"])
+    config = est.config()
+    batch = {"features": np.arange(6.0).reshape(3, 2), "y": np.zeros(3, dtype=np.float32)}
+    out = config.transform_fn(batch)
+    assert out["y"].tolist() == [1.0, 1.0, 1.0] and out["features"].tolist() == batch["features"].tolist()
+    assert config.transform_fn_inference(batch) == {}  # Horovod's TorchModel scores the rows as they are
+    with pytest.raises(TypeError, match="not a dict"):
+        TorchEstimator(transformation_fn=lambda row: None).config().transform_fn(batch)
+    from sparkring.spark.lightning import TorchEstimator as LightningEstimator
+
+    lightning = LightningEstimator(transformation_fn=labelled_one, transformation_removed_fields=["weight"],
+                                   transformation_edit_fields=[("y", np.float32, (), False)])
+    assert lightning.config().transform_fn(batch)["y"].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow  # a fit and a transform
+def test_a_fit_trains_on_the_rows_transformation_fn_returns(spark, tmp_path):
+    torch.manual_seed(0)
+    model = XOR()
+    est = TorchEstimator(num_proc=2, store=LocalStore(str(tmp_path)), model=model, loss=F.binary_cross_entropy,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5), input_shapes=[[2]],
+                         feature_cols=["features"], label_cols=["y"], batch_size=4, epochs=3, verbose=0,
+                         transformation_fn=labelled_one)
+    df = xor_df(spark)  # a quarter of its labels are 1: trained on them, the scores would fall towards 0.25
+    scores = [row["y__output"] for row in est.fit(df).transform(df).select("y__output").collect()]
+    assert min(scores) > 0.8, scores
 
 
 @pytest.mark.slow  # a fit and a transform

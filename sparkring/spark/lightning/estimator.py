@@ -22,6 +22,7 @@ from ...trainer.config import LightningTrainerSettings
 from ...trainer.lightning import is_lightning_module
 from ...trainer.lightning_trainer import stored_checkpoint
 from ..torch.estimator import TorchEstimator as PlainTorchEstimator
+from ..torch.estimator import say_not_used
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class TorchEstimator(PlainTorchEstimator):
                          val_reader_num_workers=val_reader_num_workers, reader_pool_type=reader_pool_type,
                          label_shapes=label_shapes, inmemory_cache_all=inmemory_cache_all, use_gpu=use_gpu,
                          mp_start_method=None)
+        say_not_used({"transformation_edit_fields": transformation_edit_fields,
+                      "transformation_removed_fields": transformation_removed_fields})
         if use_gpu and num_gpus == 0:
             self._set(useGpu=False)
         self.lightning = LightningSettings(

@@ -22,6 +22,7 @@ from ...errors import ConfigurationError
 from ...estimator import SparkRingEstimator, SparkRingModel
 from ..common.backend import Backend, SparkBackend
 from .losses import horovod_losses
+from .transformation import RowTransformation, untransformed
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +42,14 @@ NOT_USED = {
     "train_reader_num_workers": "sparkring's reader is pyarrow", "val_reader_num_workers": "sparkring's reader",
     "mp_start_method": "sparkring decides how its processes start",
     "continuous_cols": "NVTabular's, not used", "categorical_cols": "NVTabular's, not used",
+    "transformation_edit_fields": "sparkring reads the columns transformation_fn returns",
+    "transformation_removed_fields": "the model reads only its input and label columns",
 }
 HOROVOD_DEFAULTS = {"reader_pool_type": "thread", "inmemory_cache_all": False}
 # Horovod's keywords sparkring's trainer has no counterpart for: refused, naming what to do instead
 REFUSED = {
     "data_module": "sparkring reads the prepared Parquet itself; drop data_module",
     "train_minibatch_fn": "sparkring's step runs forward, loss and backward; put custom logic in the model or loss",
-    "transformation_fn": "pass a transformFn(batch: dict) -> dict to SparkRingEstimator instead",
 }
 
 
@@ -89,6 +91,13 @@ def compression_name(compression: Any) -> str:
     return "none"
 
 
+def say_not_used(given: Dict[str, Any]) -> None:
+    """Log once each keyword given that sparkring accepts and has no use for (NOT_USED), and why."""
+    for name, why in NOT_USED.items():
+        if given.get(name) is not None and given.get(name) != HOROVOD_DEFAULTS.get(name):
+            log.info("TorchEstimator(%s=%r) is accepted and not used: %s", name, given[name], why)
+
+
 def translate(given: Dict[str, Any]) -> Dict[str, Any]:
     """TorchEstimator's keywords as SparkRingEstimator Params (None means "not given").
 
@@ -98,9 +107,7 @@ def translate(given: Dict[str, Any]) -> Dict[str, Any]:
     for name, why in REFUSED.items():
         if given.get(name) is not None:
             raise ConfigurationError(f"TorchEstimator({name}=...) is not supported by sparkring: {why}")
-    for name, why in NOT_USED.items():
-        if given.get(name) is not None and given.get(name) != HOROVOD_DEFAULTS.get(name):
-            log.info("TorchEstimator(%s=%r) is accepted and not used: %s", name, given[name], why)
+    say_not_used(given)
     params = {ours: given[theirs] for theirs, ours in SAME_MEANING.items() if given.get(theirs) is not None}
     if given.get("label_cols") is not None:
         params["labelCol"] = list(given["label_cols"])
@@ -109,6 +116,9 @@ def translate(given: Dict[str, Any]) -> Dict[str, Any]:
         params["loss"] = horovod_losses(given.get("loss"), given.get("loss_constructors"), heads,
                                         given.get("label_shapes"))
     params.update(model_inputs(given.get("feature_cols"), given.get("input_shapes")))
+    if given.get("transformation_fn") is not None:  # Petastorm ran it on the rows read for training alone
+        params.update(transformFn=RowTransformation(given["transformation_fn"]),
+                      transformFnInference=untransformed)
     if given.get("gradient_compression") is not None:
         params["gradientCompression"] = compression_name(given["gradient_compression"])
     if "use_gpu" in given:  # Horovod's True means "where there are GPUs"; sparkring's True insists
