@@ -56,6 +56,7 @@ class FitContext:
     run_id: str = ""                             # the run's folder in the Store (set when the fit starts)
     model_type: Type[SparkRingModel] = SparkRingModel  # what a fit returns (sparkring.spark's TorchModel)
     lightning_trainer: Optional[LightningTrainerSettings] = None  # Lightning's Trainer fits the module on the ranks
+    train_minibatch: Optional[Callable[..., Any]] = None  # Horovod's train_minibatch_fn: each batch's step, the user's
 
 
 def fit(context: FitContext, dataset) -> SparkRingModel:
@@ -137,7 +138,7 @@ def _fit_prepared(context: FitContext, ds: Dataset, *, decided: checks.FitDecisi
     """Launch the ranks on the prepared data, reporting their events; the fitted model."""
     config = context.config
     cfg = dataclasses.replace(train_config(config, decided, ds, context.run_id),
-                              lightning_trainer=context.lightning_trainer)
+                              lightning_trainer=context.lightning_trainer, train_minibatch=context.train_minibatch)
     progress = Progress(config.verbose, context.token_figures)
     listeners: List[Callable[[int, TrainingEvent], None]] = [progress, clock, LinkReport(progress.note)]
     if tracker is not None:

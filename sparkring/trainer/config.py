@@ -192,6 +192,7 @@ class TrainConfig:
     elastic: Optional[ElasticPlan] = None     # world-size-independent global batches, checkpoints inside epochs
     initial_weights: Optional[str] = None     # stored values every rank reads its share of (trainer.pretrained)
     lightning_trainer: Optional[LightningTrainerSettings] = None  # a LightningModule fitted by Lightning's Trainer
+    train_minibatch: Optional[Callable] = None  # Horovod's train_minibatch_fn: each batch's step (trainer.minibatch)
 
     def log_names(self) -> List[str]:
         """Names of the per-epoch figures after 'loss', in the order the step sums them."""

@@ -32,10 +32,11 @@ from .hooks import Callbacks, EarlyStopper, Tensorboard
 from .lightning import LightningStep
 from .link_probe import probe_links
 from .measure import StepClock, state_bytes
+from .minibatch import UserMinibatch
 from .placement import placement_for
 from .shared_rows import share_rows_on_host
 from .state import TrainerState
-from .step import Step
+from .step import PlainStep, Step
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class Trainer:
         self.step: Step = (LightningStep(cfg.spec.labels, cfg.spec, self.device, self.rank, cfg.lightning_batch)
                            if cfg.lightning
                            else self.placement.step(cfg, self.device, self.rank))
+        self.minibatch = (UserMinibatch(cfg.train_minibatch, cfg, self.step, self.device, self.rank)
+                          if cfg.train_minibatch is not None and isinstance(self.step, PlainStep) else None)
         torch.manual_seed(cfg.seed)
         opt, self.schedules = self.step.optimizer(self.model, cfg.optimizer)
         self.history: List[Dict[str, Any]] = []
@@ -198,6 +201,8 @@ class Trainer:
                 last_report = time.monotonic()
                 report(to_payload(StepDone(epoch=epoch, step=i + 1, steps=self.steps,
                                            loss=float(sums[LOSS] / sums[ROWS]))))
+        if self.minibatch is not None:  # Horovod's trainer steps once more after an epoch: its last group's update
+            self.opt.step()
         logs = self._epoch_logs(epoch, sums, skipped)
         if first:
             logs["resumed_at_step"] = first  # this epoch went on from a checkpoint inside it
@@ -211,11 +216,15 @@ class Trainer:
             self._scale_lr(epoch, index)
         started = time.monotonic() if self.first_step_s is None else 0.0
         blocked = self.placement.blocked_seconds(self.opt)
-        figures = self.forward_backward(batch, epoch=epoch, index=index)
         skipped = 0
-        if (index + 1) % self.cfg.backward_passes_per_step == 0:
-            with recorder.span("optimizer step (after the gradient exchange)"):
-                skipped = self._update(epoch, index)
+        figures: Optional[torch.Tensor]
+        if self.minibatch is not None:
+            figures = self.user_minibatch(self.minibatch, batch, epoch=epoch, index=index)
+        else:
+            figures = self.forward_backward(batch, epoch=epoch, index=index)
+            if (index + 1) % self.cfg.backward_passes_per_step == 0:
+                with recorder.span("optimizer step (after the gradient exchange)"):
+                    skipped = self._update(epoch, index)
         self.clock.lap("compute")
         self.clock.exchanged(self.placement.blocked_seconds(self.opt) - blocked)
         if recorder.on:
@@ -223,6 +232,17 @@ class Trainer:
         if self.first_step_s is None:  # compiling happens here: timed apart from the steps
             self.first_step_s = time.monotonic() - started
         return figures, skipped
+
+    def user_minibatch(self, minibatch: UserMinibatch, batch: Dict[str, Any], *, epoch: int,
+                       index: int) -> torch.Tensor:
+        """One batch through the user's train_minibatch_fn (its forward, backward and update); its figures."""
+        with recorder.span("train_minibatch_fn"):
+            figures = self.step.figures(*minibatch(self.runs, self.opt, batch, index=index,
+                                                   where=f"epoch {epoch}, training batch {index}"))
+        if not math.isfinite(figures[LOSS].item()):
+            raise NonFiniteLossError(f"non-finite loss {float(figures[LOSS] / figures[ROWS]):g} at epoch {epoch}, "
+                                     f"step {index} on rank {self.rank}")
+        return figures
 
     def forward_backward(self, batch: Dict[str, Any], *, epoch: int, index: int) -> Optional[torch.Tensor]:
         """Forward and backward of one batch; its figures (None where its loss was not finite and

@@ -97,7 +97,7 @@ class PlainStep(Step):
             kwargs = {k: v.to(device, non_blocking=True) for k, v in kwargs.items()}
             with self.autocast():
                 out = losses.tensor_output(model(*args, **kwargs))
-                heads = self._heads(out)
+                heads = self.heads(out)
                 check = self.first or device.type != "cpu"  # a bad class index on a GPU is a device-side assert
                 ys = [losses.prepare_label(torch.as_tensor(batch[label]).to(device), head, loss, check)
                       for label, head, loss in zip(labels, heads, cfg.losses)]
@@ -114,7 +114,8 @@ class PlainStep(Step):
         self.first = False
         return total, heads, ys, head_losses
 
-    def _heads(self, out) -> List[torch.Tensor]:
+    def heads(self, out) -> List[torch.Tensor]:
+        """The model's output as one tensor per label (labelCol's order)."""
         labels = self.cfg.spec.labels
         if not self.cfg.multi_head:
             return [out]

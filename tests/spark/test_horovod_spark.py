@@ -195,6 +195,42 @@ def test_a_fit_trains_on_the_rows_transformation_fn_returns(spark, tmp_path):
     assert min(scores) > 0.8, scores
 
 
+def train_towards_one(log_path):
+    def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights,
+                        backward_passes_per_step, batch_idx):
+        with open(log_path, "a") as log:
+            log.write(f"{batch_idx} {backward_passes_per_step} {len(inputs)} {tuple(inputs[0].shape)}\n")
+        if batch_idx % backward_passes_per_step == 0:  # Horovod's own function's steps
+            if batch_idx != 0:
+                optimizer.step()
+            optimizer.zero_grad()
+        outputs, targets = transform_outputs(model(*inputs), [torch.ones_like(y) for y in labels])
+        loss = loss_fn(outputs, targets, sample_weights) / backward_passes_per_step
+        loss.backward()
+        return outputs, loss
+    return train_minibatch
+
+
+@pytest.mark.slow  # a fit and a transform
+def test_a_train_minibatch_fn_runs_each_training_batch_with_horovods_arguments_and_its_steps_train(spark, tmp_path):
+    torch.manual_seed(0)
+    model, log_path = XOR(), str(tmp_path / "calls.txt")
+    est = TorchEstimator(num_proc=2, store=LocalStore(str(tmp_path)), model=model, loss=F.binary_cross_entropy,
+                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5), input_shapes=[[2]],
+                         feature_cols=["features"], label_cols=["y"], batch_size=4, epochs=3, verbose=0,
+                         backward_passes_per_step=2, train_minibatch_fn=train_towards_one(log_path))
+    df = xor_df(spark)  # 32 rows: 4 batches of 4 an epoch on each of the 2 ranks
+    fitted = est.fit(df)
+    scores = [row["y__output"] for row in fitted.transform(df).select("y__output").collect()]
+    assert min(scores) > 0.8, scores  # trained towards the function's targets, by its own optimizer steps
+    with open(log_path) as log:
+        calls = sorted(log.read().splitlines())
+    assert calls == sorted([f"{i} 2 1 (4, 2)" for i in range(4)] * 3 * 2)  # batch_idx 0-3, 3 epochs, 2 ranks
+    assert len(fitted.getHistory()) == 3 and fitted.getHistory()[-1]["loss"] < fitted.getHistory()[0]["loss"]
+    with pytest.raises(ConfigurationError, match="train_minibatch_fn.*strategy"):
+        est.copy({est.getParam("strategy"): "fsdp"}).fit(df)
+
+
 @pytest.mark.slow  # a fit and a transform
 def test_prepare_data_then_fit_on_parquet_trains_on_the_written_rows_and_a_hand_built_model_scores_vectors(
         spark, tmp_path):

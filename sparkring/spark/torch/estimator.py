@@ -12,7 +12,8 @@ is SparkRingEstimator's.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pyspark.ml.functions import array_to_vector
 from pyspark.sql import functions as F
@@ -20,6 +21,9 @@ from pyspark.sql import types as T
 
 from ...errors import ConfigurationError
 from ...estimator import SparkRingEstimator, SparkRingModel
+from ...estimator.config import EstimatorConfig
+from ...estimator.fitting import FitContext
+from ...trainer.lightning import is_lightning_module
 from ..common.backend import Backend, SparkBackend
 from .losses import horovod_losses
 from .transformation import RowTransformation, untransformed
@@ -49,7 +53,6 @@ HOROVOD_DEFAULTS = {"reader_pool_type": "thread", "inmemory_cache_all": False}
 # Horovod's keywords sparkring's trainer has no counterpart for: refused, naming what to do instead
 REFUSED = {
     "data_module": "sparkring reads the prepared Parquet itself; drop data_module",
-    "train_minibatch_fn": "sparkring's step runs forward, loss and backward; put custom logic in the model or loss",
 }
 
 
@@ -125,6 +128,18 @@ def translate(given: Dict[str, Any]) -> Dict[str, Any]:
         params["useGpu"] = None if given["use_gpu"] else False
     params.update(_from_backend(given.get("backend"), given.get("num_proc")))
     return params
+
+
+def check_minibatch_fit(config: EstimatorConfig) -> None:
+    """A train_minibatch_fn steps a whole model's optimizer on every rank (Horovod's one way of
+    training): refused, naming the Param, with a sharded, model-parallel, elastic or Lightning fit."""
+    others = {"strategy": config.strategy != "ddp", "tensorParallel": config.tensor_parallel != 1,
+              "pipelineParallel": config.pipeline_parallel != 1, "minProc/checkpointEvery": config.elastic,
+              "a LightningModule (its training_step is its step)": is_lightning_module(config.model)}
+    for name, clashes in others.items():
+        if clashes:
+            raise ConfigurationError(f"train_minibatch_fn needs a model replicated on every rank (strategy='ddp', "
+                                     f"not elastic); drop train_minibatch_fn or {name}")
 
 
 def _from_backend(backend: Optional[Backend], num_proc: Optional[int]) -> Dict[str, Any]:
@@ -226,6 +241,7 @@ class TorchEstimator(SparkRingEstimator):
         super().__init__()
         given = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._label_shapes = label_shapes
+        self._train_minibatch = train_minibatch_fn
         self._set(learningRateScaling="linear")  # Horovod's estimator scales the rate by the processes
         self._set(**translate(given))
 
@@ -269,6 +285,22 @@ class TorchEstimator(SparkRingEstimator):
         if isinstance(value, Backend):
             return self._set(**_from_backend(value, None))
         return self._set(backend=value)
+
+    def setTrainMinibatchFn(self, value: Optional[Callable[..., Any]]) -> "TorchEstimator":
+        """Horovod's train_minibatch_fn: the function that runs each training batch's step."""
+        self._train_minibatch = value
+        return self
+
+    def getTrainMinibatchFn(self) -> Optional[Callable[..., Any]]:
+        """The train_minibatch_fn given (None: sparkring's step)."""
+        return self._train_minibatch
+
+    def _fit_context(self, dataset) -> FitContext:
+        context = super()._fit_context(dataset)
+        if self._train_minibatch is None:
+            return context
+        check_minibatch_fit(context.config)
+        return replace(context, train_minibatch=self._train_minibatch)
 
     def getRunId(self) -> Optional[str]:
         """The run's id in the store (None before a fit assigned one)."""
