@@ -115,7 +115,8 @@ def trainer_arguments(cfg: TrainConfig, settings: LightningTrainerSettings, devi
         callbacks.append(StopOnNonFinite())
     callbacks.append(report_epochs)
     cuda = device.type == "cuda"
-    logger = settings.logger if settings.logger is not None else pl.loggers.TensorBoardLogger(os.path.join(out, "logs"))
+    logs = os.path.join(out, "logs")
+    logger = in_run_logs(settings.logger, logs) if settings.logger is not None else pl.loggers.TensorBoardLogger(logs)
     arguments = dict(
         accelerator="gpu" if cuda else "cpu", **trainer_layout(),
         strategy=pl.strategies.DDPStrategy(cluster_environment=SparkRingEnvironment(),
@@ -127,6 +128,28 @@ def trainer_arguments(cfg: TrainConfig, settings: LightningTrainerSettings, devi
         arguments["gradient_clip_val"] = cfg.gradient_clip_norm
     arguments.update(trainer_args)
     return arguments
+
+
+def in_run_logs(logger: Any, logs: str) -> Any:
+    """A user's logger that writes files, writing them under ``logs`` (kept in the run's logs in the
+    store), as Horovod's remote trainer sets its ``save_dir``; a logger of a service (MLflow, W&B,
+    Comet) logs where it was told.
+
+    Lightning 2's file loggers give ``save_dir`` no setter: the directory behind it is set on the
+    rank's own copy of the logger (it arrived pickled), before its experiment is made.
+
+    >>> in_run_logs(pl.loggers.CSVLogger("/tmp/mine"), "/tmp/run/logs").save_dir  # doctest: +SKIP
+    '/tmp/run/logs'
+    """
+    if not isinstance(logger, (pl.loggers.TensorBoardLogger, pl.loggers.CSVLogger)):
+        return logger
+    if sr.rank() == 0:
+        log.info("logger %s writes into the run's logs (%s), as Horovod moves its save_dir", type(logger).__name__,
+                 logs)
+    logger._root_dir = logs
+    if hasattr(logger, "_save_dir"):
+        logger._save_dir = logs
+    return logger
 
 
 class RankBatches(torch.utils.data.IterableDataset):
