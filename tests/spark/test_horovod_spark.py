@@ -182,29 +182,17 @@ def test_a_horovod_transformation_fn_changes_each_row_for_training_and_not_for_s
     assert lightning.config().transform_fn(batch)["y"].tolist() == [1.0, 1.0, 1.0]
 
 
-@pytest.mark.slow  # a fit and a transform
-def test_a_fit_trains_on_the_rows_transformation_fn_returns(spark, tmp_path):
-    torch.manual_seed(0)
-    model = XOR()
-    est = TorchEstimator(num_proc=2, store=LocalStore(str(tmp_path)), model=model, loss=F.binary_cross_entropy,
-                         optimizer=torch.optim.SGD(model.parameters(), lr=0.5), input_shapes=[[2]],
-                         feature_cols=["features"], label_cols=["y"], batch_size=4, epochs=3, verbose=0,
-                         transformation_fn=labelled_one)
-    df = xor_df(spark)  # a quarter of its labels are 1: trained on them, the scores would fall towards 0.25
-    scores = [row["y__output"] for row in est.fit(df).transform(df).select("y__output").collect()]
-    assert min(scores) > 0.8, scores
-
-
-def train_towards_one(log_path):
+def logged_minibatch(log_path):
     def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights,
                         backward_passes_per_step, batch_idx):
         with open(log_path, "a") as log:
-            log.write(f"{batch_idx} {backward_passes_per_step} {len(inputs)} {tuple(inputs[0].shape)}\n")
+            log.write(f"{batch_idx} {backward_passes_per_step} {len(inputs)} {tuple(inputs[0].shape)} "
+                      f"{labels[0].tolist()}\n")
         if batch_idx % backward_passes_per_step == 0:  # Horovod's own function's steps
             if batch_idx != 0:
                 optimizer.step()
             optimizer.zero_grad()
-        outputs, targets = transform_outputs(model(*inputs), [torch.ones_like(y) for y in labels])
+        outputs, targets = transform_outputs(model(*inputs), labels)
         loss = loss_fn(outputs, targets, sample_weights) / backward_passes_per_step
         loss.backward()
         return outputs, loss
@@ -212,20 +200,25 @@ def train_towards_one(log_path):
 
 
 @pytest.mark.slow  # a fit and a transform
-def test_a_train_minibatch_fn_runs_each_training_batch_with_horovods_arguments_and_its_steps_train(spark, tmp_path):
+def test_a_train_minibatch_fn_steps_through_the_rows_transformation_fn_returns_with_horovods_arguments(
+        spark, tmp_path):
     torch.manual_seed(0)
     model, log_path = XOR(), str(tmp_path / "calls.txt")
     est = TorchEstimator(num_proc=2, store=LocalStore(str(tmp_path)), model=model, loss=F.binary_cross_entropy,
                          optimizer=torch.optim.SGD(model.parameters(), lr=0.5), input_shapes=[[2]],
                          feature_cols=["features"], label_cols=["y"], batch_size=4, epochs=3, verbose=0,
-                         backward_passes_per_step=2, train_minibatch_fn=train_towards_one(log_path))
-    df = xor_df(spark)  # 32 rows: 4 batches of 4 an epoch on each of the 2 ranks
+                         backward_passes_per_step=2, train_minibatch_fn=logged_minibatch(log_path),
+                         transformation_fn=labelled_one)
+    df = xor_df(spark)  # 32 rows, a quarter of them labelled 1: 4 batches of 4 an epoch on each of the 2 ranks
     fitted = est.fit(df)
+    # trained towards the labels transformation_fn set, by the function's own optimizer steps; scored on the rows
+    # as they are (trained on the DataFrame's labels, the scores would fall towards 0.25; without steps, ~0.5)
     scores = [row["y__output"] for row in fitted.transform(df).select("y__output").collect()]
-    assert min(scores) > 0.8, scores  # trained towards the function's targets, by its own optimizer steps
+    assert min(scores) > 0.8, scores
     with open(log_path) as log:
         calls = sorted(log.read().splitlines())
-    assert calls == sorted([f"{i} 2 1 (4, 2)" for i in range(4)] * 3 * 2)  # batch_idx 0-3, 3 epochs, 2 ranks
+    # batch_idx 0-3, backward_passes_per_step, one input of 4 rows, labels all 1; 3 epochs on 2 ranks
+    assert calls == sorted([f"{i} 2 1 (4, 2) [1.0, 1.0, 1.0, 1.0]" for i in range(4)] * 3 * 2)
     assert len(fitted.getHistory()) == 3 and fitted.getHistory()[-1]["loss"] < fitted.getHistory()[0]["loss"]
     with pytest.raises(ConfigurationError, match="train_minibatch_fn.*strategy"):
         est.copy({est.getParam("strategy"): "fsdp"}).fit(df)
