@@ -102,7 +102,7 @@ def _sharded_section(rows, tmp):
                     "(reference)"))
 
 
-def _overlap_section(rows, tmp, reps, per_host):
+def _overlap_section(rows, tmp, reps, per_host, model="wide"):
     """A ddp fit's step across 2 hosts x ``per_host`` ranks at 1 Gbit/s against max(compute,
     communication): compute is the same fit's step with its ranks on one host (its allreduce at
     memory speed, so an upper bound), communication the gradients' allreduce (wide_mlp's 8.1 MB)
@@ -112,13 +112,14 @@ def _overlap_section(rows, tmp, reps, per_host):
     try:
         cluster = hosts.spark_cluster(os.path.join(tmp, f"hosts-overlap-{per_host}"), dict(os.environ),
                                       cores=per_host)
-        grads_mb = sum(p.numel() * p.element_size() for p in host_fns.wide_mlp().parameters()) / MB
+        make = {"wide": host_fns.wide_mlp, "deep": host_fns.deep_mlp}[model]
+        grads_mb = sum(p.numel() * p.element_size() for p in make().parameters()) / MB
         comm = cluster.drive("bandwidth", {"sizes_mb": [grads_mb], "repeats": reps, "ranks": ranks,
                                            "cores_per_host": per_host, "hosts": 2})
         one_host = f"local[{ranks}]"
         for where, master in (("across", None), (one_host, one_host)) * 2:  # the second of each: workers warm
             fit = cluster.drive("sharded", {"strategy": "ddp", "ranks": ranks, "rows": 32 * BATCH, "batch": BATCH,
-                                            "cores_per_host": per_host, "hosts": 2,
+                                            "cores_per_host": per_host, "hosts": 2, "model": model,
                                             "store": os.path.join(tmp, "overlap")}, master=master)
             steps[where] = fit["epoch_seconds"] / fit["steps"]
     finally:

@@ -65,6 +65,17 @@ def allreduce_until_stopped(flag_path):
     return "stopped"
 
 
+def deep_mlp():
+    """A classifier of ten similar 512-wide blocks (about 2.6M parameters, 10.5 MB in float32): its
+    gradients come block after block during backward, as a transformer's do, so their exchange can
+    hide behind the backward of the blocks below."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 512), torch.nn.ReLU()]
+    for _ in range(10):
+        layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(512, 3))
+
+
 def wide_mlp():
     """A classifier of about 2.1M parameters (8.4 MB in float32): enough weights that sharding
     them across hosts shows on the links."""

@@ -105,14 +105,16 @@ def elastic(spark, args):
 
 
 def sharded(spark, args):
-    """A fit of host_fns.wide_mlp under ``strategy`` (ddp, fsdp or hsdp): its training seconds and steps."""
+    """A fit of host_fns.wide_mlp (or ``model="deep"``: deep_mlp) under ``strategy`` (ddp, fsdp or hsdp): its
+    training seconds and steps."""
     import est_helpers
 
     from sparkring import SparkRingEstimator, Store
 
     batch = args.get("batch", 16)
     df = est_helpers.classification_df(spark, n=args["rows"], partitions=4).sortWithinPartitions("id")
-    fitted = SparkRingEstimator(model=host_fns.wide_mlp, optimizer=est_helpers.adam, loss="cross_entropy",
+    model = {"wide": host_fns.wide_mlp, "deep": host_fns.deep_mlp}[args.get("model", "wide")]
+    fitted = SparkRingEstimator(model=model, optimizer=est_helpers.adam, loss="cross_entropy",
                                 featuresCol="features", labelCol="label", batchSize=batch, epochs=1,
                                 numProc=args["ranks"], strategy=args["strategy"], store=Store(args["store"]),
                                 verbose=0, seed=0).fit(df)
