@@ -105,15 +105,16 @@ def _sharded_section(rows, tmp):
 def _overlap_section(rows, tmp, reps, per_host, model="wide"):
     """A ddp fit's step across 2 hosts x ``per_host`` ranks at 1 Gbit/s against max(compute,
     communication): compute is the same fit's step with its ranks on one host (its allreduce at
-    memory speed, so an upper bound), communication the gradients' allreduce (wide_mlp's 8.1 MB)
-    across the hosts."""
+    memory speed, so an upper bound), communication the allreduce of ``model``'s gradients
+    (host_fns.wide_mlp's or deep_mlp's) across the hosts."""
     hosts = SimulatedHosts(2, Link("1gbit")).start()
     ranks, steps = 2 * per_host, {}
     try:
         cluster = hosts.spark_cluster(os.path.join(tmp, f"hosts-overlap-{per_host}"), dict(os.environ),
                                       cores=per_host)
         make = {"wide": host_fns.wide_mlp, "deep": host_fns.deep_mlp}[model]
-        grads_mb = sum(p.numel() * p.element_size() for p in make().parameters()) / MB
+        parameters = sum(p.numel() for p in make().parameters())
+        grads_mb = parameters * 4 / MB
         comm = cluster.drive("bandwidth", {"sizes_mb": [grads_mb], "repeats": reps, "ranks": ranks,
                                            "cores_per_host": per_host, "hosts": 2})
         one_host = f"local[{ranks}]"
@@ -126,7 +127,9 @@ def _overlap_section(rows, tmp, reps, per_host, model="wide"):
         hosts.stop()
     communication = next(iter(comm.values()))["seconds"]
     bound = max(steps[one_host], communication)
-    rows.append(Row("across hosts", f"a ddp fit's step, 2.1M-parameter MLP, batches of {BATCH} a rank, 2 hosts x "
+    shape = {"wide": "3 layers 1024 wide", "deep": "11 layers 512 wide"}[model]
+    rows.append(Row("across hosts", f"a ddp fit's step, {parameters / 1e6:.1f}M-parameter MLP ({shape}), batches "
+                    f"of {BATCH} a rank, 2 hosts x "
                     f"{per_host} rank(s) at 1gbit/s, "
                     f"vs max(compute {steps[one_host] * 1e3:.0f} ms: the same fit on one host, communication "
                     f"{communication * 1e3:.0f} ms: its {grads_mb:.1f} MB gradients' allreduce across the hosts)",
@@ -189,7 +192,8 @@ def bench_hosts(spark, rows, reps, tmp):
     _hierarchy_section(rows, tmp, reps)
     _compression_section(rows, tmp, reps)
     _sharded_section(rows, tmp)
-    _overlap_section(rows, tmp, reps, 1)
-    _overlap_section(rows, tmp, reps, 2)
+    for model in ("wide", "deep"):
+        _overlap_section(rows, tmp, reps, 1, model)
+        _overlap_section(rows, tmp, reps, 2, model)
     _cut_section(rows, tmp)
     _elastic_section(rows, tmp)

@@ -31,6 +31,7 @@ import os
 import platform
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from ..errors import HorovodInternalError
 from . import _futex, environment
 from ._backend import RingHealth
+from ._ring_worker import RingWorker
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int32, torch.int64}
 _SPINS_BEFORE_SLEEP = 50  # ~50-100 us: a peer that is nearly there is not slept on
 _SLEEP_S = 0.05  # the longest sleep on a bell between looks at the flags
+_CLOSE_WAIT_S = 10.0  # at close, how long the ring's thread may take to finish its allreduce
 _PEER_CHECK_S = 0.2
 _BELLS = 2048  # byte offset of the int32 bell words in the header; the int64 flags come before
 _MAX_LOCAL_RANKS = (_BELLS // 8 - 1) // 2
@@ -146,6 +149,9 @@ class HostRing:
         self._arrived = slice(0, n)
         self._reduced = slice(n, 2 * n)
         self._crossed = 2 * n
+        # across hosts an allreduce waits on the network: started ones run on a thread of their own, so
+        # backward goes on meanwhile (on one host it is copies on this rank's core either way)
+        self._worker = RingWorker("sparkring host ring") if hosts > 1 else None
 
     # -- building ----------------------------------------------------------------------
     @classmethod
@@ -217,7 +223,23 @@ class HostRing:
 
     def allreduce(self, source: torch.Tensor, out: torch.Tensor, op: str) -> torch.Tensor:
         """Reduce the flat contiguous ``source`` across the ring into the flat ``out`` (may be
-        ``source`` itself)."""
+        ``source`` itself), after the allreduces started before it."""
+        if self._worker is not None:
+            return self._worker.run(self._allreduce_here, source, out, op)
+        return self._allreduce_here(source, out, op)
+
+    def allreduce_started(self, source: torch.Tensor, out: torch.Tensor, op: str) -> Optional[Future]:
+        """``allreduce`` started on the ring's own thread (across hosts), its future; None on one
+        host, where the caller runs it (memory copies gain nothing from another thread).
+
+        >>> done = ring.allreduce_started(flat, flat, "sum")  # doctest: +SKIP
+        >>> done.result() if done else ring.allreduce(flat, flat, "sum")  # doctest: +SKIP
+        """
+        if self._worker is None:
+            return None
+        return self._worker.submit(self._allreduce_here, source, out, op)
+
+    def _allreduce_here(self, source: torch.Tensor, out: torch.Tensor, op: str) -> torch.Tensor:
         if source.dtype == torch.bfloat16:  # numpy has no bfloat16: torch reduces it
             return self._allreduce_torch(source, out, op)
         combine = _NUMPY_COMBINE[op]
@@ -434,6 +456,11 @@ class HostRing:
                                            "collective)")
 
     def close(self) -> None:
+        """Unmap the segment once the ring's thread has finished (left mapped, for the OS to free at
+        exit, where an allreduce still waits on a lost peer)."""
+        if self._worker is not None and not self._worker.stop(timeout_s=_CLOSE_WAIT_S):
+            logger.warning("a cross-host allreduce was still running at close: the shared segment stays mapped")
+            return
         self._flags = None  # type: ignore[assignment]
         self._bells = None  # type: ignore[assignment]
         self._bytes = None  # type: ignore[assignment]

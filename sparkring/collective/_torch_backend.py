@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import functools
 import pickle
+from concurrent.futures import Future
 from typing import Any, List, Optional
 
 import torch
@@ -78,6 +79,19 @@ def _translated(method):
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise HorovodInternalError(f"the collective ring broke: a peer rank went away ({first_line})") from exc
     return call
+
+
+class _Started:
+    """A host ring's allreduce running on the ring's thread, as torch's Work: wait() raises what it raised."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
 
 @_peer_loss_raises_horovod_internal_error
@@ -175,6 +189,9 @@ class TorchBackend(Backend):
         if ring is not None:
             if tensor.is_contiguous():
                 flat = tensor.view(-1)
+                started = ring.allreduce_started(flat, flat, op)
+                if started is not None:
+                    return _TorchHandle(_Started(started), tensor, self._health)
                 ring.allreduce(flat, flat, op)
             else:
                 flat = tensor.reshape(-1)

@@ -19,8 +19,14 @@ from .compression import Compression
 from .process_sets import ProcessSet, backend_of
 from .timeline import COMM, recorder
 
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # the largest bucket by default (torch DDP's)
 FIRST_BUCKET_BYTES = 1024 * 1024
+# across hosts a model's gradients travel by default in about this many buckets (1-25 MiB each): one
+# bucket as large as DDP's would hold all of a 10 MB model's gradients but the last layer's, leaving
+# their whole exchange until backward ends (measured on simulated hosts at 1 Gbit/s: BENCHMARKS.md).
+# On one host the exchange runs at memory speed and each bucket is a meeting of every local rank:
+# DDP's size there
+BUCKETS_PER_MODEL = 8
 
 
 class _Bucket:
@@ -46,6 +52,22 @@ class _Bucket:
 def _lives_at(grad: torch.Tensor, flat: torch.Tensor, offset: int) -> bool:
     return (grad.is_contiguous() and grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             and grad.storage_offset() == offset)
+
+
+def _bucket_limit(params: Sequence[torch.Tensor], bucket_bytes: Optional[int], hosts: int) -> int:
+    """The largest bucket: ``bucket_bytes`` where given; across ``hosts`` > 1 the gradients' bytes
+    over BUCKETS_PER_MODEL, between FIRST_BUCKET_BYTES and DEFAULT_BUCKET_BYTES; else
+    DEFAULT_BUCKET_BYTES.
+
+    >>> _bucket_limit([torch.zeros(4 * 2**20)], None, hosts=2) // 2**20  # an eighth of 16 MiB
+    2
+    """
+    if bucket_bytes is not None:
+        return bucket_bytes
+    if hosts <= 1:
+        return DEFAULT_BUCKET_BYTES
+    total = sum(p.numel() * p.element_size() for p in params)
+    return min(DEFAULT_BUCKET_BYTES, max(FIRST_BUCKET_BYTES, total // BUCKETS_PER_MODEL))
 
 
 class DistributedOptimizerMixin:
@@ -84,11 +106,11 @@ class DistributedOptimizerMixin:
         self._sr_set = backend_of(process_set) if member else None  # None: the global ring
         if process_set is not None and not process_set._is_global() and op == _reduce.Adasum:
             raise NotImplementedError("Adasum does not support non-global process sets (as in Horovod)")
-        self._sr_size = 1
+        self._sr_size, hosts = 1, 1
         if member:
             with _runtime.scope(self._sr_set):
                 _checks.agree_shapes([(by_id[id(p)], p) for p in params], "DistributedOptimizer")
-                self._sr_size = basics.size()
+                self._sr_size, hosts = basics.size(), basics.cross_size()
         self._sr_compression = compression
         self._sr_bpps = backward_passes_per_step
         self._sr_op = op
@@ -102,7 +124,7 @@ class DistributedOptimizerMixin:
         self._sr_params = trainable
         self._sr_param_by_id = {id(p): p for p in trainable}
         self._sr_passes: Dict[int, int] = {id(p): 0 for p in trainable}
-        self._sr_buckets = self._sr_make_buckets(trainable, bucket_bytes)
+        self._sr_buckets = self._sr_make_buckets(trainable, bucket_bytes, hosts)
         self._sr_bucket_of = {id(p): b for b in self._sr_buckets for p in b.params}
         self._sr_next_launch = 0
         self._sr_blocked_s = 0.0
@@ -112,9 +134,10 @@ class DistributedOptimizerMixin:
                 self._sr_hooks.append(p.register_post_accumulate_grad_hook(self._sr_hook))
 
     @staticmethod
-    def _sr_make_buckets(params, bucket_bytes) -> List[_Bucket]:
+    def _sr_make_buckets(params, bucket_bytes, hosts) -> List[_Bucket]:
         # Reverse registration order approximates the order backward produces grads,
         # so the first bucket fills first; a small first bucket starts communication early.
+        bucket_bytes = _bucket_limit(params, bucket_bytes, hosts)
         buckets: List[_Bucket] = []
         current: List[torch.nn.Parameter] = []
         current_bytes = 0
@@ -307,7 +330,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: str = _reduce.Average, gradient_predivide_factor: float = 1.0,
                          num_groups: int = 0, groups: Optional[Sequence] = None,
                          sparse_as_dense: bool = False,
-                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         bucket_bytes: Optional[int] = None,
                          process_set: Optional[ProcessSet] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
 
@@ -324,7 +347,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         gradient_predivide_factor: divides gradients before the sum and the rest after it.
         num_groups, groups: Horovod's fusion hints, accepted (the buckets already fuse).
         sparse_as_dense: reduce sparse gradients as dense tensors.
-        bucket_bytes: the largest fused allreduce.
+        bucket_bytes: the largest fused allreduce (default: 25 MiB on one host; across hosts an
+            eighth of the gradients' bytes, 1 MiB to 25 MiB, so that most of them are exchanged
+            while backward runs).
         process_set: average over this ``sr.ProcessSet`` only.
 
     Returns:

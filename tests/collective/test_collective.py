@@ -175,3 +175,23 @@ def test_out_of_place_allreduce_of_large_odd_tensors_matches_a_direct_computatio
         assert r["y_avg"].shape == (3, 180_001)
         torch.testing.assert_close(r["y_avg"], ys.mean(0), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(r["second"], 2 * ys.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_across_hosts_gradients_travel_in_about_eight_buckets_and_on_one_host_in_ddps_25_mb():
+    from sparkring.collective.optimizer import DistributedOptimizerMixin
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(10)])  # 10.5 MB of gradients
+    params = list(blocks.parameters())
+
+    def sizes(hosts):
+        return [sum(p.numel() * 4 for p in b.params) for b in DistributedOptimizerMixin._sr_make_buckets(
+            params, None, hosts)]
+
+    across, one_host = sizes(2), sizes(1)
+    # the last bias first (what backward reaches first starts early); then across hosts a block a bucket (about
+    # an eighth of the gradients): its exchange starts while backward computes the blocks below; on one host
+    # everything else in one bucket of at most DDP's 25 MB
+    assert across[0] == one_host[0] == 512 * 4 and sum(across) == sum(one_host) == 10 * (512 * 512 + 512) * 4
+    assert len(across) == 11 and max(across) < 1.1 * 2**20
+    assert len(one_host) == 2

@@ -69,6 +69,18 @@ def test_distributed_optimizer_on_shared_memory_ends_with_the_weights_of_one_pro
             torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0)
 
 
+def test_across_hosts_the_buckets_reduce_on_the_rings_thread_in_order_with_the_callers_allreduces(
+        shm_left_as_found):
+    results = spawn_ranks("shm_fns", "optimizer_steps_with_a_foreground_allreduce", 4, timeout=120,
+                          rank_env=TWO_HOSTS)
+    reference = shm_fns.optimizer_reference(4)
+    for on_shm, weights, sums, threads in results:
+        assert on_shm and "sparkring host ring" in threads, threads  # backward went on while they ran
+        assert sums == [6.0 + 4 * step for step in range(5)]  # 0+1+2+3, then one more per rank each step
+        for name, value in reference.items():
+            torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0)
+
+
 def test_join_with_uneven_batches_works_on_shared_memory(shm_left_as_found):
     results = spawn_ranks("shm_fns", "join_uneven", 2, timeout=90)
     on_gloo = spawn_ranks("shm_fns", "join_uneven", 2, timeout=90, rank_env={r: {"SPARKRING_SHM": "0"} for r in (0, 1)})

@@ -112,6 +112,38 @@ def optimizer_steps():
     return on_shared_memory(), {k: v.clone() for k, v in net.state_dict().items()}
 
 
+def optimizer_steps_with_a_foreground_allreduce():
+    """optimizer_steps, with an allreduce of the caller's between backward and step (while the buckets'
+    allreduces may still run): the final weights, that allreduce's results, and the threads the host
+    ring's allreduces ran on."""
+    import threading
+
+    from sparkring.collective._shm import HostRing
+
+    threads = set()
+    here = HostRing._allreduce_here
+
+    def recorded(self, source, out, op):
+        threads.add(threading.current_thread().name)
+        return here(self, source, out, op)
+
+    HostRing._allreduce_here = recorded
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    opt = sr.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
+    sr.broadcast_parameters(net.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+    part = slice(sr.rank() * 64 // sr.size(), (sr.rank() + 1) * 64 // sr.size())
+    sums = []
+    for step in range(5):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[part]), y[part]).backward()
+        sums.append(sr.allreduce(torch.full((1000,), float(sr.rank() + step)), op=sr.Sum)[0].item())
+        opt.step()
+    return on_shared_memory(), {k: v.clone() for k, v in net.state_dict().items()}, sums, sorted(threads)
+
+
 def optimizer_reference(size):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
