@@ -9,13 +9,21 @@ group's first batch, so an epoch's last group is applied then): so does sparkrin
 (``Trainer.train_step``, ``Trainer.train_epoch``). The optimizer is sparkring's
 DistributedOptimizer: its ``step()`` waits for the gradients' exchange, as Horovod's does.
 
+Horovod's own function, which a user's copies and changes (it steps before a group's first batch:
+a function that also steps after its last batch would have that update applied twice, here as in
+Horovod):
+
 >>> def train_minibatch(model, optimizer, transform_outputs, loss_fn, inputs, labels, sample_weights,
 ...                     backward_passes_per_step, batch_idx):
-...     optimizer.zero_grad()
+...     if batch_idx % backward_passes_per_step == 0:
+...         if batch_idx != 0:
+...             optimizer.step()
+...         optimizer.zero_grad()
 ...     outputs, labels = transform_outputs(model(*inputs), labels)
 ...     loss = loss_fn(outputs, labels, sample_weights)
+...     if backward_passes_per_step > 1:
+...         loss = loss / backward_passes_per_step
 ...     loss.backward()
-...     optimizer.step()
 ...     return outputs, loss
 """
 from __future__ import annotations
