@@ -9,17 +9,22 @@ wait; and a foreground call with nothing in flight should not pay a thread switc
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Tuple
 
 Call = Tuple[Optional[Callable[..., Any]], Tuple[Any, ...], Optional[Future]]
+STOP_WAIT_S = 10.0  # how long stop() waits for the call running on the worker
+
+logger = logging.getLogger(__name__)
 
 
 class RingWorker:
     """One daemon thread that runs the calls submitted to it, in order; a call made in the
-    foreground runs after every call submitted before it.
+    foreground runs after every call submitted before it. ``inline``: no thread, every call runs
+    where it is made (``submit`` then says so with None).
 
     >>> worker = RingWorker("host ring")
     >>> started = worker.submit(sum, [1, 2])
@@ -29,15 +34,18 @@ class RingWorker:
     True
     """
 
-    def __init__(self, name: str):
-        self._name = name
+    def __init__(self, name: str, inline: bool = False):
+        self._name, self.inline = name, inline
         self._queue: "queue.SimpleQueue[Call]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_flight = 0
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """``fn(*args)`` on the worker, after everything submitted before it; its future."""
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Optional[Future]:
+        """``fn(*args)`` on the worker, after everything submitted before it; its future (None
+        inline: the caller runs it)."""
+        if self.inline:
+            return None
         future: Future = Future()
         with self._lock:
             self._in_flight += 1
@@ -55,9 +63,11 @@ class RingWorker:
         with self._lock:
             if self._in_flight == 0:
                 return fn(*args)
-        return self.submit(fn, *args).result()
+        future = self.submit(fn, *args)
+        assert future is not None  # something is in flight: not inline
+        return future.result()
 
-    def stop(self, timeout_s: float) -> bool:
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> bool:
         """Let the worker finish what was submitted and end; whether it ended within ``timeout_s``
         (a call waiting on a lost peer may still be running: the caller must then keep what it uses)."""
         with self._lock:
@@ -66,6 +76,8 @@ class RingWorker:
                 return True
             self._queue.put((None, (), None))
         thread.join(timeout_s)
+        if thread.is_alive():
+            logger.warning("%s: a call was still running after %.0f s at close", self._name, timeout_s)
         return not thread.is_alive()
 
     def _loop(self) -> None:

@@ -60,7 +60,6 @@ _DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int32, torch.int64}
 _SPINS_BEFORE_SLEEP = 50  # ~50-100 us: a peer that is nearly there is not slept on
 _SLEEP_S = 0.05  # the longest sleep on a bell between looks at the flags
-_CLOSE_WAIT_S = 10.0  # at close, how long the ring's thread may take to finish its allreduce
 _PEER_CHECK_S = 0.2
 _BELLS = 2048  # byte offset of the int32 bell words in the header; the int64 flags come before
 _MAX_LOCAL_RANKS = (_BELLS // 8 - 1) // 2
@@ -149,9 +148,8 @@ class HostRing:
         self._arrived = slice(0, n)
         self._reduced = slice(n, 2 * n)
         self._crossed = 2 * n
-        # across hosts an allreduce waits on the network: started ones run on a thread of their own, so
-        # backward goes on meanwhile (on one host it is copies on this rank's core either way)
-        self._worker = RingWorker("sparkring host ring") if hosts > 1 else None
+        # across hosts an allreduce waits on the network: started ones run on a thread of the ring's own
+        self._worker = RingWorker("sparkring host ring", inline=hosts == 1)
 
     # -- building ----------------------------------------------------------------------
     @classmethod
@@ -224,19 +222,11 @@ class HostRing:
     def allreduce(self, source: torch.Tensor, out: torch.Tensor, op: str) -> torch.Tensor:
         """Reduce the flat contiguous ``source`` across the ring into the flat ``out`` (may be
         ``source`` itself), after the allreduces started before it."""
-        if self._worker is not None:
-            return self._worker.run(self._allreduce_here, source, out, op)
-        return self._allreduce_here(source, out, op)
+        return self._worker.run(self._allreduce_here, source, out, op)
 
     def allreduce_started(self, source: torch.Tensor, out: torch.Tensor, op: str) -> Optional[Future]:
-        """``allreduce`` started on the ring's own thread (across hosts), its future; None on one
-        host, where the caller runs it (memory copies gain nothing from another thread).
-
-        >>> done = ring.allreduce_started(flat, flat, "sum")  # doctest: +SKIP
-        >>> done.result() if done else ring.allreduce(flat, flat, "sum")  # doctest: +SKIP
-        """
-        if self._worker is None:
-            return None
+        """``allreduce`` started on the ring's own thread across hosts, its future; None on one
+        host, where the caller runs it (memory copies gain nothing from another thread)."""
         return self._worker.submit(self._allreduce_here, source, out, op)
 
     def _allreduce_here(self, source: torch.Tensor, out: torch.Tensor, op: str) -> torch.Tensor:
@@ -456,10 +446,8 @@ class HostRing:
                                            "collective)")
 
     def close(self) -> None:
-        """Unmap the segment once the ring's thread has finished (left mapped, for the OS to free at
-        exit, where an allreduce still waits on a lost peer)."""
-        if self._worker is not None and not self._worker.stop(timeout_s=_CLOSE_WAIT_S):
-            logger.warning("a cross-host allreduce was still running at close: the shared segment stays mapped")
+        """Unmap the segment (left to the OS at exit where an allreduce still waits on a lost peer)."""
+        if not self._worker.stop():
             return
         self._flags = None  # type: ignore[assignment]
         self._bells = None  # type: ignore[assignment]
