@@ -95,9 +95,10 @@ def broadcasts():
     return out
 
 
-def optimizer_steps():
+def optimizer_steps(between_backward_and_step=None):
     """DistributedOptimizer on an MLP over this ring: the final weights (the test compares
-    them with one process on the whole batch)."""
+    them with one process on the whole batch); ``between_backward_and_step(step)`` runs where
+    the buckets' allreduces may still be in flight."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     opt = sr.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
@@ -105,9 +106,11 @@ def optimizer_steps():
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
     part = slice(sr.rank() * 64 // sr.size(), (sr.rank() + 1) * 64 // sr.size())
-    for _ in range(5):
+    for step in range(5):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x[part]), y[part]).backward()
+        if between_backward_and_step is not None:
+            between_backward_and_step(step)
         opt.step()
     return on_shared_memory(), {k: v.clone() for k, v in net.state_dict().items()}
 
@@ -128,20 +131,10 @@ def optimizer_steps_with_a_foreground_allreduce():
         return here(self, source, out, op)
 
     HostRing._allreduce_here = recorded
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
-    opt = sr.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=net.named_parameters())
-    sr.broadcast_parameters(net.state_dict(), root_rank=0)
-    g = torch.Generator().manual_seed(5)
-    x, y = torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
-    part = slice(sr.rank() * 64 // sr.size(), (sr.rank() + 1) * 64 // sr.size())
     sums = []
-    for step in range(5):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[part]), y[part]).backward()
-        sums.append(sr.allreduce(torch.full((1000,), float(sr.rank() + step)), op=sr.Sum)[0].item())
-        opt.step()
-    return on_shared_memory(), {k: v.clone() for k, v in net.state_dict().items()}, sums, sorted(threads)
+    on_shm, weights = optimizer_steps(
+        lambda step: sums.append(sr.allreduce(torch.full((1000,), float(sr.rank() + step)), op=sr.Sum)[0].item()))
+    return on_shm, weights, sums, sorted(threads)
 
 
 def optimizer_reference(size):
